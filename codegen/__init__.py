@@ -1,0 +1,1 @@
+"""Codegen: fused regions -> kernel source (gjit.codegen)."""

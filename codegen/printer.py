@@ -1,0 +1,129 @@
+"""sympy -> source text, for Triton kernels and for Python wrappers.
+
+Index expressions in kernels are non-negative, so floor division and modulo print as the
+language's integer `//` and `%` (C truncation in Triton agrees with floor there).
+"""
+
+from __future__ import annotations
+
+import sympy
+from torch.utils._sympy.functions import (
+    CeilDiv,
+    CleanDiv,
+    FloorDiv,
+    IntTrueDiv,
+    Max,
+    Min,
+    ModularIndexing,
+    PythonMod,
+)
+
+
+class ExprPrinter:
+    """Prints integer index expressions; subclasses choose min/max and boolean spelling."""
+
+    min_fn = "min"
+    max_fn = "max"
+    and_op = " and "
+    or_op = " or "
+
+    def __init__(self, names: dict[sympy.Symbol, str] | None = None):
+        self.names = names or {}
+
+    def __call__(self, expr) -> str:
+        return self.doprint(sympy.sympify(expr))
+
+    def paren(self, expr: sympy.Basic) -> str:
+        text = self.doprint(expr)
+        if isinstance(expr, (sympy.Symbol, sympy.Integer)) and not (
+            isinstance(expr, sympy.Integer) and expr < 0
+        ):
+            return text
+        return f"({text})"
+
+    def doprint(self, expr: sympy.Basic) -> str:
+        if isinstance(expr, sympy.Symbol):
+            return self.names.get(expr, expr.name)
+        if isinstance(expr, sympy.Integer):
+            return str(int(expr))
+        if expr is sympy.true:
+            return "True"
+        if expr is sympy.false:
+            return "False"
+        if isinstance(expr, sympy.Rational) and not isinstance(expr, sympy.Integer):
+            raise ValueError(f"non-integer index expression {expr}")
+        if isinstance(expr, sympy.Add):
+            return self.print_add(expr)
+        if isinstance(expr, sympy.Mul):
+            return self.print_mul(expr)
+        if isinstance(expr, sympy.Pow):
+            base, exp = expr.args
+            if exp.is_Integer and exp > 0:
+                return " * ".join([self.paren(base)] * int(exp))
+            raise ValueError(f"cannot print power {expr} in an index")
+        if isinstance(expr, (FloorDiv, IntTrueDiv, CleanDiv)):
+            return f"{self.paren(expr.args[0])} // {self.paren(expr.args[1])}"
+        if isinstance(expr, CeilDiv):
+            a, b = map(self.paren, expr.args)
+            return f"({a} + {b} - 1) // {b}"
+        if isinstance(expr, ModularIndexing):
+            base, div, mod = expr.args
+            inner = self.paren(base) if div == 1 else f"({self.paren(base)} // {self.paren(div)})"
+            return f"{inner} % {self.paren(mod)}"
+        if isinstance(expr, (sympy.Mod, PythonMod)):
+            return f"{self.paren(expr.args[0])} % {self.paren(expr.args[1])}"
+        if isinstance(expr, (Min, sympy.Min)):
+            return self.fold(self.min_fn, expr.args)
+        if isinstance(expr, (Max, sympy.Max)):
+            return self.fold(self.max_fn, expr.args)
+        if isinstance(expr, sympy.floor) and isinstance(expr.args[0], sympy.Mul):
+            num, den = sympy.fraction(expr.args[0])
+            return f"{self.paren(num)} // {self.paren(den)}"
+        if isinstance(expr, sympy.core.relational.Relational):
+            return f"{self.paren(expr.lhs)} {expr.rel_op} {self.paren(expr.rhs)}"
+        if isinstance(expr, sympy.And):
+            return self.and_op.join(f"({self.doprint(a)})" for a in expr.args)
+        if isinstance(expr, sympy.Or):
+            return self.or_op.join(f"({self.doprint(a)})" for a in expr.args)
+        raise ValueError(f"cannot print {type(expr).__name__} {expr}")
+
+    def fold(self, fn: str, args) -> str:
+        text = self.doprint(args[0])
+        for a in args[1:]:
+            text = f"{fn}({text}, {self.doprint(a)})"
+        return text
+
+    def print_add(self, expr: sympy.Add) -> str:
+        terms = sorted(expr.args, key=lambda t: (t.is_number, sympy.default_sort_key(t)))
+        text = self.doprint(terms[0])
+        for t in terms[1:]:
+            coeff, rest = t.as_coeff_Mul()
+            if coeff < 0:
+                text += f" - {self.doprint(-t)}"
+            else:
+                text += f" + {self.doprint(t)}"
+        return text
+
+    def print_mul(self, expr: sympy.Mul) -> str:
+        coeff, rest = expr.as_coeff_Mul()
+        if coeff == -1:
+            return f"-{self.paren(rest)}"
+        factors = [self.paren(a) for a in expr.args]
+        return " * ".join(factors)
+
+
+class PythonPrinter(ExprPrinter):
+    """For generated Python wrappers and guards."""
+
+
+class TritonPrinter(ExprPrinter):
+    """For index math inside @triton.jit kernels."""
+
+    min_fn = "tl.minimum"
+    max_fn = "tl.maximum"
+    and_op = " & "
+    or_op = " | "
+
+
+def pyexpr(expr, names: dict[sympy.Symbol, str] | None = None) -> str:
+    return PythonPrinter(names)(expr)

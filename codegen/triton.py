@@ -1,0 +1,385 @@
+"""Triton codegen: one fused region -> one readable @triton.jit kernel.
+
+Sizes and symbolic strides are kernel arguments, so the same source serves every size an
+entry admits; Triton's own launcher then specializes each call on 16-divisibility and
+alignment. Math that core `tl` lacks goes through libdevice (on the CPU interpreter,
+`gjit.codegen.interpret` gives libdevice's symbols numpy implementations).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from collections.abc import Callable
+
+import sympy
+import torch
+from gjit.codegen.indexing import XINDEX, coalesce
+from gjit.codegen.printer import TritonPrinter
+
+from gjit import ir
+from gjit.fusion import Region
+from gjit.ir import Const, Expr, IndexValue, Masked, Op, Read
+
+TL_DTYPES = {
+    torch.float32: "tl.float32",
+    torch.float16: "tl.float16",
+    torch.bfloat16: "tl.bfloat16",
+    torch.float64: "tl.float64",
+    torch.int64: "tl.int64",
+    torch.int32: "tl.int32",
+    torch.int16: "tl.int16",
+    torch.int8: "tl.int8",
+    torch.uint8: "tl.uint8",
+    torch.bool: "tl.int1",
+}
+
+
+def _floordiv(a: str, b: str, dtype: torch.dtype) -> str:
+    return f"({a} // {b}) - ((({a} % {b}) != 0) & (({a} < 0) != ({b} < 0))).to({TL_DTYPES[dtype]})"
+
+
+def _remainder(a: str, b: str, dtype: torch.dtype) -> str:
+    r = f"({a} % {b})"
+    return f"tl.where(({r} != 0) & (({r} < 0) != ({b} < 0)), {r} + {b}, {r})"
+
+
+def _minmax(fn: str) -> Callable[[str, str, torch.dtype], str]:
+    def emit(a: str, b: str, dtype: torch.dtype) -> str:
+        if dtype.is_floating_point:
+            return f"tl.{fn}({a}, {b}, tl.PropagateNan.ALL)"
+        return f"tl.{fn}({a}, {b})"
+
+    return emit
+
+
+# Per-op emitters: IR op name -> source text. Arguments are already-printed operands; the
+# last argument is the dtype of the result (the compute dtype).
+TritonOverrides: dict[str, Callable[..., str]] = {
+    "add": lambda a, b, t: f"{a} + {b}",
+    "sub": lambda a, b, t: f"{a} - {b}",
+    "mul": lambda a, b, t: f"{a} * {b}",
+    "truediv": lambda a, b, t: f"{a} / {b}",
+    "truncdiv": lambda a, b, t: f"{a} // {b}",
+    "floordiv": _floordiv,
+    "remainder": _remainder,
+    "fmod": lambda a, b, t: f"{a} % {b}",
+    "neg": lambda a, t: f"-{a}",
+    "abs": lambda a, t: f"tl.abs({a})",
+    "maximum": _minmax("maximum"),
+    "minimum": _minmax("minimum"),
+    "fmax": lambda a, b, t: f"tl.maximum({a}, {b})",
+    "fmin": lambda a, b, t: f"tl.minimum({a}, {b})",
+    "pow": lambda a, b, t: f"libdevice.pow({a}, {b})",
+    "atan2": lambda a, b, t: f"libdevice.atan2({a}, {b})",
+    "copysign": lambda a, b, t: f"libdevice.copysign({a}, {b})",
+    "exp": lambda a, t: f"tl.exp({a})",
+    "exp2": lambda a, t: f"tl.exp2({a})",
+    "expm1": lambda a, t: f"libdevice.expm1({a})",
+    "log": lambda a, t: f"tl.log({a})",
+    "log2": lambda a, t: f"tl.log2({a})",
+    "log10": lambda a, t: f"libdevice.log10({a})",
+    "log1p": lambda a, t: f"libdevice.log1p({a})",
+    "sqrt": lambda a, t: f"tl.sqrt_rn({a})",
+    "rsqrt": lambda a, t: f"libdevice.rsqrt({a})",
+    "sin": lambda a, t: f"tl.sin({a})",
+    "cos": lambda a, t: f"tl.cos({a})",
+    "erf": lambda a, t: f"tl.erf({a})",
+    "sigmoid": lambda a, t: f"tl.sigmoid({a})",
+    "floor": lambda a, t: f"tl.floor({a})",
+    "ceil": lambda a, t: f"tl.ceil({a})",
+    "trunc": lambda a, t: f"libdevice.trunc({a})",
+    "round": lambda a, t: f"libdevice.rint({a})",
+    "frac": lambda a, t: f"{a} - libdevice.trunc({a})",
+    "isnan": lambda a, t: f"{a} != {a}",
+    "isinf": lambda a, t: f"tl.abs({a}) == float('inf')",
+    "isfinite": lambda a, t: f"tl.abs({a}) < float('inf')",
+    "signbit": lambda a, t: f"libdevice.signbit({a}) != 0",
+    "eq": lambda a, b, t: f"{a} == {b}",
+    "ne": lambda a, b, t: f"{a} != {b}",
+    "lt": lambda a, b, t: f"{a} < {b}",
+    "le": lambda a, b, t: f"{a} <= {b}",
+    "gt": lambda a, b, t: f"{a} > {b}",
+    "ge": lambda a, b, t: f"{a} >= {b}",
+    "logical_and": lambda a, b, t: f"{a} & {b}",
+    "logical_or": lambda a, b, t: f"{a} | {b}",
+    "logical_xor": lambda a, b, t: f"{a} ^ {b}",
+    "logical_not": lambda a, t: f"{a} == 0",
+    "bitwise_and": lambda a, b, t: f"{a} & {b}",
+    "bitwise_or": lambda a, b, t: f"{a} | {b}",
+    "bitwise_xor": lambda a, b, t: f"{a} ^ {b}",
+    "bitwise_not": lambda a, t: f"~{a}",
+    "lshift": lambda a, b, t: f"{a} << {b}",
+    "rshift": lambda a, b, t: f"{a} >> {b}",
+    "where": lambda c, a, b, t: f"tl.where({c}, {a}, {b})",
+}
+for _name in ("tan", "tanh", "sinh", "cosh", "asin", "acos", "atan", "asinh", "acosh", "atanh", "erfinv"):
+    TritonOverrides[_name] = lambda a, t, _name=_name: f"libdevice.{_name}({a})"
+
+
+def to_dtype(a: str, src: torch.dtype, dst: torch.dtype) -> str:
+    if dst == torch.bool:
+        return f"({a} != 0)"
+    return f"{a}.to({TL_DTYPES[dst]})"
+
+
+def literal(value, dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return repr(bool(value))
+    if dtype.is_floating_point:
+        v = float(value)
+        text = repr(v) if math.isfinite(v) else f"float('{v}')"
+        if dtype == torch.float64:
+            return f"tl.full([1], {text}, tl.float64)"
+        return text
+    v = int(value)
+    if -(2**31) <= v < 2**31:
+        return str(v)
+    return f"tl.full([1], {v}, {TL_DTYPES[dtype]})"
+
+
+@dataclasses.dataclass
+class KernelSource:
+    """A generated kernel and how the wrapper calls it."""
+
+    name: str
+    source: str
+    in_args: list[str]  # buffer / node names read, in pointer-argument order
+    out_args: list[str]  # node names stored
+    size_args: list[sympy.Symbol]  # symbols passed by value
+    numel: sympy.Expr
+    index_dtype: str
+    aten_nodes: list[str]  # "name: aten.op" per fused node
+    source_lines: list[str]
+
+    @property
+    def cache_key(self) -> str:
+        return hashlib.sha256(self.source.encode()).hexdigest()[:16]
+
+
+def source_line(node: torch.fx.Node) -> str | None:
+    """'file.py:12 in forward: code' from the node's user stack trace."""
+    trace = node.meta.get("stack_trace")
+    if not trace:
+        return None
+    lines = [ln for ln in trace.strip().splitlines() if ln.strip()]
+    for k in range(len(lines) - 1, -1, -1):
+        ln = lines[k].strip()
+        if ln.startswith("File "):
+            parts = ln.split(",")
+            path = parts[0][len("File ") :].strip().strip('"')
+            lineno = parts[1].strip().removeprefix("line ").strip() if len(parts) > 1 else "?"
+            func = parts[2].strip().removeprefix("in ").strip() if len(parts) > 2 else "?"
+            code = lines[k + 1].strip() if k + 1 < len(lines) else ""
+            return f"{path.rsplit('/', 1)[-1]}:{lineno} in {func}: {code}"
+    return None
+
+
+class KernelWriter:
+    """Emits one region's kernel: index setup, CSE'd expression lines, stores."""
+
+    def __init__(self, region: Region, graph: ir.LoopGraph, hints: dict[sympy.Symbol, int]):
+        self.region = region
+        self.graph = graph
+        self.hints = hints
+        self.lines: list[str] = []
+        self.cse: dict[tuple, str] = {}
+        self.in_args: dict[str, str] = {}
+        self.out_args: dict[str, str] = {}
+        self.values: dict[str, str] = {}  # region node -> its tmp variable
+        self.printer = TritonPrinter()
+        self.mask = "xmask"
+        self.symbols: set[sympy.Symbol] = set()  # size symbols the kernel body uses
+
+    # -- layouts --------------------------------------------------------------------------------
+
+    def layout(self, name: str) -> ir.Layout:
+        if name in self.graph.buffers:
+            lay = self.graph.buffers[name].layout
+            # kernels get data_ptr(), which already includes the storage offset
+            return ir.Layout(lay.size, lay.stride, sympy.Integer(0), lay.dtype)
+        node = self.graph.compute_nodes()[name]
+        return ir.Layout(node.layout.size, node.layout.stride, sympy.Integer(0), node.layout.dtype)
+
+    # -- expressions ----------------------------------------------------------------------------
+
+    def index(self, expr: sympy.Expr) -> str:
+        """Print an index expression (in kernel variables), noting the size symbols it uses."""
+        self.symbols |= sympy.sympify(expr).free_symbols
+        return self.printer(expr)
+
+    def tmp(self, key: tuple, text: str) -> str:
+        if key in self.cse:
+            return self.cse[key]
+        var = f"tmp{len(self.cse)}"
+        self.cse[key] = var
+        self.lines.append(f"{var} = {text}")
+        return var
+
+    def emit(self, e: Expr) -> str:
+        if isinstance(e, Const):
+            return literal(e.value, e.dtype)
+        if isinstance(e, IndexValue):
+            text = self.index(self.subst(e.expr))
+            if e.dtype == torch.bool:
+                return self.tmp(("index", text, self.mask), f"{text}")
+            return self.tmp(("index", text, e.dtype), f"({text}).to({TL_DTYPES[e.dtype]})")
+        if isinstance(e, Read):
+            return self.read(e)
+        if isinstance(e, Op):
+            args = [self.emit(a) for a in e.args]
+            if e.name == "to_dtype":
+                text = to_dtype(args[0], e.args[0].dtype, e.params[0])
+            else:
+                text = TritonOverrides[e.name](*args, e.dtype)
+            return self.tmp(("op", e.name, *args, e.params), text)
+        if isinstance(e, Masked):
+            cond = self.index(self.subst(e.mask))
+            mask = self.tmp(("mask", cond, self.mask), f"{self.mask} & ({cond})")
+            outer, self.mask = self.mask, mask
+            body = self.emit(e.body)
+            self.mask = outer
+            return self.tmp(("masked", mask, body), f"tl.where({mask}, {body}, {literal(e.other, e.dtype)})")
+        raise TypeError(type(e))
+
+    def read(self, r: Read) -> str:
+        if r.name in self.region.bodies and r.index == ir.index_vars(len(self.region.size)):
+            return self.node_value(r.name)
+        arg = self.in_args.setdefault(r.name, f"in_ptr{len(self.in_args)}")
+        offset = self.subst(self.layout(r.name).offset_of(r.index))
+        text = self.index(offset)
+        if offset.free_symbols & set(self.vars):
+            load = f"tl.load({arg} + ({text}), {self.mask})"
+        elif self.mask == "xmask":
+            load = f"tl.load({arg} + ({text}))"
+        else:
+            load = f"tl.load({arg} + ({text}) + tl.zeros([XBLOCK], tl.int32), {self.mask})"
+        return self.tmp(("load", arg, text, self.mask), load)
+
+    def node_value(self, name: str) -> str:
+        if name not in self.values:
+            self.values[name] = self.emit(self.region.bodies[name])
+        return self.values[name]
+
+    # -- the kernel -----------------------------------------------------------------------------
+
+    def accesses(self) -> list[sympy.Expr]:
+        out = []
+        for body in self.region.bodies.values():
+            for r in ir.reads(body):
+                if not (r.name in self.region.bodies and r.index == ir.index_vars(len(r.index))):
+                    out.append(self.layout(r.name).offset_of(r.index))
+        idx = ir.index_vars(len(self.region.size))
+        out += [self.layout(name).offset_of(idx) for name in self.region.stores]
+        return out
+
+    def generate(self, name: str) -> KernelSource:
+        size = self.region.size
+        numel = sympy.Mul(*size) if size else sympy.Integer(1)
+        idx = ir.index_vars(len(size))
+        primary = self.layout(self.region.stores[0]).offset_of(idx) if self.region.stores else None
+        plan = coalesce(list(size), idx, self.accesses(), primary, self.hints)
+        self.subst = plan.substitute
+        self.vars = plan.vars
+        index_dtype = self.pick_index_dtype(numel)
+        setup = self.index_setup(plan, index_dtype)
+        for node in self.region.stores:
+            value = self.node_value(node)
+            arg = self.out_args.setdefault(node, f"out_ptr{len(self.out_args)}")
+            offset = self.index(self.subst(self.layout(node).offset_of(idx)))
+            if not self.depends_on_index(self.region.bodies[node]):
+                value = f"tl.where(xmask, {value}, {value})"
+            self.lines.append(f"tl.store({arg} + ({offset}), {value}, xmask)")
+        symbols = sorted(self.symbols - set(plan.vars) - {XINDEX}, key=lambda s: s.name)
+        params = [*self.in_args.values(), *self.out_args.values(), *(s.name for s in symbols), "xnumel"]
+        body = setup + self.lines
+        nodes = self.region.inlined + self.region.nodes
+        header = self.header(name, nodes, numel)
+        source = "\n".join(
+            header
+            + ["@triton.jit", f"def {name}({', '.join(params)}, XBLOCK: tl.constexpr):"]
+            + [f"    {ln}" for ln in body]
+        )
+        return KernelSource(
+            name=name,
+            source=source + "\n",
+            in_args=list(self.in_args),
+            out_args=list(self.out_args),
+            size_args=symbols,
+            numel=numel,
+            index_dtype=index_dtype,
+            aten_nodes=[f"{n.name}: {n.fx_node.target}" for n in nodes],
+            source_lines=_unique(source_line(n.fx_node) for n in nodes),
+        )
+
+    def depends_on_index(self, body: Expr) -> bool:
+        return any(isinstance(e, (Read, IndexValue)) for e in ir.walk(body))
+
+    def pick_index_dtype(self, numel: sympy.Expr) -> str:
+        """int32 unless some element offset of this kernel can reach 2**31 at the example sizes."""
+        spans = [numel]
+        for name in (
+            set(self.in_args)
+            | set(self.region.stores)
+            | {r.name for b in self.region.bodies.values() for r in ir.reads(b)}
+        ):
+            lay = self.layout(name)
+            spans.append(sum(((s - 1) * st for s, st in zip(lay.size, lay.stride)), sympy.Integer(1)))
+        worst = max(
+            int(sympy.sympify(s).subs(self.hints))
+            if sympy.sympify(s).free_symbols <= set(self.hints)
+            else 2**63
+            for s in spans
+        )
+        return "tl.int32" if worst < 2**31 else "tl.int64"
+
+    def index_setup(self, plan, index_dtype: str) -> list[str]:
+        pid = "tl.program_id(0)" if index_dtype == "tl.int32" else "tl.program_id(0).to(tl.int64)"
+        lines = [
+            f"xoffset = {pid} * XBLOCK",
+            "xindex = xoffset + tl.arange(0, XBLOCK)",
+            "xmask = xindex < xnumel",
+        ]
+        for var, expr in zip(plan.vars, plan.var_exprs):
+            lines.append(f"{var.name} = {self.index(expr)}")
+        return lines
+
+    def header(self, name: str, nodes: list[ir.ComputeNode], numel: sympy.Expr) -> list[str]:
+        out = [f"# kernel: {name}", "# fused ATen nodes:"]
+        out += [f"#   {n.name} = {n.fx_node.target}  {ir.dtype_str(n.dtype)}{list(n.size)}" for n in nodes]
+        lines = _unique(source_line(n.fx_node) for n in nodes)
+        if lines:
+            out.append("# user source:")
+            out += [f"#   {ln}" for ln in lines]
+        out.append(f"# iteration space: {list(self.region.size)} (numel {numel})")
+        out.append(f"# stores: {', '.join(self.region.stores)}")
+        return out
+
+
+def _unique(items) -> list[str]:
+    out: list[str] = []
+    for it in items:
+        if it and it not in out:
+            out.append(it)
+    return out
+
+
+KERNEL_PRELUDE = """import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+"""
+
+
+def kernel_name(region: Region, index: int) -> str:
+    ops = "_".join(region.aten_ops()[:6]) or "copy"
+    return f"gjit_poi_fused_{ops}_{index}"
+
+
+def generate_kernel(
+    region: Region, graph: ir.LoopGraph, hints: dict[sympy.Symbol, int], index: int
+) -> KernelSource:
+    name = kernel_name(region, index)
+    region.name = name
+    return KernelWriter(region, graph, hints).generate(name)

@@ -1,0 +1,206 @@
+"""Capture: a model (module, function, ExportedProgram or .pt2 path) -> decomposed ATen graph.
+
+The captured program remembers how to rebuild the graph's flat inputs from a user call:
+parameters and buffers are read live from the module on every call (new weights give new
+results), lifted constants come from the program, user inputs come from the flattened
+call. Mutations export recorded (module buffers, user inputs) are applied after the call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.export import Dim, ExportedProgram, ShapesCollection
+from torch.export.graph_signature import InputKind, OutputKind
+
+log = logging.getLogger("gjit.capture")
+
+
+class CaptureError(RuntimeError):
+    """torch.export could not capture the model; the caller runs it eagerly instead."""
+
+
+def as_module(model: Any) -> torch.nn.Module:
+    """A function becomes a module whose forward has the function's signature (export needs it)."""
+    if isinstance(model, torch.nn.Module):
+        return model
+    if not callable(model):
+        raise TypeError(
+            f"gjit.compile expects an nn.Module, a function, an ExportedProgram or a .pt2 path, "
+            f"got {type(model).__name__}"
+        )
+    # The function itself is the forward (an instance attribute, so no wrapper frame hides the
+    # user's source lines from export's stack traces).
+    module = torch.nn.Module()
+    module.forward = model
+    # export keeps only frames named `forward` in node stack traces; name this one too
+    register_anchor = getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)
+    if register_anchor is not None:
+        register_anchor(model)
+    return module
+
+
+def load_program(model: Any) -> ExportedProgram | None:
+    if isinstance(model, ExportedProgram):
+        return model
+    if isinstance(model, (str, os.PathLike)):
+        return torch.export.load(os.fspath(model))
+    return None
+
+
+def decomposition_table() -> dict:
+    table = torch.export.default_decompositions()
+    # SDPA stays one extern: decomposing it breaks run_decompositions() on GPT-2 in torch 2.13
+    # (a view of the decomposed output) and a fused attention extern beats its decomposition.
+    table.pop(torch.ops.aten.scaled_dot_product_attention.default, None)
+    return table
+
+
+def export_model(module: torch.nn.Module, args: tuple, kwargs: dict, dynamic: bool) -> ExportedProgram:
+    """torch.export with every tensor dim Dim.AUTO (export specializes what it must), or static."""
+    shapes = None
+    if dynamic:
+        shapes = ShapesCollection()
+        for leaf in pytree.tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and id(leaf) not in shapes._shapes:
+                shapes[leaf] = {d: Dim.AUTO for d in range(leaf.dim())}
+    return torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
+
+
+@dataclasses.dataclass
+class CapturedProgram:
+    """A decomposed ExportedProgram plus how to feed it and how to apply its side effects."""
+
+    program: ExportedProgram
+    module: torch.nn.Module | None  # live parameters/buffers come from here (None: from program)
+    # one entry per graph placeholder: ("param"|"buffer"|"constant", fqn) or ("user", flat index)
+    input_sources: list[tuple[str, Any]]
+    # flat output index -> ("buffer", fqn) | ("user", flat user input index): copy back after a call
+    mutations: dict[int, tuple[str, Any]]
+    user_output_indices: list[int]
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+    dynamic: bool
+
+    @property
+    def graph_module(self) -> torch.fx.GraphModule:
+        return self.program.graph_module
+
+    def state_tensor(self, kind: str, fqn: str) -> torch.Tensor:
+        if kind == "constant":
+            return self.program.constants[fqn]
+        if self.module is None:
+            return self.program.state_dict[fqn]
+        if kind == "param":
+            return self.module.get_parameter(fqn)
+        return self.module.get_buffer(fqn)
+
+    def graph_inputs(self, flat_user: list[Any]) -> list[Any]:
+        out = []
+        for kind, key in self.input_sources:
+            out.append(flat_user[key] if kind == "user" else self.state_tensor(kind, key))
+        return out
+
+    def finish(self, flat_user: list[Any], flat_out: list[Any]) -> Any:
+        """Apply recorded mutations, then rebuild the user's output pytree."""
+        for out_index, (kind, key) in self.mutations.items():
+            target = flat_user[key] if kind == "user" else self.state_tensor("buffer", key)
+            with torch.no_grad():
+                target.copy_(flat_out[out_index])
+        return pytree.tree_unflatten([flat_out[i] for i in self.user_output_indices], self.out_spec)
+
+
+def capture(model: Any, args: tuple, kwargs: dict, dynamic: bool) -> CapturedProgram:
+    """Export (unless given a program), decompose to core ATen, and record the calling convention."""
+    program = load_program(model)
+    module = None
+    if program is None:
+        module = as_module(model)
+        try:
+            program = export_model(module, args, kwargs, dynamic)
+        except Exception as e:
+            if not dynamic:
+                raise CaptureError(f"torch.export failed: {type(e).__name__}: {e}") from e
+            log.info(
+                "export with automatic dynamic dims failed (%s: %s); retrying with static shapes",
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
+            )
+            try:
+                program = export_model(module, args, kwargs, dynamic=False)
+            except Exception as e2:
+                raise CaptureError(f"torch.export failed: {type(e2).__name__}: {e2}") from e2
+            dynamic = False
+    program = program.run_decompositions(decomposition_table())
+    return describe(program, module, dynamic)
+
+
+def describe(program: ExportedProgram, module: torch.nn.Module | None, dynamic: bool) -> CapturedProgram:
+    sig = program.graph_signature
+    user_names = [s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
+    sources: list[tuple[str, Any]] = []
+    user_pos = 0
+    for spec in sig.input_specs:
+        if spec.kind == InputKind.PARAMETER:
+            sources.append(("param", spec.target))
+        elif spec.kind == InputKind.BUFFER:
+            sources.append(("buffer", spec.target))
+        elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+            sources.append(("constant", spec.target))
+        elif spec.kind == InputKind.USER_INPUT:
+            sources.append(("user", user_pos))
+            user_pos += 1
+        else:
+            raise CaptureError(f"unsupported exported input kind {spec.kind} ({spec.arg})")
+    mutations: dict[int, tuple[str, Any]] = {}
+    user_outputs = []
+    for i, spec in enumerate(sig.output_specs):
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            mutations[i] = ("buffer", spec.target)
+        elif spec.kind == OutputKind.USER_INPUT_MUTATION:
+            mutations[i] = ("user", user_names.index(spec.target))
+        elif spec.kind == OutputKind.USER_OUTPUT:
+            user_outputs.append(i)
+        else:
+            raise CaptureError(
+                f"unsupported exported output kind {spec.kind} ({spec.arg}): gjit compiles inference graphs"
+            )
+    return CapturedProgram(
+        program=program,
+        module=module,
+        input_sources=sources,
+        mutations=mutations,
+        user_output_indices=user_outputs,
+        in_spec=program.call_spec.in_spec,
+        out_spec=program.call_spec.out_spec,
+        dynamic=dynamic,
+    )
+
+
+def bind_call(signature: inspect.Signature | None, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Normalize a call to the model's signature; a bad call raises the TypeError Python would."""
+    if signature is None:
+        return args, kwargs
+    bound = signature.bind(*args, **kwargs)
+    return bound.args, bound.kwargs
+
+
+def forward_signature(model: Any) -> inspect.Signature | None:
+    target: Callable | None = None
+    if isinstance(model, torch.nn.Module):
+        target = model.forward
+    elif callable(model) and not isinstance(model, ExportedProgram):
+        target = model
+    if target is None:
+        return None
+    try:
+        return inspect.signature(target)
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,97 @@
+"""The driver: one compile of a graph, every pass in order, each timed under its name."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import sympy
+import torch
+
+from gjit import stats
+from gjit.capture import CapturedProgram
+from gjit.codegen.triton import KernelSource, generate_kernel
+from gjit.config import config
+from gjit.fusion import Region, Step, fuse
+from gjit.ir import LoopGraph
+from gjit.lowering import lower_graph
+from gjit.runtime import CompiledGraph
+from gjit.wrapper import generate_wrapper
+
+log = logging.getLogger("gjit.compiler")
+output_code_log = logging.getLogger("gjit.output_code")
+
+
+@dataclasses.dataclass
+class CompiledProgram:
+    """Everything one compile produced, kept for running, explaining and dumping."""
+
+    captured: CapturedProgram
+    loop_graph: LoopGraph
+    steps: list[Step]
+    graph: CompiledGraph
+    timings: dict[str, float]
+
+    @property
+    def kernels(self) -> list[KernelSource]:
+        return self.graph.kernels
+
+
+@contextlib.contextmanager
+def timed(name: str, timings: dict[str, float]) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        elapsed = time.perf_counter() - start
+        timings[name] = timings.get(name, 0.0) + elapsed
+        stats.STAGE_SECONDS[name] += elapsed
+
+
+def size_hints(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, int]:
+    """The example value of every size symbol (used only for choices, never baked in)."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        sizes = list(val.shape) if isinstance(val, torch.Tensor) else [val]
+        for s in sizes:
+            if isinstance(s, torch.SymInt):
+                return {k: int(v) for k, v in s.node.shape_env.var_to_val.items()}
+    return {}
+
+
+def compile_program(captured: CapturedProgram, timings: dict[str, float]) -> CompiledProgram:
+    gm = captured.graph_module
+    # lower: ATen FX graph -> loop IR (views become index expressions, unsupported ops externs)
+    with timed("lower", timings):
+        loop_graph = lower_graph(gm)
+    # fuse: loop IR -> regions (one kernel each) and externs, in execution order
+    with timed("fuse", timings):
+        steps = fuse(loop_graph)
+    # codegen: each region -> one Triton kernel, sizes as arguments
+    with timed("codegen", timings):
+        hints = size_hints(gm)
+        regions = [s for s in steps if isinstance(s, Region)]
+        kernels = [generate_kernel(r, loop_graph, hints, k) for k, r in enumerate(regions)]
+    # wrapper: the schedule -> one Python call function
+    with timed("wrapper", timings):
+        by_name = {k.name: k for k in kernels}
+        wrapper = generate_wrapper(loop_graph, steps, by_name, poison=config.debug, xblock=config.xblock)
+    # write: sources to the cache dir (content-addressed)
+    with timed("write", timings):
+        graph = CompiledGraph(gm, kernels, wrapper)
+        graph.write()
+    stats.COUNTERS["kernels"] += len(kernels)
+    for k in kernels:
+        output_code_log.debug("kernel %s written to %s\n%s", k.name, graph.kernel_paths[k.name], k.source)
+    output_code_log.debug("wrapper written to %s\n%s", graph.wrapper_path, wrapper)
+    return CompiledProgram(captured, loop_graph, steps, graph, timings)
+
+
+def run_program(program: CompiledProgram, flat_user: list[Any]) -> Any:
+    captured = program.captured
+    flat_out = program.graph.run(captured.graph_inputs(flat_user))
+    return captured.finish(flat_user, flat_out)

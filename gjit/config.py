@@ -1,0 +1,120 @@
+"""Every GJIT_* knob in one place: typed, with a default, overridable for a scope.
+
+    gjit.config.interpret             GJIT_INTERPRET=1   run generated Triton kernels through Triton's
+                                                         interpreter (CPU tensors); the test mode
+    gjit.config.debug                 GJIT_DEBUG=1       poison freshly allocated buffers (NaN / int
+                                                         sentinel) so an element a kernel forgot to
+                                                         write shows up in comparisons
+    gjit.config.cache_dir             GJIT_CACHE_DIR     where generated kernels and wrappers are written
+    gjit.config.xblock                GJIT_XBLOCK        block size of pointwise kernels
+
+Tests override knobs with ``with gjit.config.scope(interpret=True): ...``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+def _env_bool(name: str, default: bool) -> Callable[[], bool]:
+    def read() -> bool:
+        raw = os.environ.get(name)
+        if raw is None or raw == "":
+            return default
+        return raw.strip().lower() not in ("0", "false", "no", "off")
+
+    return read
+
+
+def _env_int(name: str, default: int) -> Callable[[], int]:
+    def read() -> int:
+        raw = os.environ.get(name)
+        return int(raw) if raw else default
+
+    return read
+
+
+def _env_str(name: str, default: Callable[[], str]) -> Callable[[], str]:
+    def read() -> str:
+        return os.environ.get(name) or default()
+
+    return read
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    if not os.access(os.path.dirname(base) or ".", os.W_OK) and not os.path.isdir(base):
+        base = tempfile.gettempdir()
+    return os.path.join(base, "gjit")
+
+
+class _Knob:
+    """A config attribute read from the environment unless a scope or assignment set it."""
+
+    def __init__(self, env: str, read: Callable[[], Any], doc: str):
+        self.env = env
+        self.read = read
+        self.doc = doc
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        if self.name in obj._overrides:
+            return obj._overrides[self.name]
+        return self.read()
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj._overrides[self.name] = value
+
+
+class Config:
+    interpret = _Knob(
+        "GJIT_INTERPRET",
+        _env_bool("GJIT_INTERPRET", False),
+        "run generated Triton kernels on CPU tensors through Triton's interpreter",
+    )
+    debug = _Knob(
+        "GJIT_DEBUG",
+        _env_bool("GJIT_DEBUG", False),
+        "poison newly allocated buffers so unwritten elements are caught",
+    )
+    cache_dir = _Knob(
+        "GJIT_CACHE_DIR",
+        _env_str("GJIT_CACHE_DIR", _default_cache_dir),
+        "directory for generated kernel and wrapper sources",
+    )
+    xblock = _Knob("GJIT_XBLOCK", _env_int("GJIT_XBLOCK", 1024), "block size of pointwise kernels")
+
+    def __init__(self) -> None:
+        self._overrides: dict[str, Any] = {}
+
+    def knobs(self) -> dict[str, _Knob]:
+        return {name: k for name, k in type(self).__dict__.items() if isinstance(k, _Knob)}
+
+    @contextlib.contextmanager
+    def scope(self, **values: Any) -> Iterator[None]:
+        """Override knobs inside a `with` block (tests), restoring what was there before."""
+        unknown = set(values) - set(self.knobs())
+        if unknown:
+            raise AttributeError(f"unknown gjit config knob(s): {sorted(unknown)}")
+        saved = dict(self._overrides)
+        self._overrides.update(values)
+        try:
+            yield
+        finally:
+            self._overrides = saved
+
+    def snapshot(self) -> dict[str, Any]:
+        """The knob values that change generated code or how it runs (part of a cache key)."""
+        return {name: getattr(self, name) for name in ("interpret", "debug", "xblock")}
+
+
+config = Config()

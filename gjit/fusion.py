@@ -1,0 +1,254 @@
+"""Fusion: group the loop graph's compute nodes into regions, one generated kernel each.
+
+Rules, in order:
+  1. inline: a node that need not be in memory and that no consumer reads element-for-
+     element (same size, identity index) is recomputed inside each consumer (broadcasts,
+     reshapes and transposes of cheap pointwise values cost no kernel and no memory);
+  2. vertical: a node joins its producer's region when both have the same iteration space
+     and every read between them is element-for-element;
+  3. horizontal: regions of the same iteration space that read a common buffer merge, so
+     a DAG over shared inputs is one kernel;
+  a merge that would create a cycle through a third region or an extern is refused.
+Every refusal is logged to `GJIT_LOGS=fusion` as "cannot fuse A with B: reason".
+A region stores exactly the nodes that something outside it needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from gjit import ir
+from gjit.ir import ComputeNode, Expr, ExternNode, LoopGraph, Read
+
+log = logging.getLogger("gjit.fusion")
+
+
+@dataclasses.dataclass
+class Region:
+    nodes: list[ComputeNode]  # the stored or shared nodes, in program order
+    bodies: dict[str, Expr]  # each node's body with inlined producers substituted
+    stores: list[str]  # nodes whose values leave the region
+    inlined: list[ComputeNode]  # nodes recomputed inside this region
+    name: str = ""  # the kernel name, given by codegen
+
+    @property
+    def size(self) -> ir.Index:
+        return self.nodes[0].size
+
+    def aten_ops(self) -> list[str]:
+        seen: list[str] = []
+        for n in self.inlined + self.nodes:
+            if n.aten not in seen:
+                seen.append(n.aten)
+        return seen
+
+
+Step = Region | ExternNode
+
+
+def _identity(read: Read, size: ir.Index) -> bool:
+    return read.index == ir.index_vars(len(size))
+
+
+class Fusion:
+    def __init__(self, graph: LoopGraph):
+        self.graph = graph
+        self.compute = graph.compute_nodes()
+        self.order = {n.name: k for k, n in enumerate(graph.nodes)}
+
+    def run(self) -> list[Step]:
+        inline = self.choose_inlined()
+        bodies = {
+            name: self.expand(node.body, inline) for name, node in self.compute.items() if name not in inline
+        }
+        self.bodies = bodies
+        # group id per materialized node and per extern (externs never merge)
+        self.group = {name: name for name in bodies}
+        self.group.update({n.name: n.name for n in self.graph.nodes if isinstance(n, ExternNode)})
+        self.members = {gid: [gid] for gid in self.group}
+        self.deps = {name: self.node_deps(name) for name in self.group}
+        self.fuse_vertical()
+        self.fuse_horizontal()
+        return self.schedule(inline)
+
+    # -- 1. inlining ---------------------------------------------------------------------------
+
+    def choose_inlined(self) -> set[str]:
+        identity_consumers: dict[str, int] = {name: 0 for name in self.compute}
+        for node in self.compute.values():
+            for r in ir.reads(node.body):
+                producer = self.compute.get(r.name)
+                if producer is not None and producer.size == node.size and _identity(r, node.size):
+                    identity_consumers[r.name] += 1
+        inline = set()
+        for name in self.compute:
+            if name in self.graph.needed_in_memory:
+                continue
+            if identity_consumers[name] == 0:
+                inline.add(name)
+                log.debug("inline %s into its consumers: no consumer reads it element-for-element", name)
+        return inline
+
+    def expand(self, body: Expr, inline: set[str]) -> Expr:
+        """Substitute inlined producers (recursively) into `body`."""
+
+        def on_read(r: Read) -> Expr:
+            if r.name not in inline:
+                return r
+            producer = self.compute[r.name]
+            mapping = dict(zip(ir.index_vars(len(producer.size)), r.index))
+            inner = ir.substitute(producer.body, lambda rr: rr, lambda e: e.xreplace(mapping))
+            return self.expand(inner, inline)
+
+        return ir.substitute(body, on_read, lambda e: e)
+
+    # -- dependency bookkeeping ------------------------------------------------------------------
+
+    def resolve(self, name: str) -> str:
+        """A view name -> the buffer or node it views."""
+        while name in self.graph.views:
+            name = self.graph.views[name].base
+        return name
+
+    def node_deps(self, name: str) -> set[str]:
+        if name in self.bodies:
+            names = {r.name for r in ir.reads(self.bodies[name])}
+        else:
+            extern = self.graph.node(name)
+            names = {self.resolve(a) for a in extern.tensor_args}
+        return {n for n in names if n in self.group}
+
+    def group_members(self, gid: str) -> list[str]:
+        return self.members[gid]
+
+    def group_deps(self, gid: str) -> set[str]:
+        out = set()
+        for member in self.group_members(gid):
+            out |= {self.group[d] for d in self.deps[member]}
+        out.discard(gid)
+        return out
+
+    def reaches(self, src: set[str], dst: set[str]) -> bool:
+        """Is some group in `dst` reachable from a group in `src` through a group outside both?"""
+        consumers: dict[str, set[str]] = {}
+        for gid in self.members:
+            for d in self.group_deps(gid):
+                consumers.setdefault(d, set()).add(gid)
+        frontier = [c for s in src for c in consumers.get(s, ()) if c not in src and c not in dst]
+        seen = set(frontier)
+        while frontier:
+            g = frontier.pop()
+            for c in consumers.get(g, ()):
+                if c in dst:
+                    return True
+                if c not in seen and c not in src:
+                    seen.add(c)
+                    frontier.append(c)
+        return False
+
+    def why_not(self, a: str, b: str) -> str | None:
+        """None if groups a and b may merge, else the reason they may not."""
+        ma, mb = self.group_members(a), self.group_members(b)
+        if any(m not in self.bodies for m in ma + mb):
+            return "an extern never fuses"
+        size_a, size_b = self.compute[ma[0]].size, self.compute[mb[0]].size
+        if size_a != size_b:
+            return f"different iteration spaces {list(size_a)} vs {list(size_b)}"
+        members = set(ma) | set(mb)
+        for m in members:
+            for r in ir.reads(self.bodies[m]):
+                if r.name in members and not _identity(r, size_a):
+                    return f"{m} reads {r.name} at [{', '.join(map(str, r.index))}], not element-for-element"
+        if self.reaches({a}, {b}) or self.reaches({b}, {a}):
+            return "fusing would create a cycle through another kernel or extern"
+        return None
+
+    def merge(self, a: str, b: str) -> None:
+        for name in self.members.pop(b):
+            self.group[name] = a
+            self.members[a].append(name)
+
+    # -- 2./3. merging ---------------------------------------------------------------------------
+
+    def fuse_vertical(self) -> None:
+        for name in sorted(self.bodies, key=self.order.get):
+            for dep in sorted(self.deps[name], key=self.order.get):
+                a, b = self.group[dep], self.group[name]
+                if a == b or dep not in self.bodies:
+                    continue
+                reason = self.why_not(a, b)
+                if reason is None:
+                    self.merge(a, b)
+                else:
+                    log.debug("cannot fuse %s with %s: %s", dep, name, reason)
+
+    def fuse_horizontal(self) -> None:
+        groups = sorted({self.group[n] for n in self.bodies}, key=self.order.get)
+        for i, a in enumerate(groups):
+            for b in groups[i + 1 :]:
+                if a not in self.members or b not in self.members:
+                    continue
+                reads_a = {r.name for m in self.group_members(a) for r in ir.reads(self.bodies[m])}
+                reads_b = {r.name for m in self.group_members(b) for r in ir.reads(self.bodies[m])}
+                if not reads_a & reads_b:
+                    continue
+                reason = self.why_not(a, b)
+                if reason is None:
+                    log.debug("fuse %s with %s horizontally: they read %s", a, b, sorted(reads_a & reads_b))
+                    self.merge(a, b)
+                else:
+                    log.debug("cannot fuse %s with %s: %s", a, b, reason)
+
+    # -- ordering --------------------------------------------------------------------------------
+
+    def schedule(self, inline: set[str]) -> list[Step]:
+        gids = sorted(self.members, key=lambda g: min(self.order[m] for m in self.group_members(g)))
+        deps = {g: self.group_deps(g) for g in gids}
+        done: set[str] = set()
+        steps: list[Step] = []
+        needed_outside = self.needed_outside()
+        while len(done) < len(gids):
+            for g in gids:
+                if g not in done and deps[g] <= done:
+                    steps.append(self.make_step(g, inline, needed_outside))
+                    done.add(g)
+                    break
+            else:
+                raise AssertionError("fusion produced a cyclic schedule")
+        return steps
+
+    def needed_outside(self) -> set[str]:
+        needed = {self.resolve(n) for n in self.graph.needed_in_memory}
+        for name, deps in self.deps.items():
+            for d in deps:
+                if self.group[d] != self.group[name]:
+                    needed.add(d)
+        return needed
+
+    def make_step(self, gid: str, inline: set[str], needed_outside: set[str]) -> Step:
+        members = sorted(self.group_members(gid), key=self.order.get)
+        if gid not in self.bodies:
+            return self.graph.node(gid)
+        used = set()
+        for m in members:
+            used |= _inlined_reads(self.compute[m].body, self.compute, inline)
+        return Region(
+            nodes=[self.compute[m] for m in members],
+            bodies={m: self.bodies[m] for m in members},
+            stores=[m for m in members if m in needed_outside],
+            inlined=[self.compute[n] for n in sorted(used, key=self.order.get)],
+        )
+
+
+def _inlined_reads(body: Expr, compute: dict[str, ComputeNode], inline: set[str]) -> set[str]:
+    out = set()
+    for r in ir.reads(body):
+        if r.name in inline and r.name not in out:
+            out.add(r.name)
+            out |= _inlined_reads(compute[r.name].body, compute, inline)
+    return out
+
+
+def fuse(graph: LoopGraph) -> list[Step]:
+    return Fusion(graph).run()

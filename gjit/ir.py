@@ -1,0 +1,266 @@
+"""The loop IR: what lowering produces and fusion and codegen consume.
+
+A value is an expression DAG over index variables. Each lowered FX node that computes
+something becomes a `ComputeNode` whose `body` is the value of one element at the
+logical index ``(i0, i1, ...)``; reads of other nodes name them with the index they are
+read at, so views (expand, permute, slice, reshape, ...) are index expressions, not copies.
+Nodes that must exist in memory before or after the graph runs (inputs, extern results)
+are `Buffer`s with a symbolic layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import sympy
+import torch
+
+Index = tuple[sympy.Expr, ...]
+
+
+def index_vars(rank: int, prefix: str = "i") -> Index:
+    return tuple(sympy.Symbol(f"{prefix}{k}", integer=True, nonnegative=True) for k in range(rank))
+
+
+# ----------------------------------------------------------------------------------------------
+# Expressions: one element's value. Frozen, so equal sub-expressions hash equal (CSE in codegen).
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Expr:
+    dtype: torch.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Read(Expr):
+    """The element of buffer or node `name` at logical index `index`."""
+
+    name: str
+    index: Index
+
+
+@dataclasses.dataclass(frozen=True)
+class Const(Expr):
+    value: bool | int | float
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexValue(Expr):
+    """An index expression used as data (arange, iota, masks of cat)."""
+
+    expr: sympy.Expr
+
+
+@dataclasses.dataclass(frozen=True)
+class Op(Expr):
+    """Pointwise operation `name` (a key of the codegen emitter tables) on `args`."""
+
+    name: str
+    args: tuple[Expr, ...]
+    # Non-Expr parameters of the op (target dtype of a cast, ...), hashable.
+    params: tuple[Any, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Masked(Expr):
+    """`body` where `mask` holds, else `other`; reads inside `body` are masked too (cat, pad)."""
+
+    mask: sympy.Expr  # a sympy boolean over index variables
+    body: Expr
+    other: bool | int | float
+
+
+def walk(expr: Expr) -> Iterator[Expr]:
+    """Every sub-expression once, producers before consumers."""
+    seen: set[int] = set()
+    order: list[Expr] = []
+
+    def visit(e: Expr) -> None:
+        if id(e) in seen:
+            return
+        seen.add(id(e))
+        for child in children(e):
+            visit(child)
+        order.append(e)
+
+    visit(expr)
+    return iter(order)
+
+
+def children(e: Expr) -> tuple[Expr, ...]:
+    if isinstance(e, Op):
+        return e.args
+    if isinstance(e, Masked):
+        return (e.body,)
+    return ()
+
+
+def reads(expr: Expr) -> list[Read]:
+    return [e for e in walk(expr) if isinstance(e, Read)]
+
+
+def substitute(
+    expr: Expr, on_read: Callable[[Read], Expr], on_index: Callable[[sympy.Expr], sympy.Expr]
+) -> Expr:
+    """Rebuild `expr` with reads replaced by `on_read(read)` and index expressions mapped."""
+    memo: dict[int, Expr] = {}
+
+    def go(e: Expr) -> Expr:
+        if id(e) in memo:
+            return memo[id(e)]
+        if isinstance(e, Read):
+            out = on_read(Read(e.dtype, e.name, tuple(on_index(i) for i in e.index)))
+        elif isinstance(e, IndexValue):
+            out = IndexValue(e.dtype, on_index(e.expr))
+        elif isinstance(e, Op):
+            out = Op(e.dtype, e.name, tuple(go(a) for a in e.args), e.params)
+        elif isinstance(e, Masked):
+            out = Masked(e.dtype, on_index(e.mask), go(e.body), e.other)
+        else:
+            out = e
+        memo[id(e)] = out
+        return out
+
+    return go(expr)
+
+
+def format_expr(expr: Expr) -> str:
+    """One-line readable form, used in IR dumps and error messages."""
+    if isinstance(expr, Read):
+        return f"{expr.name}[{', '.join(map(str, expr.index))}]"
+    if isinstance(expr, Const):
+        return repr(expr.value)
+    if isinstance(expr, IndexValue):
+        return f"index({expr.expr})"
+    if isinstance(expr, Op):
+        params = "".join(f", {p}" for p in expr.params)
+        return f"{expr.name}({', '.join(format_expr(a) for a in expr.args)}{params})"
+    if isinstance(expr, Masked):
+        return f"masked({expr.mask}, {format_expr(expr.body)}, {expr.other!r})"
+    raise TypeError(type(expr))
+
+
+# ----------------------------------------------------------------------------------------------
+# Graph nodes
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Layout:
+    size: Index
+    stride: Index
+    offset: sympy.Expr
+    dtype: torch.dtype
+
+    def offset_of(self, index: Sequence[sympy.Expr]) -> sympy.Expr:
+        return self.offset + sum((i * s for i, s in zip(index, self.stride)), sympy.Integer(0))
+
+
+@dataclasses.dataclass
+class Buffer:
+    """Memory that exists outside generated kernels: a graph input or an extern's result."""
+
+    name: str
+    layout: Layout
+    kind: str  # "input" | "extern"
+
+
+@dataclasses.dataclass
+class ComputeNode:
+    """One FX node's pointwise computation; `body` is its element at `index_vars(len(size))`."""
+
+    name: str
+    layout: Layout  # where it lives if it is stored (export's strides for that node)
+    body: Expr
+    fx_node: torch.fx.Node
+    aten: str  # the ATen op, for kernel names and headers
+
+    @property
+    def size(self) -> Index:
+        return self.layout.size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layout.dtype
+
+
+@dataclasses.dataclass
+class ExternNode:
+    """An op run by eager ATen inside the compiled program (matmul, conv, unsupported ops)."""
+
+    name: str
+    fx_node: torch.fx.Node
+    reason: str
+    tensor_args: list[str]  # names of the values (buffers, nodes, views) it reads
+
+
+@dataclasses.dataclass
+class ViewNode:
+    """An FX view op kept so the wrapper can build the real strided view (outputs, extern args)."""
+
+    name: str
+    fx_node: torch.fx.Node
+    base: str
+
+
+@dataclasses.dataclass
+class LoopGraph:
+    """The lowered program: buffers, compute/extern nodes in FX order, and the outputs."""
+
+    buffers: dict[str, Buffer]
+    nodes: list[ComputeNode | ExternNode]
+    views: dict[str, ViewNode]
+    outputs: list[str | None]  # value name per FX output (None: a non-tensor output)
+    fx_graph: torch.fx.Graph
+    # names of graph values whose memory the wrapper must have (outputs, extern args, view bases)
+    needed_in_memory: set[str]
+
+    def node(self, name: str) -> ComputeNode | ExternNode:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+    def compute_nodes(self) -> dict[str, ComputeNode]:
+        return {n.name: n for n in self.nodes if isinstance(n, ComputeNode)}
+
+    def format(self) -> str:
+        lines = []
+        for b in self.buffers.values():
+            lay = b.layout
+            lines.append(
+                f"buffer {b.name}: {b.kind} {dtype_str(lay.dtype)}{list(lay.size)} stride={list(lay.stride)}"
+            )
+        for n in self.nodes:
+            if isinstance(n, ComputeNode):
+                iv = ", ".join(map(str, index_vars(len(n.size))))
+                lines.append(f"{n.name}[{iv}] = {format_expr(n.body)}  # {dtype_str(n.dtype)}{list(n.size)}")
+            else:
+                lines.append(
+                    f"{n.name} = extern {n.fx_node.target}({', '.join(n.tensor_args)})  # {n.reason}"
+                )
+        for v in self.views.values():
+            lines.append(f"{v.name} = view {v.fx_node.target} of {v.base}")
+        lines.append(f"return {self.outputs}")
+        return "\n".join(lines)
+
+
+_SHORT = {
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.float64: "f64",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "b8",
+}
+
+
+def dtype_str(dtype: torch.dtype) -> str:
+    return _SHORT.get(dtype, str(dtype).replace("torch.", ""))

@@ -1,0 +1,294 @@
+"""Lowering: ATen FX graph -> loop IR (`ir.LoopGraph`).
+
+A registry keyed by ATen `OpOverload` maps each op to a lowering function. Pointwise ops
+become `ComputeNode`s, views become index functions (no copy), and every op without a
+lowering becomes an `ExternNode` that the wrapper runs through eager ATen: that is logged,
+never an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import sympy
+import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+
+from gjit import ir
+from gjit.ir import Const, Expr, Index, Op, Read
+
+log = logging.getLogger("gjit.lowering")
+aten = torch.ops.aten
+
+LOWERINGS: dict[torch._ops.OpOverload, Callable] = {}
+
+# Ops that are always externs, with the reason shown in `gjit.explain(...).externs`.
+EXTERN_REASONS: dict[torch._ops.OpOverload, str] = {
+    aten.mm.default: "matmul runs as an ATen extern",
+    aten.addmm.default: "matmul runs as an ATen extern",
+    aten.bmm.default: "matmul runs as an ATen extern",
+    aten.baddbmm.default: "matmul runs as an ATen extern",
+    aten.convolution.default: "convolution runs as an ATen extern",
+    aten.scaled_dot_product_attention.default: "attention runs as an ATen extern",
+}
+
+# Ops that only check metadata in the graph: guards already cover what they assert.
+IGNORED = {aten._assert_tensor_metadata.default, aten.sym_constrain_range_for_size.default}
+
+
+class Unsupported(Exception):
+    """Raised by a lowering for arguments it cannot handle; the node becomes an extern."""
+
+
+def register_lowering(*ops: torch._ops.OpOverload) -> Callable:
+    def decorator(fn: Callable) -> Callable:
+        for op in ops:
+            LOWERINGS[op] = fn
+        return fn
+
+    return decorator
+
+
+# ----------------------------------------------------------------------------------------------
+# Values seen while lowering: something that can be read at a logical index.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class TensorValue:
+    name: str
+    size: Index
+    dtype: torch.dtype
+
+    def load(self, index: Sequence[sympy.Expr]) -> Expr:
+        return Read(self.dtype, self.name, tuple(index))
+
+
+@dataclasses.dataclass
+class ViewValue(TensorValue):
+    base: TensorValue
+    reindex: Callable[[Index], Index]
+
+    def load(self, index: Sequence[sympy.Expr]) -> Expr:
+        return self.base.load(self.reindex(tuple(index)))
+
+
+def to_sympy(value: Any) -> sympy.Expr:
+    if isinstance(value, torch.SymInt):
+        return value.node.expr
+    if isinstance(value, (bool, int)):
+        return sympy.Integer(int(value))
+    if isinstance(value, sympy.Expr):
+        return value
+    raise Unsupported(f"cannot use {type(value).__name__} {value!r} as a size")
+
+
+def meta_layout(val: torch.Tensor) -> ir.Layout:
+    return ir.Layout(
+        size=tuple(to_sympy(s) for s in val.shape),
+        stride=tuple(to_sympy(s) for s in val.stride()),
+        offset=to_sympy(val.storage_offset()),
+        dtype=val.dtype,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The lowering context: builds the LoopGraph while walking the FX graph.
+# ----------------------------------------------------------------------------------------------
+
+
+class Lowering:
+    def __init__(self, gm: torch.fx.GraphModule):
+        self.gm = gm
+        self.values: dict[torch.fx.Node, Any] = {}
+        self.buffers: dict[str, ir.Buffer] = {}
+        self.nodes: list[ir.ComputeNode | ir.ExternNode] = []
+        self.views: dict[str, ir.ViewNode] = {}
+        self.needed: set[str] = set()
+        self.node: torch.fx.Node | None = None  # the FX node being lowered
+
+    # -- helpers used by the lowering functions ------------------------------------------------
+
+    @property
+    def out_val(self) -> torch.Tensor:
+        return self.node.meta["val"]
+
+    def pointwise(self, body_fn: Callable[[Index], Expr]) -> TensorValue:
+        """Make the current node a ComputeNode whose element at index `i` is `body_fn(i)`."""
+        layout = meta_layout(self.out_val)
+        idx = ir.index_vars(len(layout.size))
+        body = cast(body_fn(idx), layout.dtype)
+        name = self.node.name
+        aten_name = getattr(self.node.target, "__name__", str(self.node.target)).split(".")[0]
+        self.nodes.append(ir.ComputeNode(name, layout, body, self.node, aten_name))
+        return TensorValue(name, layout.size, layout.dtype)
+
+    def view(self, base: TensorValue, reindex: Callable[[Index], Index]) -> ViewValue:
+        val = self.out_val
+        name = self.node.name
+        self.views[name] = ir.ViewNode(name, self.node, base.name)
+        return ViewValue(name, tuple(to_sympy(s) for s in val.shape), val.dtype, base, reindex)
+
+    # -- the walk ------------------------------------------------------------------------------
+
+    def run(self) -> ir.LoopGraph:
+        outputs: list[str | None] = []
+        for node in self.gm.graph.nodes:
+            self.node = node
+            if node.op == "placeholder":
+                self.values[node] = self.placeholder(node)
+            elif node.op == "call_function":
+                self.values[node] = self.call_function(node)
+            elif node.op == "output":
+                for out in node.args[0]:
+                    value = self.values.get(out) if isinstance(out, torch.fx.Node) else None
+                    if isinstance(value, TensorValue):
+                        self.require(value)
+                        outputs.append(value.name)
+                    else:
+                        outputs.append(None)
+            else:
+                raise NotImplementedError(f"FX op {node.op} ({node.format_node()})")
+        return ir.LoopGraph(self.buffers, self.nodes, self.views, outputs, self.gm.graph, self.needed)
+
+    def placeholder(self, node: torch.fx.Node) -> Any:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            layout = meta_layout(val)
+            self.buffers[node.name] = ir.Buffer(node.name, layout, "input")
+            return TensorValue(node.name, layout.size, layout.dtype)
+        return val  # SymInt / constants: used as scalars
+
+    def call_function(self, node: torch.fx.Node) -> Any:
+        target = node.target
+        if target is operator.getitem:
+            base = self.values[node.args[0]]
+            if isinstance(base, (list, tuple)):
+                return base[node.args[1]]
+            return self.extern_output(node)
+        if target in IGNORED:
+            return None
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: self.values[n])
+        fn = LOWERINGS.get(target)
+        reason = EXTERN_REASONS.get(target)
+        if fn is not None and reason is None:
+            try:
+                return fn(self, *args, **kwargs)
+            except Unsupported as e:
+                reason = f"lowering refused: {e}"
+        if reason is None:
+            reason = f"no lowering for {target}"
+        return self.extern(node, reason)
+
+    def require(self, value: TensorValue) -> None:
+        """The wrapper needs this value as a real tensor: mark it (and a view's bases) in memory."""
+        self.needed.add(value.name)
+        if isinstance(value, ViewValue):
+            self.require(value.base)
+
+    def extern(self, node: torch.fx.Node, reason: str) -> Any:
+        tensor_args = []
+
+        def visit(a: Any) -> Any:
+            value = self.values.get(a) if isinstance(a, torch.fx.Node) else None
+            if isinstance(value, TensorValue):
+                self.require(value)
+                tensor_args.append(value.name)
+            return a
+
+        torch.fx.node.map_arg((node.args, node.kwargs), visit)
+        self.nodes.append(ir.ExternNode(node.name, node, reason, tensor_args))
+        log.debug("extern %s: %s", node.format_node(), reason)
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            layout = meta_layout(val)
+            self.buffers[node.name] = ir.Buffer(node.name, layout, "extern")
+            return TensorValue(node.name, layout.size, layout.dtype)
+        if isinstance(val, (list, tuple)):
+            return val  # tuple results are read through getitem nodes, each its own buffer
+        return val
+
+    def extern_output(self, node: torch.fx.Node) -> Any:
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return val
+        layout = meta_layout(val)
+        self.buffers[node.name] = ir.Buffer(node.name, layout, "extern")
+        self.nodes.append(
+            ir.ExternNode(node.name, node, "element of an extern's result", [node.args[0].name])
+        )
+        return TensorValue(node.name, layout.size, layout.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# dtype handling shared by pointwise lowerings
+# ----------------------------------------------------------------------------------------------
+
+
+def cast(expr: Expr, dtype: torch.dtype) -> Expr:
+    if expr.dtype == dtype:
+        return expr
+    if isinstance(expr, Const):
+        return Const(dtype, python_scalar(expr.value, dtype))
+    return Op(dtype, "to_dtype", (expr,), (dtype,))
+
+
+def python_scalar(value: Any, dtype: torch.dtype) -> bool | int | float:
+    if dtype == torch.bool:
+        return bool(value)
+    if dtype.is_floating_point:
+        return float(value)
+    return int(value)
+
+
+def promote(
+    node_args: Sequence[Any], kind: ELEMENTWISE_TYPE_PROMOTION_KIND
+) -> tuple[torch.dtype, torch.dtype]:
+    """(compute dtype, result dtype) exactly as ATen's elementwise type promotion gives them."""
+    metas = []
+    for a in node_args:
+        if isinstance(a, TensorValue):
+            metas.append(torch.empty([1] * len(a.size), dtype=a.dtype, device="meta"))
+        elif isinstance(a, torch.SymInt):
+            metas.append(1)
+        elif isinstance(a, torch.SymFloat):
+            metas.append(1.0)
+        else:
+            metas.append(a)
+    return elementwise_dtypes(*metas, type_promotion_kind=kind)
+
+
+def broadcast_index(value: TensorValue, out_index: Index, out_size: Index) -> Index:
+    """The index of `value` that broadcasting reads for output element `out_index`."""
+    rank = len(value.size)
+    lead = len(out_size) - rank
+    idx = []
+    for k, size in enumerate(value.size):
+        out_k = lead + k
+        if size == 1 and out_size[out_k] != 1:
+            idx.append(sympy.Integer(0))
+        else:
+            idx.append(out_index[out_k])
+    return tuple(idx)
+
+
+def load_as(arg: Any, dtype: torch.dtype, index: Index, out_size: Index) -> Expr:
+    """Read a tensor argument (broadcast) or make a scalar constant, in the compute dtype."""
+    if isinstance(arg, TensorValue):
+        return cast(arg.load(broadcast_index(arg, index, out_size)), dtype)
+    if isinstance(arg, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return cast(ir.IndexValue(torch.int64, to_sympy(arg)), dtype)
+    if isinstance(arg, (bool, int, float)):
+        return Const(dtype, python_scalar(arg, dtype))
+    raise Unsupported(f"unsupported pointwise argument {type(arg).__name__}")
+
+
+def lower_graph(gm: torch.fx.GraphModule) -> ir.LoopGraph:
+    # the op tables register themselves on import
+    from gjit import lowering_pointwise, lowering_views  # noqa: F401
+
+    return Lowering(gm).run()

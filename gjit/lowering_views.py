@@ -1,0 +1,188 @@
+"""View lowerings: each view is an index function into its base, never a copy.
+
+`ctx.view(base, reindex)` records the FX view node, so when the wrapper needs the view as
+a real tensor (a graph output, an extern's argument) it builds it with the same ATen view
+op on the base buffer: zero-copy, with eager's strides.
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+from torch.utils._sympy.functions import FloorDiv, ModularIndexing
+
+from gjit.ir import Index
+from gjit.lowering import Lowering, TensorValue, register_lowering, to_sympy
+
+aten = torch.ops.aten
+ZERO = sympy.Integer(0)
+
+
+def _norm_dim(dim: int, rank: int) -> int:
+    return dim + rank if dim < 0 else dim
+
+
+@register_lowering(aten.alias.default, aten.lift_fresh_copy.default)
+def alias(ctx: Lowering, x: TensorValue) -> TensorValue:
+    return ctx.view(x, lambda idx: idx)
+
+
+@register_lowering(aten.permute.default)
+def permute(ctx: Lowering, x: TensorValue, dims: list[int]) -> TensorValue:
+    dims = [_norm_dim(d, len(x.size)) for d in dims]
+
+    def reindex(idx: Index) -> Index:
+        src = [ZERO] * len(dims)
+        for k, d in enumerate(dims):
+            src[d] = idx[k]
+        return tuple(src)
+
+    return ctx.view(x, reindex)
+
+
+@register_lowering(aten.transpose.int)
+def transpose(ctx: Lowering, x: TensorValue, dim0: int, dim1: int) -> TensorValue:
+    rank = len(x.size)
+    dims = list(range(rank))
+    a, b = _norm_dim(dim0, rank), _norm_dim(dim1, rank)
+    dims[a], dims[b] = dims[b], dims[a]
+    return permute(ctx, x, dims)
+
+
+@register_lowering(aten.expand.default)
+def expand(ctx: Lowering, x: TensorValue, sizes: list, *, implicit: bool = False) -> TensorValue:
+    out_size = tuple(to_sympy(s) for s in ctx.out_val.shape)
+    lead = len(out_size) - len(x.size)
+
+    def reindex(idx: Index) -> Index:
+        return tuple(
+            ZERO if size == 1 and out_size[lead + k] != 1 else idx[lead + k] for k, size in enumerate(x.size)
+        )
+
+    return ctx.view(x, reindex)
+
+
+@register_lowering(aten.unsqueeze.default)
+def unsqueeze(ctx: Lowering, x: TensorValue, dim: int) -> TensorValue:
+    dim = _norm_dim(dim, len(x.size) + 1)
+    return ctx.view(x, lambda idx: idx[:dim] + idx[dim + 1 :])
+
+
+@register_lowering(aten.squeeze.dims, aten.squeeze.dim, aten.squeeze.default)
+def squeeze(ctx: Lowering, x: TensorValue, dims: int | list[int] | None = None) -> TensorValue:
+    rank = len(x.size)
+    if dims is None:
+        dims = list(range(rank))
+    elif isinstance(dims, int):
+        dims = [dims]
+    removed = {d for d in (_norm_dim(d, rank) for d in dims) if x.size[d] == 1}
+
+    def reindex(idx: Index) -> Index:
+        it = iter(idx)
+        return tuple(ZERO if k in removed else next(it) for k in range(rank))
+
+    return ctx.view(x, reindex)
+
+
+@register_lowering(aten.slice.Tensor)
+def slice_(ctx: Lowering, x: TensorValue, dim: int = 0, start=None, end=None, step: int = 1) -> TensorValue:
+    dim = _norm_dim(dim, len(x.size))
+    begin = to_sympy(0 if start is None else start)
+    if begin.is_number and begin < 0:
+        begin = begin + x.size[dim]
+        begin = sympy.Integer(0) if begin.is_number and begin < 0 else begin
+    stride = to_sympy(step)
+
+    def reindex(idx: Index) -> Index:
+        return idx[:dim] + (begin + stride * idx[dim],) + idx[dim + 1 :]
+
+    return ctx.view(x, reindex)
+
+
+@register_lowering(aten.select.int)
+def select(ctx: Lowering, x: TensorValue, dim: int, index) -> TensorValue:
+    dim = _norm_dim(dim, len(x.size))
+    pos = to_sympy(index)
+    if pos.is_number and pos < 0:
+        pos = pos + x.size[dim]
+    return ctx.view(x, lambda idx: idx[:dim] + (pos,) + idx[dim:])
+
+
+@register_lowering(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def view(ctx: Lowering, x: TensorValue, sizes: list) -> TensorValue:
+    new_size = tuple(to_sympy(s) for s in ctx.out_val.shape)
+    return ctx.view(x, reshape_indexer(x.size, new_size))
+
+
+def _product(sizes) -> sympy.Expr:
+    return sympy.Mul(*sizes) if sizes else sympy.Integer(1)
+
+
+def _divides(a: sympy.Expr, b: sympy.Expr) -> bool:
+    """True when b / a is known to be an integer polynomial (a divides b for every size)."""
+    quotient = sympy.cancel(b / a)
+    _, denominator = sympy.fraction(quotient)
+    return denominator == 1
+
+
+def _unflatten(flat: sympy.Expr, sizes: list[sympy.Expr]) -> list[sympy.Expr]:
+    """Row-major digits of `flat` in `sizes`: the outermost needs no modulo, the innermost no division."""
+    out = []
+    for k, size in enumerate(sizes):
+        inner = _product(sizes[k + 1 :])
+        if k == 0:
+            out.append(FloorDiv(flat, inner) if inner != 1 else flat)
+        else:
+            out.append(ModularIndexing(flat, inner, size))
+    return out
+
+
+def _flatten(index: list[sympy.Expr], sizes: list[sympy.Expr]) -> sympy.Expr:
+    return sum((i * _product(sizes[k + 1 :]) for k, i in enumerate(index)), ZERO)
+
+
+def reshape_indexer(old: Index, new: Index):
+    """Index function of a row-major reshape old -> new, grouping dims whose products match.
+
+    Dims are grouped where both sides' partial products are provably equal, so common
+    reshapes (split/merge of heads) stay simple; otherwise the whole view goes through one
+    flat index, which is always right.
+    """
+    old_keep = [k for k, s in enumerate(old) if s != 1]
+    new_keep = [k for k, s in enumerate(new) if s != 1]
+    groups: list[tuple[list[int], list[int]]] | None = []
+    i = j = 0
+    while i < len(old_keep) and j < len(new_keep):
+        og, ng = [old_keep[i]], [new_keep[j]]
+        po, pn = old[old_keep[i]], new[new_keep[j]]
+        i, j = i + 1, j + 1
+        while sympy.simplify(po - pn) != 0:
+            if _divides(po, pn) and i < len(old_keep):
+                og.append(old_keep[i])
+                po = po * old[old_keep[i]]
+                i += 1
+            elif _divides(pn, po) and j < len(new_keep):
+                ng.append(new_keep[j])
+                pn = pn * new[new_keep[j]]
+                j += 1
+            else:
+                groups = None
+                break
+        if groups is None:
+            break
+        groups.append((og, ng))
+    if groups is not None and (i < len(old_keep) or j < len(new_keep)):
+        groups = None
+
+    def reindex(idx: Index) -> Index:
+        src = [ZERO] * len(old)
+        if groups is None:
+            flat = _flatten(list(idx), list(new))
+            return tuple(_unflatten(flat, list(old)))
+        for og, ng in groups:
+            flat = _flatten([idx[k] for k in ng], [new[k] for k in ng])
+            for k, value in zip(og, _unflatten(flat, [old[k] for k in og])):
+                src[k] = value
+        return tuple(src)
+
+    return reindex

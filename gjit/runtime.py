@@ -1,0 +1,142 @@
+"""Runtime: generated sources on disk, their loading, buffer allocation, and the fallback.
+
+Kernel and wrapper sources are content-addressed files (Triton's interpreter and JIT read
+kernel source from a real file). Which way a compiled graph runs is decided per call:
+CUDA tensors launch the kernels, CPU tensors run them through Triton's interpreter when
+`gjit.config.interpret` is set, and otherwise the eager fallback interpreter runs the graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+
+from gjit.codegen import interpret as interpret_libdevice
+from gjit.codegen.triton import KERNEL_PRELUDE, KernelSource
+from gjit.config import config
+
+# ----------------------------------------------------------------------------------------------
+# Sources on disk
+# ----------------------------------------------------------------------------------------------
+
+
+def write_source(kind: str, name: str, source: str) -> str:
+    """Write `source` under the cache dir, content-addressed; atomic (temp file + rename)."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:20]
+    folder = os.path.join(config.cache_dir, kind, digest[:2])
+    path = os.path.join(folder, f"{name}_{digest}.py")
+    if os.path.exists(path):
+        return path
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(source)
+    os.replace(tmp, path)
+    return path
+
+
+def load_module(path: str, extra: dict[str, Any] | None = None, interpret: bool = False) -> types.ModuleType:
+    """Import a generated file; with `interpret`, its @triton.jit kernels become interpreted."""
+    name = "gjit_generated_" + os.path.basename(path)[:-3] + ("_interp" if interpret else "")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    module.__dict__.update(extra or {})
+    sys.modules[name] = module  # inspect.getsource needs the module registered
+    if interpret:
+        interpret_libdevice.install()
+        with triton.knobs.runtime.scope():
+            triton.knobs.runtime.interpret = True
+            spec.loader.exec_module(module)
+    else:
+        spec.loader.exec_module(module)
+    return module
+
+
+# ----------------------------------------------------------------------------------------------
+# Allocation helpers the wrappers call
+# ----------------------------------------------------------------------------------------------
+
+
+def gjit_alloc(size: tuple, stride: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+
+def gjit_alloc_poisoned(size: tuple, stride: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Debug allocation: every element starts as NaN (floats) or a sentinel, so unwritten ones show."""
+    out = torch.empty_strided(size, stride, dtype=dtype, device=device)
+    if dtype.is_floating_point:
+        out.fill_(float("nan"))
+    elif dtype == torch.bool:
+        out.fill_(True)
+    else:
+        out.fill_(torch.iinfo(dtype).min + 7 if dtype != torch.uint8 else 0xA5)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The eager fallback
+# ----------------------------------------------------------------------------------------------
+
+
+class FallbackInterpreter(torch.fx.Interpreter):
+    """Runs the decomposed ATen graph eagerly, re-raising errors with the node and user line.
+
+    run()
+      +-- run_node()   <- adds "While executing <node>" and the user's source line
+    """
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        try:
+            return super().run_node(n)
+        except Exception as e:
+            trace = (n.meta.get("stack_trace") or "").strip()
+            where = f"\nUser code:\n{trace}" if trace else ""
+            raise type(e)(f"{e}\nWhile executing {n.format_node()}{where}") from e
+
+
+# ----------------------------------------------------------------------------------------------
+# A compiled graph: kernels + wrapper, runnable three ways
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class CompiledGraph:
+    graph_module: torch.fx.GraphModule
+    kernels: list[KernelSource]
+    wrapper_source: str
+    kernel_paths: dict[str, str] = dataclasses.field(default_factory=dict)
+    wrapper_path: str = ""
+    _calls: dict[str, Callable] = dataclasses.field(default_factory=dict)
+
+    def write(self) -> None:
+        for k in self.kernels:
+            self.kernel_paths[k.name] = write_source("kernels", k.name, KERNEL_PRELUDE + k.source)
+        self.wrapper_path = write_source("wrappers", "wrapper", self.wrapper_source)
+
+    def call_fn(self, interpret: bool) -> Callable:
+        key = "interpret" if interpret else "device"
+        if key not in self._calls:
+            kernels = {}
+            for k in self.kernels:
+                module = load_module(self.kernel_paths[k.name], interpret=interpret)
+                kernels[k.name] = getattr(module, k.name)
+            extra = {"gjit_alloc": gjit_alloc, "gjit_alloc_poisoned": gjit_alloc_poisoned, **kernels}
+            self._calls[key] = load_module(self.wrapper_path, extra).call
+        return self._calls[key]
+
+    def run(self, graph_inputs: list[Any]) -> list[Any]:
+        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in graph_inputs):
+            return list(self.call_fn(interpret=False)(graph_inputs))
+        if config.interpret:
+            return list(self.call_fn(interpret=True)(graph_inputs))
+        return list(FallbackInterpreter(self.graph_module).run(*graph_inputs))
