@@ -59,7 +59,9 @@ def size_hints(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, int]:
         sizes = list(val.shape) if isinstance(val, torch.Tensor) else [val]
         for s in sizes:
             if isinstance(s, torch.SymInt):
-                return {k: int(v) for k, v in s.node.shape_env.var_to_val.items()}
+                env = s.node.shape_env
+                values = getattr(env, "backed_var_to_val", None) or env.var_to_val
+                return {k: int(v) for k, v in values.items()}
     return {}
 
 

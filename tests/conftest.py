@@ -1,0 +1,30 @@
+import os
+
+import pytest
+import torch
+
+import gjit
+
+
+def pytest_collection_modifyitems(config, items):
+    slow = os.environ.get("GJIT_TEST_SLOW") == "1"
+    has_cuda = torch.cuda.is_available()
+    for item in items:
+        if "slow" in item.keywords and not slow:
+            item.add_marker(pytest.mark.skip(reason="slow test: set GJIT_TEST_SLOW=1"))
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _gjit_cache_dir(tmp_path_factory):
+    """Generated sources of the test session go to a temporary folder, not the user's cache."""
+    gjit.config.cache_dir = str(tmp_path_factory.mktemp("gjit_cache"))
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_counters():
+    gjit.reset()
+    torch.manual_seed(0)
+    yield

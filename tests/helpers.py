@@ -1,0 +1,85 @@
+"""The one test helper per layer: compile, run kernels in Triton's interpreter with poisoned
+buffers, compare with eager (float64 reference for low precision), count kernels."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+import gjit
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def tolerances(dtype: torch.dtype) -> tuple[float, float]:
+    if dtype == torch.float16:
+        return 2e-3, 2e-3
+    if dtype == torch.bfloat16:
+        return 1.6e-2, 1.6e-2
+    if dtype == torch.float64:
+        return 1e-10, 1e-10
+    return 1.3e-6, 1e-5
+
+
+def upcast(tree: Any) -> Any:
+    return pytree.tree_map(
+        lambda t: t.double() if isinstance(t, torch.Tensor) and t.dtype in LOW_PRECISION + (torch.float32,) else t,
+        tree,
+    )
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor, reference: torch.Tensor | None = None) -> None:
+    """Equal dtype/shape; values close (NaN where eager has NaN). For low precision, gjit may
+    differ from eager only if it is at least about as close to the float64 reference."""
+    assert isinstance(actual, torch.Tensor), f"expected a tensor, got {type(actual)}"
+    assert actual.dtype == expected.dtype, f"dtype {actual.dtype} != eager {expected.dtype}"
+    assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != eager {tuple(expected.shape)}"
+    if not expected.dtype.is_floating_point:
+        assert torch.equal(actual, expected), f"values differ:\n{actual}\n{expected}"
+        return
+    rtol, atol = tolerances(expected.dtype)
+    if reference is not None and expected.dtype in LOW_PRECISION:
+        ref = reference.to(torch.float64)
+        err_gjit = (actual.double() - ref).abs().nan_to_num(0)
+        err_eager = (expected.double() - ref).abs().nan_to_num(0)
+        bound = 2 * err_eager + atol + rtol * ref.abs().nan_to_num(0)
+        bad = err_gjit > bound
+        assert not bad.any(), f"gjit is farther from the float64 reference than eager at {bad.sum()} elements"
+        assert torch.equal(actual.isnan(), expected.isnan()), "NaN positions differ from eager"
+        return
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True)
+
+
+def run_compiled(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, gjit.CompiledFunction]:
+    cm = fn if isinstance(fn, gjit.CompiledFunction) else gjit.compile(fn)
+    with gjit.config.scope(interpret=True, debug=True):
+        out = cm(*args, **kwargs)
+    return out, cm
+
+
+def check(fn: Any, *args: Any, kernels: int | None = None, **kwargs: Any) -> gjit.CompiledFunction:
+    """Compile `fn`, run it through the generated kernels, compare every output with eager."""
+    model = fn.model if isinstance(fn, gjit.CompiledFunction) else fn
+    expected = model(*args, **kwargs)
+    out, cm = run_compiled(fn, *args, **kwargs)
+    reference = None
+    if any(isinstance(t, torch.Tensor) and t.dtype in LOW_PRECISION for t in pytree.tree_leaves((args, kwargs))):
+        reference = model(*upcast(args), **upcast(kwargs))
+    out_leaves, out_spec = pytree.tree_flatten(out)
+    exp_leaves, exp_spec = pytree.tree_flatten(expected)
+    assert out_spec == exp_spec, f"output structure {out_spec} != eager {exp_spec}"
+    ref_leaves = pytree.tree_leaves(reference) if reference is not None else [None] * len(exp_leaves)
+    for a, e, r in zip(out_leaves, exp_leaves, ref_leaves):
+        if isinstance(e, torch.Tensor):
+            assert_same(a, e, r)
+        else:
+            assert a == e
+    if kernels is not None:
+        assert kernel_count(cm, *args, **kwargs) == kernels, gjit.explain(cm, *args, **kwargs)
+    return cm
+
+
+def kernel_count(cm: gjit.CompiledFunction, *args: Any, **kwargs: Any) -> int:
+    return len(gjit.explain(cm, *args, **kwargs).kernels)
