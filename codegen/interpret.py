@@ -10,7 +10,8 @@ and `tests/test_interpret_libdevice.py` checks these stand-ins against float64 r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -58,13 +59,89 @@ def create_extern_elementwise(self, lib_name, lib_path, symbol, arg_list, ret_ty
     float32 = any(a.dtype == np.float32 for a in arrays)
     fn = _lookup(symbol, float32)
     wide = [torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64)) for a in np.broadcast_arrays(*arrays)]
-    out_np_dtype = _get_np_dtype(ret_type)
-    result = fn(*wide).numpy().astype(out_np_dtype)
-    return TensorHandle(result, ret_type)
+    scalar_type = ret_type.scalar  # a block type when the arguments are blocks
+    result = fn(*wide).numpy().astype(_get_np_dtype(scalar_type))
+    return TensorHandle(result, scalar_type)
+
+
+def _patch_lang_with_libdevice(patch_lang: Callable) -> Callable:
+    """Wrap the interpreter's `_patch_lang(fn)`: besides `tl`, bind the `libdevice` stubs that
+    `fn` sees to CUDA libdevice's externs, run by the interpreter's builder (restored after)."""
+    from triton.language.extra import libdevice as stubs
+    from triton.language.extra.cuda import libdevice as cuda_libdevice
+    from triton.runtime import interpreter
+
+    def patch(fn):
+        scope = patch_lang(fn)
+        if any(value is stubs for value in fn.__globals__.values()):
+            for name in dir(stubs):
+                member = getattr(cuda_libdevice, name, None)
+                if not name.startswith("_") and callable(member):
+                    interpreter._patch_attr(stubs, name, member, interpreter.interpreter_builder, scope)
+        return scope
+
+    patch.gjit_libdevice = True
+    return patch
+
+
+_STDLIB: dict[str, tuple] = {}
+
+
+class _ScopedDeviceFunction:
+    """An interpreted device function that undoes its patches of `tl` when it returns
+    (Triton's own InterpretedFunction leaves them in place, which breaks later GPU compiles)."""
+
+    def __init__(self, fn: Callable):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        self.fn = fn
+        self.interpreted = InterpretedFunction(fn)
+
+    def __call__(self, *args, **kwargs):
+        from triton.runtime.interpreter import _patch_lang
+
+        scope = _patch_lang(self.fn)
+        try:
+            return self.interpreted.rewrite()(*args, **kwargs)
+        finally:
+            scope.restore()
+
+
+@contextlib.contextmanager
+def stdlib_interpreted() -> Iterator[None]:
+    """Run with `tl`'s @jit standard-library helpers (tl.sigmoid, tl.zeros, tl.sum, ...) swapped
+    for interpreted versions.
+
+    Triton builds those helpers when `triton.language` is imported; unless TRITON_INTERPRET
+    was set then, they are GPU JITFunctions that an interpreted kernel cannot call. Swapping
+    them only while interpreted kernels run keeps the process able to compile real GPU code.
+    """
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    if not _STDLIB:
+        for name in dir(tl):
+            obj = getattr(tl, name)
+            if isinstance(obj, JITFunction):
+                _STDLIB[name] = (obj, _ScopedDeviceFunction(obj.fn))
+    for name, (_, interpreted) in _STDLIB.items():
+        setattr(tl, name, interpreted)
+    try:
+        yield
+    finally:
+        for name, (original, _) in _STDLIB.items():
+            setattr(tl, name, original)
 
 
 def install() -> None:
-    """Teach Triton's interpreter libdevice (idempotent)."""
-    from triton.runtime.interpreter import InterpreterBuilder
+    """Teach Triton's interpreter libdevice (idempotent).
 
-    InterpreterBuilder.create_extern_elementwise = create_extern_elementwise
+    Interpreted kernels see `triton.language.extra.libdevice`, whose functions are stubs that
+    only the compiler resolves; while a kernel runs they are bound to CUDA libdevice's externs,
+    whose `create_extern_elementwise` calls end here.
+    """
+    from triton.runtime import interpreter
+
+    interpreter.InterpreterBuilder.create_extern_elementwise = create_extern_elementwise
+    if not getattr(interpreter._patch_lang, "gjit_libdevice", False):
+        interpreter._patch_lang = _patch_lang_with_libdevice(interpreter._patch_lang)

@@ -36,6 +36,20 @@ TL_DTYPES = {
 }
 
 
+POINTER_TYPES = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float64: "fp64",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "i1",
+}
+
+
 def _floordiv(a: str, b: str, dtype: torch.dtype) -> str:
     return f"({a} // {b}) - ((({a} % {b}) != 0) & (({a} < 0) != ({b} < 0))).to({TL_DTYPES[dtype]})"
 
@@ -152,6 +166,7 @@ class KernelSource:
     index_dtype: str
     aten_nodes: list[str]  # "name: aten.op" per fused node
     source_lines: list[str]
+    signature: dict[str, str]  # parameter -> Triton type ("*fp32", "i32", "constexpr")
 
     @property
     def cache_key(self) -> str:
@@ -287,12 +302,20 @@ class KernelWriter:
         for node in self.region.stores:
             value = self.node_value(node)
             arg = self.out_args.setdefault(node, f"out_ptr{len(self.out_args)}")
-            offset = self.index(self.subst(self.layout(node).offset_of(idx)))
+            offset_expr = self.subst(self.layout(node).offset_of(idx))
+            offset = self.index(offset_expr)
+            if not offset_expr.free_symbols & set(self.vars):
+                offset += ") + (tl.zeros([XBLOCK], tl.int32)"  # a 0-d store still needs a block pointer
             if not self.depends_on_index(self.region.bodies[node]):
                 value = f"tl.where(xmask, {value}, {value})"
             self.lines.append(f"tl.store({arg} + ({offset}), {value}, xmask)")
         symbols = sorted(self.symbols - set(plan.vars) - {XINDEX}, key=lambda s: s.name)
         params = [*self.in_args.values(), *self.out_args.values(), *(s.name for s in symbols), "xnumel"]
+        int_type = "i32" if index_dtype == "tl.int32" else "i64"
+        pointers = {**self.in_args, **self.out_args}
+        signature = {arg: "*" + POINTER_TYPES[self.layout(name).dtype] for name, arg in pointers.items()}
+        signature |= {p: int_type for p in params[len(signature) :]}
+        signature["XBLOCK"] = "constexpr"
         body = setup + self.lines
         nodes = self.region.inlined + self.region.nodes
         header = self.header(name, nodes, numel)
@@ -311,6 +334,7 @@ class KernelWriter:
             index_dtype=index_dtype,
             aten_nodes=[f"{n.name}: {n.fx_node.target}" for n in nodes],
             source_lines=_unique(source_line(n.fx_node) for n in nodes),
+            signature=signature,
         )
 
     def depends_on_index(self, body: Expr) -> bool:

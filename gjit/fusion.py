@@ -56,6 +56,7 @@ class Fusion:
         self.graph = graph
         self.compute = graph.compute_nodes()
         self.order = {n.name: k for k, n in enumerate(graph.nodes)}
+        self.expanded: dict[Read, Expr] = {}
 
     def run(self) -> list[Step]:
         inline = self.choose_inlined()
@@ -75,19 +76,19 @@ class Fusion:
     # -- 1. inlining ---------------------------------------------------------------------------
 
     def choose_inlined(self) -> set[str]:
+        # consumers come after producers, so walking backwards decides every consumer first
+        inline: set[str] = set()
         identity_consumers: dict[str, int] = {name: 0 for name in self.compute}
-        for node in self.compute.values():
+        for name in reversed(list(self.compute)):
+            node = self.compute[name]
+            if name not in self.graph.needed_in_memory and identity_consumers[name] == 0:
+                inline.add(name)
+                log.debug("inline %s into its consumers: no consumer reads it element-for-element", name)
+                continue
             for r in ir.reads(node.body):
                 producer = self.compute.get(r.name)
                 if producer is not None and producer.size == node.size and _identity(r, node.size):
                     identity_consumers[r.name] += 1
-        inline = set()
-        for name in self.compute:
-            if name in self.graph.needed_in_memory:
-                continue
-            if identity_consumers[name] == 0:
-                inline.add(name)
-                log.debug("inline %s into its consumers: no consumer reads it element-for-element", name)
         return inline
 
     def expand(self, body: Expr, inline: set[str]) -> Expr:
@@ -96,10 +97,12 @@ class Fusion:
         def on_read(r: Read) -> Expr:
             if r.name not in inline:
                 return r
-            producer = self.compute[r.name]
-            mapping = dict(zip(ir.index_vars(len(producer.size)), r.index))
-            inner = ir.substitute(producer.body, lambda rr: rr, lambda e: e.xreplace(mapping))
-            return self.expand(inner, inline)
+            if r not in self.expanded:  # shared producers (diamonds) expand once
+                producer = self.compute[r.name]
+                mapping = dict(zip(ir.index_vars(len(producer.size)), r.index))
+                inner = ir.substitute(producer.body, lambda rr: rr, lambda e: e.xreplace(mapping))
+                self.expanded[r] = self.expand(inner, inline)
+            return self.expanded[r]
 
         return ir.substitute(body, on_read, lambda e: e)
 

@@ -37,7 +37,12 @@ EXTERN_REASONS: dict[torch._ops.OpOverload, str] = {
 }
 
 # Ops that only check metadata in the graph: guards already cover what they assert.
-IGNORED = {aten._assert_tensor_metadata.default, aten.sym_constrain_range_for_size.default}
+IGNORED = {
+    aten._assert_tensor_metadata.default,
+    aten._assert_scalar.default,
+    aten.sym_constrain_range_for_size.default,
+}
+SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
 class Unsupported(Exception):
@@ -77,6 +82,13 @@ class ViewValue(TensorValue):
         return self.base.load(self.reindex(tuple(index)))
 
 
+@dataclasses.dataclass
+class ExternResults:
+    """The tuple an extern returns; its elements become buffers at their getitem nodes."""
+
+    name: str
+
+
 def to_sympy(value: Any) -> sympy.Expr:
     if isinstance(value, torch.SymInt):
         return value.node.expr
@@ -85,6 +97,13 @@ def to_sympy(value: Any) -> sympy.Expr:
     if isinstance(value, sympy.Expr):
         return value
     raise Unsupported(f"cannot use {type(value).__name__} {value!r} as a size")
+
+
+def to_sympy_any(value: Any) -> sympy.Expr:
+    """Like to_sympy, also for SymFloat/SymBool and plain numbers."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return value.node.expr
+    return sympy.sympify(value)
 
 
 def meta_layout(val: torch.Tensor) -> ir.Layout:
@@ -110,6 +129,7 @@ class Lowering:
         self.views: dict[str, ir.ViewNode] = {}
         self.needed: set[str] = set()
         self.node: torch.fx.Node | None = None  # the FX node being lowered
+        self.known_symbols: set[sympy.Symbol] = set()  # symbols bound by inputs or earlier externs
 
     # -- helpers used by the lowering functions ------------------------------------------------
 
@@ -157,6 +177,7 @@ class Lowering:
 
     def placeholder(self, node: torch.fx.Node) -> Any:
         val = node.meta.get("val")
+        self.know(val)
         if isinstance(val, torch.Tensor):
             layout = meta_layout(val)
             self.buffers[node.name] = ir.Buffer(node.name, layout, "input")
@@ -167,11 +188,14 @@ class Lowering:
         target = node.target
         if target is operator.getitem:
             base = self.values[node.args[0]]
-            if isinstance(base, (list, tuple)):
-                return base[node.args[1]]
-            return self.extern_output(node)
+            if isinstance(base, ExternResults):
+                return self.extern_output(node)
+            return base[node.args[1]]
         if target in IGNORED:
             return None
+        val = node.meta.get("val")
+        if isinstance(val, SYM_TYPES) and not (to_sympy_any(val).free_symbols - self.known_symbols):
+            return val  # size arithmetic (sym_size, operator.mul, ...): a sympy expression, no op to run
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: self.values[n])
         fn = LOWERINGS.get(target)
         reason = EXTERN_REASONS.get(target)
@@ -204,13 +228,25 @@ class Lowering:
         self.nodes.append(ir.ExternNode(node.name, node, reason, tensor_args))
         log.debug("extern %s: %s", node.format_node(), reason)
         val = node.meta.get("val")
+        self.know(val)
         if isinstance(val, torch.Tensor):
             layout = meta_layout(val)
             self.buffers[node.name] = ir.Buffer(node.name, layout, "extern")
             return TensorValue(node.name, layout.size, layout.dtype)
         if isinstance(val, (list, tuple)):
-            return val  # tuple results are read through getitem nodes, each its own buffer
+            return ExternResults(node.name)  # read through getitem nodes, each its own buffer
         return val
+
+    def know(self, val: Any) -> None:
+        """Record the size symbols a runtime value binds (inputs, extern results, .item())."""
+        if isinstance(val, torch.Tensor):
+            for s in (*val.shape, *val.stride()):
+                self.known_symbols |= to_sympy_any(s).free_symbols
+        elif isinstance(val, SYM_TYPES):
+            self.known_symbols |= to_sympy_any(val).free_symbols
+        elif isinstance(val, (list, tuple)):
+            for v in val:
+                self.know(v)
 
     def extern_output(self, node: torch.fx.Node) -> Any:
         val = node.meta.get("val")

@@ -104,6 +104,14 @@ class FallbackInterpreter(torch.fx.Interpreter):
             raise type(e)(f"{e}\nWhile executing {n.format_node()}{where}") from e
 
 
+def _interpreted(call: Callable) -> Callable:
+    def run(args: list[Any]) -> Any:
+        with interpret_libdevice.stdlib_interpreted():
+            return call(args)
+
+    return run
+
+
 # ----------------------------------------------------------------------------------------------
 # A compiled graph: kernels + wrapper, runnable three ways
 # ----------------------------------------------------------------------------------------------
@@ -131,7 +139,8 @@ class CompiledGraph:
                 module = load_module(self.kernel_paths[k.name], interpret=interpret)
                 kernels[k.name] = getattr(module, k.name)
             extra = {"gjit_alloc": gjit_alloc, "gjit_alloc_poisoned": gjit_alloc_poisoned, **kernels}
-            self._calls[key] = load_module(self.wrapper_path, extra).call
+            call = load_module(self.wrapper_path, extra).call
+            self._calls[key] = _interpreted(call) if interpret else call
         return self._calls[key]
 
     def run(self, graph_inputs: list[Any]) -> list[Any]:

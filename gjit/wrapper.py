@@ -47,17 +47,18 @@ class WrapperWriter:
             )
         return pyexpr(expr)
 
+    def bind(self, symbol: sympy.Symbol, source: str) -> None:
+        if symbol not in self.bound:
+            self.lines.append(f"{symbol.name} = {source}")
+            self.bound.add(symbol)
+
     def bind_from(self, name: str, val: torch.Tensor) -> None:
         for k, s in enumerate(val.shape):
-            e = to_sympy(s)
-            if isinstance(e, sympy.Symbol) and e not in self.bound:
-                self.lines.append(f"{e.name} = {name}.shape[{k}]")
-                self.bound.add(e)
+            if isinstance(to_sympy(s), sympy.Symbol):
+                self.bind(to_sympy(s), f"{name}.shape[{k}]")
         for k, s in enumerate(val.stride()):
-            e = to_sympy(s)
-            if isinstance(e, sympy.Symbol) and e not in self.bound:
-                self.lines.append(f"{e.name} = {name}.stride({k})")
-                self.bound.add(e)
+            if isinstance(to_sympy(s), sympy.Symbol):
+                self.bind(to_sympy(s), f"{name}.stride({k})")
 
     def arg(self, a: Any) -> str:
         """An FX argument as wrapper source."""
@@ -104,6 +105,8 @@ class WrapperWriter:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
             self.bind_from(node.name, val)
+        elif isinstance(val, torch.SymInt) and isinstance(to_sympy(val), sympy.Symbol):
+            self.bind(to_sympy(val), node.name)  # a data-dependent size (.item(), nonzero)
 
     def region(self, region: Region) -> None:
         kernel = self.kernels[region.name]
@@ -138,8 +141,7 @@ class WrapperWriter:
             if isinstance(val, torch.Tensor):
                 self.bind_from(n.name, val)
             elif isinstance(val, torch.SymInt) and isinstance(to_sympy(val), sympy.Symbol):
-                self.lines.append(f"{to_sympy(val).name} = {n.name}")
-                self.bound.add(to_sympy(val))
+                self.bind(to_sympy(val), n.name)
         for step in self.steps:
             if isinstance(step, Region):
                 self.region(step)

@@ -25,7 +25,9 @@ def tolerances(dtype: torch.dtype) -> tuple[float, float]:
 
 def upcast(tree: Any) -> Any:
     return pytree.tree_map(
-        lambda t: t.double() if isinstance(t, torch.Tensor) and t.dtype in LOW_PRECISION + (torch.float32,) else t,
+        lambda t: (
+            t.double() if isinstance(t, torch.Tensor) and t.dtype in LOW_PRECISION + (torch.float32,) else t
+        ),
         tree,
     )
 
@@ -65,7 +67,9 @@ def check(fn: Any, *args: Any, kernels: int | None = None, **kwargs: Any) -> gji
     expected = model(*args, **kwargs)
     out, cm = run_compiled(fn, *args, **kwargs)
     reference = None
-    if any(isinstance(t, torch.Tensor) and t.dtype in LOW_PRECISION for t in pytree.tree_leaves((args, kwargs))):
+    if any(
+        isinstance(t, torch.Tensor) and t.dtype in LOW_PRECISION for t in pytree.tree_leaves((args, kwargs))
+    ):
         reference = model(*upcast(args), **upcast(kwargs))
     out_leaves, out_spec = pytree.tree_flatten(out)
     exp_leaves, exp_spec = pytree.tree_flatten(expected)

@@ -1,0 +1,136 @@
+"""Fusion: pointwise chains and DAGs are one kernel; externs split regions; nothing internal
+is written to memory."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from helpers import check, kernel_count
+
+import gjit
+
+pytestmark = pytest.mark.cpu
+
+
+def ten_op_chain(x, y):
+    a = x * 1.5
+    b = a + y
+    c = b.sigmoid()
+    d = c - 0.25
+    e = d.abs()
+    f = e.sqrt()
+    g = f * y
+    h = g.tanh()
+    i = h.exp()
+    return i.clamp(max=2.0)
+
+
+def test_ten_op_chain_is_one_kernel():
+    cm = check(ten_op_chain, torch.randn(33, 17), torch.randn(17), kernels=1)
+    kernel = gjit.explain(cm, torch.randn(33, 17), torch.randn(17)).kernels[0]
+    # nothing but the chain's output is stored
+    assert kernel.source.count("tl.store(") == 1
+    assert len(kernel.aten_nodes) == 10
+
+
+def test_dag_with_several_outputs_is_one_kernel():
+    def f(x, y):
+        s = x + y
+        return s.sin(), s.cos() * x, (s * 2).relu()
+
+    cm = check(f, torch.randn(8, 9), torch.randn(8, 9), kernels=1)
+    source = gjit.explain(cm, torch.randn(8, 9), torch.randn(8, 9)).kernels[0].source
+    assert source.count("tl.store(") == 3  # `s` stays in registers
+
+
+def test_independent_outputs_of_one_input_share_a_kernel():
+    def f(x):
+        return x.sin(), x.cos()
+
+    check(f, torch.randn(6, 10), kernels=1)
+
+
+def test_broadcast_producer_is_recomputed_not_materialized():
+    def f(row, m):
+        scale = row.exp() + 1  # [N], read by every row of m
+        return m * scale
+
+    check(f, torch.randn(12), torch.randn(7, 12), kernels=1)
+
+
+def test_output_that_is_also_consumed_is_stored_once():
+    def f(x):
+        a = x.relu()
+        return a, a * 3
+
+    cm = check(f, torch.randn(4, 5), kernels=1)
+    assert gjit.explain(cm, torch.randn(4, 5)).kernels[0].source.count("tl.store(") == 2
+
+
+def test_transposed_read_of_same_size_node_splits_safely():
+    def f(x):
+        a = x * 2  # [n, n]
+        return a + a.t()  # reads `a` at a transposed index: not element-for-element
+
+    check(f, torch.randn(6, 6))
+
+
+class ResidualMLP(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        h = self.fc2(F.gelu(self.fc1(x)))
+        return self.norm(h + x)
+
+
+def test_residual_mlp_one_kernel_per_gap_between_externs():
+    model = ResidualMLP().eval()
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        cm = check(model, x)
+    rep = gjit.explain(cm, x)
+    ops = [e.op for e in rep.externs]
+    assert ops.count("aten.addmm.default") == 2
+    # gap 1: gelu between the matmuls; gap 2: the residual add before the norm
+    assert len(rep.kernels) == 2, rep
+    fused = [sorted(n.split(": ")[1] for n in k.aten_nodes) for k in rep.kernels]
+    assert fused == [["aten.gelu.default"], ["aten.add.Tensor"]]
+
+
+def test_view_feeding_an_extern_is_passed_strided_not_copied():
+    def f(x, w):
+        return torch.mm(x, w.t()).relu()
+
+    x, w = torch.randn(4, 6), torch.randn(5, 6)
+    cm = check(f, x, w, kernels=1)
+    rep = gjit.explain(cm, x, w)
+    wrapper = open(cm.entries[0].program.graph.wrapper_path).read()
+    assert "aten.permute.default(w, [1, 0])" in wrapper
+    assert [e.op for e in rep.externs] == ["aten.mm.default"]
+
+
+def test_kernel_header_names_fused_ops_and_user_lines():
+    cm = check(ten_op_chain, torch.randn(3, 4), torch.randn(4))
+    kernel = gjit.explain(cm, torch.randn(3, 4), torch.randn(4)).kernels[0]
+    assert kernel.name.startswith("gjit_poi_fused_mul_add_sigmoid")
+    assert "# fused ATen nodes:" in kernel.source
+    assert any("test_fusion.py" in line and "in ten_op_chain" in line for line in kernel.source_lines)
+    assert "b = a + y" in kernel.source
+
+
+def test_sizes_are_kernel_arguments():
+    def f(x, y):
+        return x * 2 + y
+
+    cm = check(f, torch.randn(6, 10), torch.randn(10))
+    source = gjit.explain(cm, torch.randn(6, 10), torch.randn(10)).kernels[0].source
+    header, body = source.split("@triton.jit")
+    assert "10" not in body and "60" not in body, body  # no size is baked in
+
+
+def test_kernel_count_of_extern_only_graph_is_zero():
+    assert kernel_count(gjit.compile(lambda a, b: torch.mm(a, b)), torch.randn(2, 3), torch.randn(3, 4)) == 0
