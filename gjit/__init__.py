@@ -6,6 +6,7 @@ print(gjit.explain(cm, x, y)) # kernels, externs, guards
 gjit.stats(); gjit.reset()
 """
 
+from gjit import api as _api
 from gjit import stats as _stats
 from gjit.api import CompiledFunction, Report, compile, explain
 from gjit.config import config
@@ -19,8 +20,9 @@ def stats() -> dict:
 
 
 def reset() -> None:
-    """Forget every compiled entry's counters. Compiled callables made before keep their entries
-    only if still referenced; new `gjit.compile` calls start empty."""
+    """Forget every compiled entry (of every live compiled callable) and every counter."""
+    for cm in list(_api.LIVE):
+        cm.reset()
     _stats.clear()
 
 

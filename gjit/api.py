@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -44,6 +45,9 @@ def _input_names(args: tuple, kwargs: dict, signature) -> list[str]:
     return names
 
 
+LIVE: weakref.WeakSet = weakref.WeakSet()  # every CompiledFunction, so gjit.reset() reaches them
+
+
 class CompiledFunction:
     """What `gjit.compile(model)` returns: call it like the model."""
 
@@ -64,6 +68,12 @@ class CompiledFunction:
             self._fast_arity = -1
         if callable(model) and not isinstance(model, torch.nn.Module):
             functools.update_wrapper(self, model, updated=())
+        LIVE.add(self)
+
+    def reset(self) -> None:
+        """Forget compiled entries and a recorded capture failure."""
+        self.entries.clear()
+        self.eager_reason = None
 
     def __repr__(self) -> str:
         return (
@@ -74,7 +84,7 @@ class CompiledFunction:
     def _normalize(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not kwargs and len(args) == self._fast_arity:
             return args, kwargs
-        return bind_call(self.signature, args, kwargs)
+        return bind_call(self.signature, args, kwargs, self._name())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.eager_reason is not None:
@@ -133,6 +143,8 @@ class CompiledFunction:
         return result
 
     def _name(self) -> str:
+        if isinstance(self.model, torch.nn.Module):
+            return f"{type(self.model).__qualname__}.forward"
         return getattr(self.model, "__qualname__", type(self.model).__name__)
 
 

@@ -184,11 +184,16 @@ def describe(program: ExportedProgram, module: torch.nn.Module | None, dynamic: 
     )
 
 
-def bind_call(signature: inspect.Signature | None, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Normalize a call to the model's signature; a bad call raises the TypeError Python would."""
+def bind_call(
+    signature: inspect.Signature | None, args: tuple, kwargs: dict, name: str = "forward"
+) -> tuple[tuple, dict]:
+    """Normalize a call to the model's signature; a bad call raises a TypeError, as Python would."""
     if signature is None:
         return args, kwargs
-    bound = signature.bind(*args, **kwargs)
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{name}(): {e}") from None
     return bound.args, bound.kwargs
 
 
