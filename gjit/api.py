@@ -57,6 +57,7 @@ class CompiledFunction:
         self.signature = forward_signature(model)
         self.entries: list[Entry] = []
         self.eager_reason: str | None = None
+        self._warned_autograd = False
         if self.signature is not None:
             positional = [
                 p
@@ -92,6 +93,9 @@ class CompiledFunction:
             return self.model(*args, **kwargs)
         args, kwargs = self._normalize(args, kwargs)
         flat, spec = pytree.tree_flatten((args, kwargs))
+        if torch.is_grad_enabled() and self._needs_autograd(flat):
+            stats.COUNTERS["eager_runs"] += 1
+            return self.model(*args, **kwargs)
         for entry in reversed(self.entries):
             if entry.spec == spec and entry.guards.check(flat):
                 stats.COUNTERS["cache_hits"] += 1
@@ -100,6 +104,23 @@ class CompiledFunction:
         if entry is None:
             return self._run_eager(args, kwargs)
         return run_program(entry.program, flat)
+
+    def _needs_autograd(self, flat: list) -> bool:
+        """Generated kernels record no autograd graph: a call that needs one runs eagerly."""
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        if isinstance(self.model, torch.nn.Module):
+            tensors += list(self.model.parameters())
+        if not any(t.requires_grad for t in tensors):
+            return False
+        if not self._warned_autograd:
+            self._warned_autograd = True
+            log.warning(
+                "gjit compiles inference graphs: %s was called with tensors that require grad while grad "
+                "mode is on, so it runs eagerly (outputs keep their gradients). Call it under "
+                "torch.no_grad() or torch.inference_mode() to use the compiled kernels.",
+                self._name(),
+            )
+        return True
 
     def entry_for(self, args: tuple, kwargs: dict) -> Entry | None:
         """The entry that serves this call, compiling one if none does (used by explain)."""

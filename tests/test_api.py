@@ -212,3 +212,19 @@ def test_zero_size_and_size_one_inputs():
 
     check(f, torch.randn(0, 5), torch.randn(5))
     check(f, torch.randn(1, 5), torch.randn(1, 1))
+
+
+def test_autograd_calls_run_eagerly_with_gradients(caplog):
+    model = Scale()
+    cm = gjit.compile(model)
+    x = torch.randn(2, 6)
+    with caplog.at_level(logging.WARNING, logger="gjit"):
+        out, _ = run_compiled(cm, x)
+        run_compiled(cm, x)
+    out["y"].sum().backward()
+    assert model.weight.grad is not None
+    assert sum("compiles inference graphs" in r.message for r in caplog.records) == 1
+    assert gjit.stats()["eager_runs"] == 2 and gjit.stats()["compiles"] == 0
+    with torch.no_grad():
+        run_compiled(cm, x)
+    assert gjit.stats()["compiles"] == 1
