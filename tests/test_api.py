@@ -6,9 +6,9 @@ import logging
 import pytest
 import torch
 import torch.nn as nn
-from helpers import check, run_compiled
 
 import gjit
+from helpers import check, run_compiled
 
 pytestmark = pytest.mark.cpu
 

@@ -3,11 +3,11 @@
 import pytest
 import torch
 import torch.nn.functional as F
+
+import gjit
 from gjit.codegen.compile_only import compile_kernel
 from helpers import check
 from test_fusion import ResidualMLP, ten_op_chain
-
-import gjit
 
 pytestmark = pytest.mark.compile_only
 

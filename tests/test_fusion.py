@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import check, kernel_count
 
 import gjit
+from helpers import check, kernel_count
 
 pytestmark = pytest.mark.cpu
 
