@@ -88,6 +88,7 @@ class CapturedProgram:
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
     dynamic: bool
+    _getters: list | None = None
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:
@@ -98,15 +99,25 @@ class CapturedProgram:
             return self.program.constants[fqn]
         if self.module is None:
             return self.program.state_dict[fqn]
-        if kind == "param":
-            return self.module.get_parameter(fqn)
-        return self.module.get_buffer(fqn)
+        owner, _, attr = fqn.rpartition(".")
+        return getattr(self.module.get_submodule(owner), attr)
 
     def graph_inputs(self, flat_user: list[Any]) -> list[Any]:
-        out = []
-        for kind, key in self.input_sources:
-            out.append(flat_user[key] if kind == "user" else self.state_tensor(kind, key))
-        return out
+        if self._getters is None:
+            self._getters = [self._getter(kind, key) for kind, key in self.input_sources]
+        return [get(flat_user) for get in self._getters]
+
+    def _getter(self, kind: str, key: Any):
+        """A per-call reader of one graph input. Parameters and buffers are read from their
+        owning submodule on every call (so new weights are seen) without re-walking the path."""
+        if kind == "user":
+            return lambda flat: flat[key]
+        if kind == "constant" or self.module is None:
+            value = self.state_tensor(kind, key)
+            return lambda flat: value
+        owner_name, _, attr = key.rpartition(".")
+        owner = self.module.get_submodule(owner_name)
+        return lambda flat: getattr(owner, attr)
 
     def finish(self, flat_user: list[Any], flat_out: list[Any]) -> Any:
         """Apply recorded mutations, then rebuild the user's output pytree."""
