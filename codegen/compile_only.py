@@ -9,9 +9,9 @@ as Triton's launcher specializes them on a GPU when the sizes allow.
 from __future__ import annotations
 
 import triton
-from gjit.codegen.triton import KernelSource
 from triton.backends.compiler import GPUTarget
 
+from gjit.codegen.triton import KernelSource
 from gjit.runtime import load_module
 
 

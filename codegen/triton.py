@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 import sympy
 import torch
-from gjit.codegen.indexing import XINDEX, coalesce
-from gjit.codegen.printer import TritonPrinter
 
 from gjit import ir
+from gjit.codegen.indexing import XINDEX, coalesce
+from gjit.codegen.printer import TritonPrinter
 from gjit.fusion import Region
 from gjit.ir import Const, Expr, IndexValue, Masked, Op, Read
 
