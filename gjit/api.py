@@ -58,6 +58,7 @@ class CompiledFunction:
         self.entries: list[Entry] = []
         self.eager_reason: str | None = None
         self._warned_autograd = False
+        self._tensor_tuple_specs: dict[int, pytree.TreeSpec] = {}
         if self.signature is not None:
             positional = [
                 p
@@ -92,7 +93,7 @@ class CompiledFunction:
             stats.COUNTERS["eager_runs"] += 1
             return self.model(*args, **kwargs)
         args, kwargs = self._normalize(args, kwargs)
-        flat, spec = pytree.tree_flatten((args, kwargs))
+        flat, spec = self._flatten(args, kwargs)
         if torch.is_grad_enabled() and self._needs_autograd(flat):
             stats.COUNTERS["eager_runs"] += 1
             return self.model(*args, **kwargs)
@@ -104,6 +105,15 @@ class CompiledFunction:
         if entry is None:
             return self._run_eager(args, kwargs)
         return run_program(entry.program, flat)
+
+    def _flatten(self, args: tuple, kwargs: dict) -> tuple[list, pytree.TreeSpec]:
+        """pytree.tree_flatten((args, kwargs)), with a fast path for a plain tuple of tensors."""
+        if not kwargs and all(type(a) is torch.Tensor for a in args):
+            spec = self._tensor_tuple_specs.get(len(args))
+            if spec is None:
+                spec = self._tensor_tuple_specs[len(args)] = pytree.tree_flatten((args, {}))[1]
+            return list(args), spec
+        return pytree.tree_flatten((args, kwargs))
 
     def _needs_autograd(self, flat: list) -> bool:
         """Generated kernels record no autograd graph: a call that needs one runs eagerly."""
