@@ -36,9 +36,15 @@ def as_module(model: Any) -> torch.nn.Module:
             f"gjit.compile expects an nn.Module, a function, an ExportedProgram or a .pt2 path, "
             f"got {type(model).__name__}"
         )
+    module = torch.nn.Module()
+    try:
+        inspect.signature(model)
+    except (TypeError, ValueError):
+        # a builtin such as torch.sin has no signature export can read: give it a plain one
+        module.forward = lambda *args: model(*args)
+        return module
     # The function itself is the forward (an instance attribute, so no wrapper frame hides the
     # user's source lines from export's stack traces).
-    module = torch.nn.Module()
     module.forward = model
     # export keeps only frames named `forward` in node stack traces; name this one too
     register_anchor = getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)
@@ -131,25 +137,26 @@ class CapturedProgram:
 def capture(model: Any, args: tuple, kwargs: dict, dynamic: bool) -> CapturedProgram:
     """Export (unless given a program), decompose to core ATen, and record the calling convention."""
     program = load_program(model)
-    module = None
-    if program is None:
-        module = as_module(model)
+    if program is not None:
+        return describe(program.run_decompositions(decomposition_table()), None, dynamic)
+    module = as_module(model)
+    try:
+        program = export_model(module, args, kwargs, dynamic).run_decompositions(decomposition_table())
+    except Exception as e:
+        if not dynamic:
+            raise CaptureError(f"torch.export failed: {type(e).__name__}: {e}") from e
+        # export or its decomposition can fail with dynamic dims where static shapes work
+        log.info(
+            "capture with automatic dynamic dims failed (%s: %s); retrying with static shapes",
+            type(e).__name__,
+            str(e).splitlines()[0] if str(e) else "",
+        )
         try:
-            program = export_model(module, args, kwargs, dynamic)
-        except Exception as e:
-            if not dynamic:
-                raise CaptureError(f"torch.export failed: {type(e).__name__}: {e}") from e
-            log.info(
-                "export with automatic dynamic dims failed (%s: %s); retrying with static shapes",
-                type(e).__name__,
-                str(e).splitlines()[0] if str(e) else "",
-            )
-            try:
-                program = export_model(module, args, kwargs, dynamic=False)
-            except Exception as e2:
-                raise CaptureError(f"torch.export failed: {type(e2).__name__}: {e2}") from e2
-            dynamic = False
-    program = program.run_decompositions(decomposition_table())
+            program = export_model(module, args, kwargs, dynamic=False)
+            program = program.run_decompositions(decomposition_table())
+        except Exception as e2:
+            raise CaptureError(f"torch.export failed: {type(e2).__name__}: {e2}") from e2
+        dynamic = False
     return describe(program, module, dynamic)
 
 
