@@ -133,8 +133,14 @@ for _name in ("tan", "tanh", "sinh", "cosh", "asin", "acos", "atan", "asinh", "a
 
 
 def to_dtype(a: str, src: torch.dtype, dst: torch.dtype) -> str:
+    # bfloat16 <-> integer/bool goes through float32, as ATen's conversions do (c10::BFloat16
+    # converts from and to float); Triton's interpreter also has no direct conversion.
+    if src == torch.bfloat16 and not dst.is_floating_point:
+        a, src = f"{a}.to(tl.float32)", torch.float32
     if dst == torch.bool:
         return f"({a} != 0)"
+    if dst == torch.bfloat16 and not src.is_floating_point:
+        return f"{a}.to(tl.float32).to(tl.bfloat16)"
     return f"{a}.to({TL_DTYPES[dst]})"
 
 

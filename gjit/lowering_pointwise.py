@@ -60,9 +60,14 @@ def _is_float(dtype: torch.dtype) -> bool:
 
 @register_lowering(aten.add.Tensor, aten.add.Scalar)
 def add(ctx: Lowering, a, b, *, alpha=1):
-    if alpha == 1:
-        return pointwise(ctx, [a, b], lambda x, y: op("add", x, y))
-    return pointwise(ctx, [a, b], lambda x, y: op("add", x, op("mul", y, const(alpha, y))))
+    def fn(x: Expr, y: Expr) -> Expr:
+        if x.dtype == torch.bool:  # ATen's bool addition saturates: True + True is True
+            return op("logical_or", x, op("logical_and", y, const(alpha, y)))
+        if alpha == 1:
+            return op("add", x, y)
+        return op("add", x, op("mul", y, const(alpha, y)))
+
+    return pointwise(ctx, [a, b], fn)
 
 
 @register_lowering(aten.sub.Tensor, aten.sub.Scalar)
@@ -93,11 +98,33 @@ def div_mode(ctx: Lowering, a, b, *, rounding_mode=None):
         return div(ctx, a, b)
 
     def fn(x: Expr, y: Expr) -> Expr:
-        if _is_float(x.dtype):
-            return op(rounding_mode, op("truediv", x, y))
-        return op("floordiv" if rounding_mode == "floor" else "truncdiv", x, y)
+        if not _is_float(x.dtype):
+            return op("floordiv" if rounding_mode == "floor" else "truncdiv", x, y)
+        if rounding_mode == "trunc":
+            return op("trunc", op("truediv", x, y))
+        return _float_floordiv(x, y)
 
     return pointwise(ctx, [a, b], fn)
+
+
+def _float_floordiv(x: Expr, y: Expr) -> Expr:
+    """ATen's `div_floor_floating`: exact where floor(x / y) is not (1 // 0.1 == 9), NaN for
+    infinite x, the signed zero of x / y for a zero quotient, and IEEE x / y for y == 0."""
+    zero = const(0, x)
+    quotient = op("truediv", x, y)
+    mod = op("fmod", x, y)
+    div = op("truediv", op("sub", x, mod), y)
+    signs_differ = op(
+        "ne", op("lt", y, zero, dtype=torch.bool), op("lt", mod, zero, dtype=torch.bool), dtype=torch.bool
+    )
+    adjust = op("logical_and", op("ne", mod, zero, dtype=torch.bool), signs_differ, dtype=torch.bool)
+    div = where(adjust, op("sub", div, const(1, x)), div)
+    floor = op("floor", div)
+    floor = where(
+        op("gt", op("sub", div, floor), const(0.5, x), dtype=torch.bool), op("add", floor, const(1, x)), floor
+    )
+    floor = where(op("ne", div, zero, dtype=torch.bool), floor, op("copysign", zero, quotient))
+    return where(op("eq", y, zero, dtype=torch.bool), quotient, floor)
 
 
 @register_lowering(aten.floor_divide.default, aten.floor_divide.Scalar)
@@ -224,11 +251,11 @@ def sign(ctx: Lowering, a):
     def fn(x: Expr) -> Expr:
         if x.dtype == torch.bool:
             return x
+        # (0 < x) - (x < 0): NaN has sign 0 in ATen
         zero = const(0, x)
         pos = cast(op("gt", x, zero, dtype=torch.bool), x.dtype)
         neg_ = cast(op("lt", x, zero, dtype=torch.bool), x.dtype)
-        result = op("sub", pos, neg_)
-        return where(op("isnan", x, dtype=torch.bool), x, result) if _is_float(x.dtype) else result
+        return op("sub", pos, neg_)
 
     return pointwise(ctx, [a], fn)
 
@@ -341,11 +368,12 @@ def where_self(ctx: Lowering, cond, a, b):
 
 
 def _clamp_expr(x: Expr, lo: Expr | None, hi: Expr | None) -> Expr:
-    # written with comparisons that are false for NaN, so NaN inputs stay NaN as in eager
+    # min(max(x, lo), hi) with NaN-propagating max/min: a NaN input or bound gives NaN, as in
+    # eager, and lo > hi gives hi
     if lo is not None:
-        x = where(op("lt", x, lo, dtype=torch.bool), lo, x)
+        x = op("maximum", x, lo)
     if hi is not None:
-        x = where(op("gt", x, hi, dtype=torch.bool), hi, x)
+        x = op("minimum", x, hi)
     return x
 
 
