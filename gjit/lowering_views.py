@@ -10,6 +10,7 @@ from __future__ import annotations
 import sympy
 import torch
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
+from torch.utils._sympy.value_ranges import bound_sympy
 
 from gjit.ir import Index
 from gjit.lowering import Lowering, TensorValue, register_lowering, to_sympy
@@ -20,6 +21,27 @@ ZERO = sympy.Integer(0)
 
 def _norm_dim(dim: int, rank: int) -> int:
     return dim + rank if dim < 0 else dim
+
+
+def _statically_known_nonnegative(ctx: Lowering, expr: sympy.Expr) -> bool | None:
+    """Whether `expr` >= 0 for every size the shape env's ranges allow (None: not known). Never guards."""
+    if expr.is_number:
+        return bool(expr >= 0)
+    sizes = [
+        s
+        for a in ctx.node.args
+        if isinstance(a, torch.fx.Node)
+        for s in getattr(a.meta.get("val"), "shape", ())
+    ]
+    env = next((s.node.shape_env for s in sizes if isinstance(s, torch.SymInt)), None)
+    if env is None:
+        return None
+    bounds = bound_sympy(expr, env.var_to_range)
+    if bounds.lower >= 0:
+        return True
+    if bounds.upper < 0:
+        return False
+    return None
 
 
 @register_lowering(aten.alias.default, aten.lift_fresh_copy.default)
@@ -89,8 +111,11 @@ def slice_(ctx: Lowering, x: TensorValue, dim: int = 0, start=None, end=None, st
     dim = _norm_dim(dim, len(x.size))
     begin = to_sympy(0 if start is None else start)
     if begin.is_number and begin < 0:
+        # counted from the end; a start before the beginning clamps to 0, also when the size is
+        # symbolic: x[-100:] of s0 rows starts at max(0, s0 - 100), where export knows s0 < 100
         begin = begin + x.size[dim]
-        begin = sympy.Integer(0) if begin.is_number and begin < 0 else begin
+        known = _statically_known_nonnegative(ctx, begin)
+        begin = sympy.Max(0, begin) if known is None else (begin if known else ZERO)
     stride = to_sympy(step)
 
     def reindex(idx: Index) -> Index:
