@@ -59,6 +59,20 @@ def _remainder(a: str, b: str, dtype: torch.dtype) -> str:
     return f"tl.where(({r} != 0) & (({r} < 0) != ({b} < 0)), {r} + {b}, {r})"
 
 
+def _shift(op: str) -> Callable[[str, str, torch.dtype], str]:
+    """ATen defines shifts by a negative amount or by at least the bit width (0 for <<, the sign
+    for >>); LLVM does not, so a shift amount that is not a literal in range gets a select."""
+
+    def emit(a: str, b: str, dtype: torch.dtype) -> str:
+        bits = torch.iinfo(dtype).bits
+        if b.lstrip("-").isdigit() and 0 <= int(b) < bits:
+            return f"{a} {op} {b}"
+        outside = "0" if op == "<<" else f"tl.where({a} < 0, -1, 0)"
+        return f"tl.where(({b} >= 0) & ({b} < {bits}), {a} {op} {b}, {outside})"
+
+    return emit
+
+
 def _minmax(fn: str) -> Callable[[str, str, torch.dtype], str]:
     def emit(a: str, b: str, dtype: torch.dtype) -> str:
         if dtype.is_floating_point:
@@ -124,8 +138,8 @@ TritonOverrides: dict[str, Callable[..., str]] = {
     "bitwise_or": lambda a, b, t: f"{a} | {b}",
     "bitwise_xor": lambda a, b, t: f"{a} ^ {b}",
     "bitwise_not": lambda a, t: f"~{a}",
-    "lshift": lambda a, b, t: f"{a} << {b}",
-    "rshift": lambda a, b, t: f"{a} >> {b}",
+    "lshift": _shift("<<"),
+    "rshift": _shift(">>"),
     "where": lambda c, a, b, t: f"tl.where({c}, {a}, {b})",
 }
 for _name in ("tan", "tanh", "sinh", "cosh", "asin", "acos", "atan", "asinh", "acosh", "atanh", "erfinv"):
@@ -133,14 +147,16 @@ for _name in ("tan", "tanh", "sinh", "cosh", "asin", "acos", "atan", "asinh", "a
 
 
 def to_dtype(a: str, src: torch.dtype, dst: torch.dtype) -> str:
-    # bfloat16 <-> integer/bool goes through float32, as ATen's conversions do (c10::BFloat16
-    # converts from and to float); Triton's interpreter also has no direct conversion.
+    # ATen converts to and from the 16-bit floats through float32 (c10::Half and c10::BFloat16
+    # convert from and to float), so int64 or float64 -> half rounds twice there: do the same.
+    # It also avoids conversions Triton's interpreter gets wrong (bfloat16 <-> int, float64 ->
+    # bfloat16).
     if src == torch.bfloat16 and not dst.is_floating_point:
         a, src = f"{a}.to(tl.float32)", torch.float32
     if dst == torch.bool:
         return f"({a} != 0)"
-    if dst == torch.bfloat16 and not src.is_floating_point:
-        return f"{a}.to(tl.float32).to(tl.bfloat16)"
+    if dst in (torch.float16, torch.bfloat16) and src not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"{a}.to(tl.float32).to({TL_DTYPES[dst]})"
     return f"{a}.to({TL_DTYPES[dst]})"
 
 

@@ -13,7 +13,7 @@ from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 from torch.utils._sympy.value_ranges import bound_sympy
 
 from gjit.ir import Index
-from gjit.lowering import Lowering, TensorValue, register_lowering, to_sympy
+from gjit.lowering import Lowering, TensorValue, Unsupported, register_lowering, to_sympy
 
 aten = torch.ops.aten
 ZERO = sympy.Integer(0)
@@ -24,24 +24,28 @@ def _norm_dim(dim: int, rank: int) -> int:
 
 
 def _statically_known_nonnegative(ctx: Lowering, expr: sympy.Expr) -> bool | None:
-    """Whether `expr` >= 0 for every size the shape env's ranges allow (None: not known). Never guards."""
+    """Whether `expr` >= 0 for every size the shape env admits (its ranges and export's guards);
+    None when that depends on the sizes. Never adds a guard."""
     if expr.is_number:
         return bool(expr >= 0)
-    sizes = [
-        s
-        for a in ctx.node.args
-        if isinstance(a, torch.fx.Node)
-        for s in getattr(a.meta.get("val"), "shape", ())
-    ]
-    env = next((s.node.shape_env for s in sizes if isinstance(s, torch.SymInt)), None)
+    vals = [a.meta.get("val") for a in ctx.node.args if isinstance(a, torch.fx.Node)]
+    syms = [s for v in vals for s in (getattr(v, "shape", None) or [v])]
+    env = next((s.node.shape_env for s in syms if isinstance(s, torch.SymInt)), None)
     if env is None:
         return None
-    bounds = bound_sympy(expr, env.var_to_range)
-    if bounds.lower >= 0:
-        return True
-    if bounds.upper < 0:
-        return False
-    return None
+    known = env._maybe_evaluate_static(sympy.Ge(expr, 0))
+    if known is None:
+        bounds = bound_sympy(expr, env.var_to_range)
+        known = True if bounds.lower >= 0 else (False if bounds.upper < 0 else None)
+    return None if known is None else bool(known)
+
+
+def _from_end(ctx: Lowering, pos: sympy.Expr, size: sympy.Expr, what: str) -> sympy.Expr:
+    """A start or index counted from the end when negative (also a symbolic one, like -s1)."""
+    nonnegative = _statically_known_nonnegative(ctx, pos)
+    if nonnegative is None:
+        raise Unsupported(f"{what} {pos} whose sign depends on the sizes")
+    return pos if nonnegative else pos + size
 
 
 @register_lowering(aten.alias.default, aten.lift_fresh_copy.default)
@@ -109,13 +113,11 @@ def squeeze(ctx: Lowering, x: TensorValue, dims: int | list[int] | None = None) 
 @register_lowering(aten.slice.Tensor)
 def slice_(ctx: Lowering, x: TensorValue, dim: int = 0, start=None, end=None, step: int = 1) -> TensorValue:
     dim = _norm_dim(dim, len(x.size))
-    begin = to_sympy(0 if start is None else start)
-    if begin.is_number and begin < 0:
-        # counted from the end; a start before the beginning clamps to 0, also when the size is
-        # symbolic: x[-100:] of s0 rows starts at max(0, s0 - 100), where export knows s0 < 100
-        begin = begin + x.size[dim]
-        known = _statically_known_nonnegative(ctx, begin)
-        begin = sympy.Max(0, begin) if known is None else (begin if known else ZERO)
+    begin = _from_end(ctx, to_sympy(0 if start is None else start), x.size[dim], "slice start")
+    # a start before the beginning clamps to 0, also when the size is symbolic: x[-100:] of s0
+    # rows starts at max(0, s0 - 100), where export knows s0 < 100
+    known = _statically_known_nonnegative(ctx, begin)
+    begin = sympy.Max(0, begin) if known is None else (begin if known else ZERO)
     stride = to_sympy(step)
 
     def reindex(idx: Index) -> Index:
@@ -127,9 +129,7 @@ def slice_(ctx: Lowering, x: TensorValue, dim: int = 0, start=None, end=None, st
 @register_lowering(aten.select.int)
 def select(ctx: Lowering, x: TensorValue, dim: int, index) -> TensorValue:
     dim = _norm_dim(dim, len(x.size))
-    pos = to_sympy(index)
-    if pos.is_number and pos < 0:
-        pos = pos + x.size[dim]
+    pos = _from_end(ctx, to_sympy(index), x.size[dim], "select index")
     return ctx.view(x, lambda idx: idx[:dim] + (pos,) + idx[dim:])
 
 

@@ -1,45 +1,156 @@
 """The interpreter's stand-ins for libdevice (codegen/interpret.py) are as precise as libdevice:
-each function used by the lowerings, through a compiled kernel, against a float64 reference."""
+every symbol the lowerings emit, through a compiled kernel that calls it, against a float64
+reference, over the op's domain and its extremes (signed zeros, infinities, NaN, domain edges,
+values past float32's range)."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
 
 import pytest
 import torch
 
+import gjit
 from gjit.codegen import interpret
+from gjit.codegen.triton import TritonOverrides
 from helpers import run_compiled
 
-pytestmark = pytest.mark.cpu
+# NaN/Inf inputs make the interpreter's numpy math warn (overflow, invalid value): intended here
+pytestmark = [pytest.mark.cpu, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 
-CASES = {
-    "tanh": (torch.tanh, (-12, 12)),
-    "expm1": (torch.expm1, (-5, 5)),
-    "log1p": (torch.log1p, (-0.9, 50)),
-    "log10": (torch.log10, (1e-3, 1e4)),
-    "rsqrt": (torch.rsqrt, (1e-3, 1e4)),
-    "tan": (torch.tan, (-1.5, 1.5)),
-    "sinh": (torch.sinh, (-8, 8)),
-    "cosh": (torch.cosh, (-8, 8)),
-    "asin": (torch.asin, (-0.99, 0.99)),
-    "acos": (torch.acos, (-0.99, 0.99)),
-    "atan": (torch.atan, (-50, 50)),
-    "asinh": (torch.asinh, (-50, 50)),
-    "erfinv": (torch.erfinv, (-0.99, 0.99)),
-    "trunc": (torch.trunc, (-50, 50)),
-    # the exponent as float32 holds it, so the reference differs from the kernel only in the pow
-    "pow": (lambda x: torch.pow(x, torch.tensor(2.7).item()), (1e-3, 20)),
-    "atan2": (lambda x: torch.atan2(x, x.flip(0)), (-5, 5)),
+NAN, INF = math.nan, math.inf
+# everywhere: signed zeros, infinities, NaN, the smallest normal/subnormal float32, the largest
+EXTREMES = [0.0, -0.0, INF, -INF, NAN, 1.2e-38, -1.2e-38, 1e-45, 3.4e38, -3.4e38]
+REL = 2.4e-7  # ~2 ulp of float32
+ABS = 1e-38  # below float32's smallest normal: subnormal results round coarser than REL
+
+# libdevice symbol -> (fn, domain [lo, hi], values to add: domain edges and just past them)
+UNARY = {
+    "tan": (torch.tan, (-1.57, 1.57), [1.5707963, -1.5707963, 100.0, 1e4]),
+    "tanh": (torch.tanh, (-12, 12), [20.0, -20.0, 1e-20]),
+    "sinh": (torch.sinh, (-89, 89), [89.5, -89.5, 100.0, 1e-20]),
+    "cosh": (torch.cosh, (-89, 89), [89.5, -89.5, 100.0]),
+    "asin": (torch.asin, (-1, 1), [1.0, -1.0, 1.0000001, -1.5]),
+    "acos": (torch.acos, (-1, 1), [1.0, -1.0, 1.0000001, -1.5]),
+    "atan": (torch.atan, (-50, 50), [1e10, -1e10]),
+    "asinh": (torch.asinh, (-50, 50), [1e20, -1e20]),
+    "acosh": (torch.acosh, (1, 50), [1.0, 0.99, 1e20]),
+    "atanh": (torch.atanh, (-1, 1), [1.0, -1.0, 0.9999999, 1.5]),
+    "erfinv": (torch.erfinv, (-1, 1), [1.0, -1.0, 0.9999999, -0.9999999, 1.5]),
+    "expm1": (torch.expm1, (-20, 88), [88.8, -104.0, 1e-10]),
+    "log1p": (torch.log1p, (-0.999, 1e4), [-1.0, -1.5, 1e-10]),
+    "log10": (torch.log10, (1e-3, 1e4), [1.0, 10.0, -1.0]),
+    "rsqrt": (torch.rsqrt, (1e-3, 1e4), [1.0, 4.0, -1.0]),
+    "trunc": (torch.trunc, (-50, 50), [0.5, -0.5, 2.5, -2.5, 8388607.5]),
+    "rint": (torch.round, (-50, 50), [0.5, -0.5, 1.5, 2.5, -2.5, 8388607.5]),
+    "signbit": (torch.signbit, (-50, 50), []),
 }
 
 
-@pytest.mark.parametrize("name", list(CASES), ids=list(CASES))
-def test_stand_in_precision(name):
-    fn, (lo, hi) = CASES[name]
-    x = torch.linspace(lo, hi, 2001, dtype=torch.float32)
-    x = x[(x != 0) | (lo > 0)]
-    out, _ = run_compiled(fn, x)
-    reference = fn(x.double())
-    err = (out.double() - reference).abs()
-    # within ~2 ulp of float32 (relative 2.4e-7) plus a tiny absolute term near zero
-    assert (err <= 2.4e-7 * reference.abs() + 1e-30).all(), float(err.max())
+def unary_points(name: str) -> torch.Tensor:
+    _, (lo, hi), edges = UNARY[name]
+    return torch.cat([torch.linspace(lo, hi, 3001), torch.tensor(EXTREMES + edges)]).float()
+
+
+def pair_points() -> tuple[torch.Tensor, torch.Tensor]:
+    """Every pair of a grid with both signs, zeros, infinities and NaN."""
+    values = torch.cat([torch.linspace(-5, 5, 41), torch.tensor([0.0, -0.0, INF, -INF, NAN, 1e-30, 3e38])])
+    return values.repeat_interleave(len(values)).float(), values.repeat(len(values)).float()
+
+
+def assert_close_to_reference(out: torch.Tensor, reference: torch.Tensor) -> None:
+    """Within REL * |reference| + ABS where float32 can hold the reference; where it cannot
+    (overflow, NaN), exactly what rounding the reference to float32 gives."""
+    rounded = reference.to(out.dtype)
+    exact = ~torch.isfinite(rounded)
+    assert torch.equal(out[exact].isnan(), rounded[exact].isnan()), "NaN where the reference has none"
+    finite = exact & ~rounded.isnan()
+    assert torch.equal(out[finite], rounded[finite]), "wrong infinity"
+    err = (out.double() - reference).abs()[~exact]
+    bound = REL * reference.abs()[~exact] + ABS
+    worst = int((err - bound).argmax())
+    assert (err <= bound).all(), (
+        f"error {float(err[worst]):.3g} at reference {float(reference[~exact][worst])}"
+    )
+
+
+def assert_calls_libdevice(fn, symbol: str, *args) -> None:
+    sources = "".join(k.source for k in gjit.explain(fn, *args).kernels)
+    assert f"libdevice.{symbol}(" in sources, sources
+
+
+@pytest.mark.parametrize("name", list(UNARY), ids=list(UNARY))
+def test_unary_stand_in(name):
+    fn = UNARY[name][0]
+    x = unary_points(name)
+    out, cm = run_compiled(fn, x)
+    assert_calls_libdevice(cm, name, x)
+    if name == "signbit":
+        assert torch.equal(out, torch.signbit(x))
+    else:
+        assert_close_to_reference(out, fn(x.double()))
+
+
+def test_pow_scalar_exponents():
+    x = torch.cat([torch.linspace(1e-3, 20, 3001), torch.tensor(EXTREMES + [1.0, -1.0, -2.0])]).float()
+
+    def fn(a):
+        return a**2.5, a**-1.5, a**0.3
+
+    out, cm = run_compiled(fn, x)
+    assert_calls_libdevice(cm, "pow", x)
+    for o, e in zip(out, (2.5, -1.5, 0.3)):
+        # the kernel's exponent is a float32 (as on a GPU): 0.3 there is 0.30000001192...
+        assert_close_to_reference(o, x.double() ** torch.tensor(e, dtype=torch.float32).item())
+
+
+@pytest.mark.parametrize(
+    "name,fn",
+    [("pow", torch.pow), ("atan2", torch.atan2), ("copysign", torch.copysign)],
+    ids=["pow", "atan2", "copysign"],
+)
+def test_binary_stand_in(name, fn):
+    a, b = pair_points()
+    out, cm = run_compiled(fn, a, b)
+    assert_calls_libdevice(cm, name, a, b)
+    assert_close_to_reference(out, fn(a.double(), b.double()))
+
+
+@pytest.mark.parametrize("name", ["tanh", "erfinv", "rint", "log1p"], ids=str)
+def test_float64_stand_in(name):
+    fn = UNARY[name][0]
+    x = unary_points(name).double()
+    out, cm = run_compiled(fn, x)
+    assert_calls_libdevice(cm, name, x)
+    expected = fn(x)
+    assert torch.equal(out.isnan(), expected.isnan())
+    torch.testing.assert_close(out, expected, rtol=1e-15, atol=0, equal_nan=True)
+
+
+def emitted_symbols() -> set[str]:
+    """The libdevice functions the Triton emitter table can produce (for float and int results)."""
+    symbols = set()
+    for name, emit in TritonOverrides.items():
+        params = inspect.signature(emit).parameters.values()
+        arity = sum(p.default is inspect.Parameter.empty for p in params) - 1  # the last is the dtype
+        dtypes = (torch.int64,) if name in ("lshift", "rshift") else (torch.float32, torch.int64)
+        for dtype in dtypes:
+            symbols |= set(re.findall(r"libdevice\.(\w+)\(", emit(*["a"] * arity, dtype)))
+    return symbols
+
+
+def test_every_emitted_symbol_has_a_tested_stand_in():
+    emitted = emitted_symbols()
+    assert emitted <= set(interpret.LIBDEVICE), emitted - set(interpret.LIBDEVICE)
+    assert emitted == set(UNARY) | {"pow", "atan2", "copysign"}
+
+
+def test_lookup_resolves_precision_suffix():
+    assert interpret._lookup("__nv_tanhf", float32=True) is interpret.LIBDEVICE["tanh"]
+    assert interpret._lookup("__nv_tanh", float32=False) is interpret.LIBDEVICE["tanh"]
+    assert interpret._lookup("__nv_erfinvf", float32=True) is interpret.LIBDEVICE["erfinv"]
 
 
 def test_unknown_symbol_is_named():

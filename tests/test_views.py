@@ -1,38 +1,237 @@
-"""Views are index expressions inside the consuming kernel: never a copy, one kernel."""
+"""Views are index expressions inside the consuming kernel, never copies: each view (or chain of
+views) feeding one pointwise op is exactly one kernel, and a view returned as an output is built
+by ATen on the same memory, with eager's strides."""
+
+from __future__ import annotations
 
 import pytest
 import torch
 
-from helpers import check
+import gjit
+from helpers import check, run_compiled
 
 pytestmark = pytest.mark.cpu
 
-CASES = {
-    "transpose": (lambda x: x.t() + 1, (6, 9)),
-    "permute_3d": (lambda x: x.permute(2, 0, 1) * 2, (3, 5, 7)),
-    "flatten": (lambda x: x.view(-1) * 2, (3, 5, 7)),
-    "split_dims": (lambda x: x.reshape(3, 5, 7).sin(), (15, 7)),
-    "merge_odd": (lambda x: x.reshape(5, 21).cos(), (3, 5, 7)),
-    "reshape_after_permute": (lambda x: x.permute(1, 0, 2).reshape(5, 21) + 1, (3, 5, 7)),
-    "expand": (lambda x: x.expand(4, 6, 9).exp(), (6, 1)),
-    "slice_step": (lambda x: x[1:, ::2] - 3, (6, 9)),
-    "slice_negative": (lambda x: x[-4:-1] * x[-4:-1], (6, 9)),
-    "select_negative": (lambda x: x[:, -2].relu(), (6, 9)),
-    "squeeze_unsqueeze": (lambda x: x.squeeze(1).unsqueeze(0) + 1, (6, 1, 9)),
-    "cat_last_dim": (lambda x: torch.cat([x, x * 2, x[:, :0]], -1).sin(), (4, 5)),
-    "cat_dim0": (lambda x: torch.cat([x, x.flip(0) if False else x + 1], 0).tanh(), (4, 5)),
+
+def inputs(shapes) -> list[torch.Tensor]:
+    return [torch.randn(shape) for shape in shapes]
+
+
+# name -> (fn, input shapes): one view (or a few) then one pointwise op
+VIEW_THEN_POINTWISE = {
+    # expand / broadcast
+    "expand_col": (lambda x: x.expand(5, 7) + 1, [(5, 1)]),
+    "expand_new_dims": (lambda x: x.expand(4, 6, 9).exp(), [(6, 1)]),
+    "expand_minus_one": (lambda x: x.expand(4, -1, -1) - 1, [(1, 7)]),
+    "expand_same_size": (lambda x: x.expand(5, 7) + 1, [(5, 7)]),
+    "expand_as": (lambda x, y: x.expand_as(y) * y, [(5, 1), (5, 7)]),
+    "broadcast_both": (lambda x, y: x * y, [(5, 1, 7), (4, 1)]),
+    # view / reshape of contiguous data: merge, split, regroup, -1, size-1 dims, odd sizes
+    "view_merge_leading": (lambda x: x.view(15, 7) + 1, [(3, 5, 7)]),
+    "view_merge_trailing": (lambda x: x.view(3, 35) + 1, [(3, 5, 7)]),
+    "view_flat_minus_one": (lambda x: x.view(-1) * 2, [(3, 5, 7)]),
+    "view_regroup": (lambda x: x.view(7, 15) * 2, [(3, 5, 7)]),
+    "view_regroup_odd": (lambda x: x.reshape(5, 21).cos(), [(3, 5, 7)]),
+    "view_swap_sizes": (lambda x: x.view(5, 3, 7) * 2, [(3, 5, 7)]),
+    "view_split_flat": (lambda x: x.view(5, 7, 1, 3).sin(), [(105,)]),
+    "view_split_leading": (lambda x: x.view(3, 5, 7).sin(), [(15, 7)]),
+    "view_split_minus_one": (lambda x: x.view(2, -1, 5).sin(), [(6, 10)]),
+    "view_add_ones": (lambda x: x.view(1, 3, 1, 5, 7, 1).cos(), [(3, 5, 7)]),
+    "view_0d_to_3d": (lambda x: x.view(1, 1, 1) + 1, [()]),
+    "view_1_to_0d": (lambda x: x.view(()) + x.view(1, 1), [(1,)]),
+    "reshape_4d": (lambda x: x.reshape(6, 20) - x.reshape(6, 20).exp(), [(2, 3, 4, 5)]),
+    "flatten": (lambda x: x.flatten(1) + 1, [(3, 5, 7)]),
+    "unflatten": (lambda x: x.unflatten(1, (5, 7)) + 1, [(3, 35)]),
+    "view_sym_merge": (lambda x: x.view(x.shape[0], -1) + 1, [(3, 5, 7)]),
+    "view_sym_merge_leading": (lambda x: x.reshape(-1, x.shape[2]) * 2, [(3, 5, 7)]),
+    "view_sym_split": (lambda x: x.view(x.shape[0], x.shape[1] // 5, 5) + 1, [(3, 35)]),
+    # reshape of non-contiguous data (a copy in eager, still one kernel here)
+    "reshape_transposed": (lambda x: x.t().reshape(-1) * 2, [(5, 7)]),
+    "reshape_transposed_2d": (lambda x: x.t().reshape(35, 1) + 1, [(5, 7)]),
+    "reshape_permuted": (lambda x: x.permute(1, 0, 2).reshape(5, 21) + 1, [(3, 5, 7)]),
+    "contiguous_then_view": (lambda x: x.t().contiguous().view(-1) + 1, [(5, 7)]),
+    # permute / transpose / t
+    "permute": (lambda x: x.permute(2, 0, 1) + 1, [(3, 5, 7)]),
+    "permute_negative_dims": (lambda x: x.permute(-1, 0, -2) + 1, [(3, 5, 7)]),
+    "permute_4d": (lambda x: x.permute(0, 2, 1, 3) * 3, [(2, 3, 4, 5)]),
+    "transpose": (lambda x: x.transpose(0, 2) + 1, [(3, 5, 7)]),
+    "transpose_negative_dims": (lambda x: x.transpose(-1, -2) + 1, [(3, 5, 7)]),
+    "t": (lambda x: x.t() + 1, [(6, 9)]),
+    "t_1d": (lambda x: x.t() + 1, [(7,)]),
+    "movedim": (lambda x: x.movedim(0, -1) + 1, [(3, 5, 7)]),
+    # slice: positive, negative, stepped, clamped, empty
+    "slice_start": (lambda x: x[1:] + 1, [(5, 7)]),
+    "slice_negative_end": (lambda x: x[:-1] + 1, [(5, 7)]),
+    "slice_middle": (lambda x: x[1:4] + 1, [(5, 7)]),
+    "slice_step": (lambda x: x[::2] + 1, [(5, 7)]),
+    "slice_start_step": (lambda x: x[1::3] + 1, [(5, 7)]),
+    "slice_both_dims": (lambda x: x[1:, ::2] - 3, [(6, 9)]),
+    "slice_negative_start": (lambda x: x[-3:] + 1, [(5, 7)]),
+    "slice_negative_both": (lambda x: x[-4:-1, -4:-1] * x[-3:, :3], [(6, 9)]),
+    "slice_negative_start_step": (lambda x: x[-4::2] + 1, [(5, 7)]),
+    "slice_start_before_begin": (lambda x: x[-100:] + 1, [(5, 7)]),
+    "slice_start_before_begin_step": (lambda x: x[:, -100::3] + 1, [(5, 7)]),
+    "slice_end_past_end": (lambda x: x[:, 2:100] + 1, [(5, 7)]),
+    "slice_last_dim_step": (lambda x: x[..., ::2] + 1, [(3, 5, 7)]),
+    "slice_empty": (lambda x: x[4:2] + 1, [(5, 7)]),
+    "slice_start_past_end": (lambda x: x[10:] + 1, [(5, 7)]),
+    "slice_symbolic_start": (lambda x, y: x[x.shape[0] - y.shape[0] :] + 1, [(9, 5), (3,)]),
+    "slice_symbolic_negative_start": (lambda x: x[-x.shape[1] :] + 1, [(9, 5)]),
+    "narrow": (lambda x: x.narrow(1, 2, 3) + 1, [(5, 7)]),
+    "narrow_symbolic_start": (lambda x: x.narrow(0, x.shape[1] - 2, 3) * 2, [(9, 5)]),
+    "narrow_negative_start": (lambda x: x.narrow(0, -3, 2) + 1, [(5, 7)]),
+    # select
+    "select": (lambda x: x[2] + 1, [(5, 7)]),
+    "select_negative": (lambda x: x[-1] + 1, [(5, 7)]),
+    "select_dim1_negative": (lambda x: x[:, -2].relu(), [(6, 9)]),
+    "select_last_dim": (lambda x: x[..., 0] + 1, [(3, 5, 7)]),
+    "select_symbolic_negative": (lambda x: x[-x.shape[1]] + 1, [(9, 5)]),
+    "select_two_dims": (lambda x: x[:, -1] * x[:, 0], [(3, 5, 7)]),
+    "select_only_element": (lambda x: x[0] + 1, [(1,)]),
+    "unbind": (lambda x: sum(x.unbind(1)), [(5, 3)]),
+    # squeeze / unsqueeze
+    "squeeze_dim": (lambda x: x.squeeze(1) + 1, [(5, 1, 7)]),
+    "squeeze_all": (lambda x: x.squeeze() + 1, [(1, 5, 1, 7, 1)]),
+    "squeeze_negative": (lambda x: x.squeeze(-2) + 1, [(5, 1, 7)]),
+    "squeeze_not_size_one": (lambda x: x.squeeze(0) + 1, [(5, 7)]),
+    "squeeze_dims": (lambda x: x.squeeze((0, 2)) + 1, [(1, 5, 1, 7)]),
+    "unsqueeze_front": (lambda x: x.unsqueeze(0) + 1, [(5, 7)]),
+    "unsqueeze_negative": (lambda x: x.unsqueeze(-1) + 1, [(5, 7)]),
+    "squeeze_then_unsqueeze": (lambda x: x.squeeze(1).unsqueeze(0) + 1, [(6, 1, 9)]),
+    "unsqueeze_outer_product": (lambda x: x.unsqueeze(1) * x.unsqueeze(0), [(5,)]),
 }
 
 
-@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_view_then_pointwise_is_one_kernel(case):
-    fn, shape = CASES[case]
-    check(fn, torch.randn(shape), kernels=1)
+@pytest.mark.parametrize("name", list(VIEW_THEN_POINTWISE), ids=list(VIEW_THEN_POINTWISE))
+def test_view_then_pointwise(name):
+    fn, shapes = VIEW_THEN_POINTWISE[name]
+    check(fn, *inputs(shapes), kernels=1)
 
 
-def test_view_output_aliases_the_kernel_result():
-    def f(x):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int64, torch.int32], ids=str)
+def test_views_of_other_dtypes(dtype):
+    x = (torch.randn(6, 7) * 10).to(dtype)
+    check(lambda a: (a.t()[1:] * 3, a.view(-1)[::3] - a[0, 0]), x, kernels=2)
+
+
+def test_views_of_bools():
+    check(lambda a: (a.t()[1:] & a[:6, :6], a.view(-1)[::3] ^ True), torch.randn(6, 7) > 0, kernels=2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chains of views, views of computed values, views reused
+# ----------------------------------------------------------------------------------------------
+
+CHAINS = {
+    "slice_t_step_unsqueeze": (lambda x: x[1:].t()[::2].unsqueeze(0) * 2, [(6, 7)]),
+    "view_t_slice": (lambda x: x.view(3, 35).t()[:, 1:].sin(), [(3, 5, 7)]),
+    "permute_select_expand": (lambda x: x.permute(2, 0, 1)[1].unsqueeze(-1).expand(3, 5, 4) + 1, [(3, 5, 7)]),
+    "flat_then_strided": (lambda x: x.view(-1)[::8] + 1, [(7, 7)]),
+    "view_of_computed": (lambda x: (x + 1).view(-1).sin(), [(3, 5, 7)]),
+    "transpose_of_computed": (lambda x, y: (x * 2).t() + y, [(5, 7), (7, 5)]),
+    "long_chain_of_computed": (
+        lambda x: (x.exp() + 1).permute(2, 0, 1).reshape(7, 15).t()[3:] * 2,
+        [(3, 5, 7)],
+    ),
+    "same_view_twice": (lambda x: x.t() + x.t().sin(), [(5, 7)]),
+    "two_views_of_one_input": (lambda x: x.t()[:, 1:] * x[1:].t(), [(6, 7)]),
+    "squeeze_unsqueeze_roundtrip": (lambda x: x.unsqueeze(1).squeeze(1).t() + 1, [(5, 7)]),
+}
+
+
+@pytest.mark.parametrize("name", list(CHAINS), ids=list(CHAINS))
+def test_view_chain(name):
+    fn, shapes = CHAINS[name]
+    check(fn, *inputs(shapes), kernels=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# cat: one kernel with its consumer
+# ----------------------------------------------------------------------------------------------
+
+CAT = {
+    "two_dim0": (lambda a, b: torch.cat([a, b]).sin(), [(2, 7), (3, 7)]),
+    "two_dim1": (lambda a, b: torch.cat([a, b], 1).sin(), [(5, 2), (5, 3)]),
+    "two_last_dim": (lambda a, b: torch.cat([a, b], -1).sin(), [(5, 2), (5, 3)]),
+    "three_dim0": (lambda a, b, c: torch.cat([a, b, c], 0).sin(), [(2, 7), (1, 7), (3, 7)]),
+    "three_last_dim": (lambda a, b, c: torch.cat([a, b, c], -1).sin(), [(5, 2), (5, 1), (5, 3)]),
+    "zero_size_middle": (lambda a, b, c: torch.cat([a, b, c], 0) * 2, [(2, 7), (0, 7), (3, 7)]),
+    "zero_size_first_last_dim": (lambda a, b: torch.cat([a, b], -1) * 2, [(5, 0), (5, 3)]),
+    "zero_size_slice_part": (lambda x: torch.cat([x, x * 2, x[:, :0]], -1).sin(), [(4, 5)]),
+    "same_input_twice": (lambda x: torch.cat([x, x + 1], 0).tanh(), [(4, 5)]),
+    "legacy_empty_1d": (lambda a, b: torch.cat([a, b]) + 1, [(2, 7), (0,)]),
+    "3d_middle_dim": (lambda a, b: torch.cat([a, b], 1).exp(), [(2, 3, 4), (2, 1, 4)]),
+    "views_as_parts": (lambda a, b: torch.cat([a.t(), b[:, ::2]], 1) + 1, [(3, 5), (5, 8)]),
+    "computed_parts": (lambda a, b: torch.cat([(a + 1).t(), b * 2], 0).sin(), [(7, 5), (2, 7)]),
+    "then_transpose": (lambda a, b: torch.cat([a, b]).t() * 2, [(2, 7), (3, 7)]),
+    "stack": (lambda a, b: torch.stack([a, b], 1) + 1, [(5, 7), (5, 7)]),
+}
+
+
+@pytest.mark.parametrize("name", list(CAT), ids=list(CAT))
+def test_cat(name):
+    fn, shapes = CAT[name]
+    check(fn, *inputs(shapes), kernels=1)
+
+
+def test_cat_promotes_dtypes():
+    a, b, c = torch.randn(2, 7), torch.randint(0, 5, (3, 7)), torch.randn(1, 7).half()
+    check(lambda x, y, z: torch.cat([x, y, z]) * 2, a, b, c, kernels=1)
+
+
+def test_cat_output():
+    check(lambda a, b: torch.cat([a, b], 1), *inputs([(5, 2), (5, 3)]), kernels=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Views as outputs: zero-copy, eager's strides
+# ----------------------------------------------------------------------------------------------
+
+
+def test_views_of_input_as_outputs():
+    """Every output is a view of the input's memory, with eager's shape, strides and offset."""
+
+    def fn(x):
+        return (
+            x.t(),
+            x.view(-1),
+            x[1:, ::2],
+            x.unsqueeze(0).expand(2, 5, 7),
+            x[-1],
+            x[:, -3:],
+            x.view(7, 5).permute(1, 0),
+        )
+
+    x = torch.randn(5, 7)
+    check(fn, x, kernels=0)
+    out, _ = run_compiled(gjit.compile(fn), x)
+    for o, e in zip(out, fn(x)):
+        assert o.untyped_storage().data_ptr() == x.untyped_storage().data_ptr(), "the view was copied"
+        assert (o.shape, o.stride(), o.storage_offset()) == (e.shape, e.stride(), e.storage_offset())
+
+
+def test_views_of_computed_values_as_outputs():
+    """Views of a kernel's result alias that result, with eager's strides."""
+
+    def fn(x):
         y = x * 2
-        return y, y.view(-1)
+        return y, y.t(), y.view(-1)[3:], (x + 1)[::2]
 
-    check(f, torch.randn(3, 4), kernels=1)
+    x = torch.randn(5, 7)
+    check(fn, x, kernels=1)
+    out, _ = run_compiled(gjit.compile(fn), x)
+    assert [o.stride() for o in out] == [e.stride() for e in fn(x)]
+    assert out[1].untyped_storage().data_ptr() == out[0].untyped_storage().data_ptr()
+    assert out[2].untyped_storage().data_ptr() == out[0].untyped_storage().data_ptr()
+
+
+def test_split_and_chunk():
+    """split_with_sizes runs as an ATen extern (its outputs are views, not copies)."""
+    x = torch.randn(6, 7)
+    check(lambda a: tuple(c + 1 for c in a.chunk(3, 1)), x)
+    check(lambda a: tuple(c * 2 for c in a.split([2, 4], 0)), x)
+
+
+def test_view_as_dtype():
+    """Bit reinterpretation is an ATen extern; the pointwise op after it is one kernel."""
+    check(lambda a: a.view(torch.int32) + 1, torch.randn(5, 7), kernels=1)
