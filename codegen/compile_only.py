@@ -15,16 +15,16 @@ from gjit.codegen.triton import KernelSource
 from gjit.runtime import load_module
 
 
-def compile_kernel(kernel: KernelSource, path: str, arch: int = 90, xblock: int = 1024, aligned: bool = True):
+def compile_kernel(kernel: KernelSource, path: str, arch: int = 90, aligned: bool = True):
     """Compile `kernel` (its source file at `path`) for sm_<arch>; returns Triton's CompiledKernel."""
     fn = getattr(load_module(path, interpret=False), kernel.name)
-    params = [p for p in kernel.signature if p != "XBLOCK"]
+    params = [p for p in kernel.signature if p not in kernel.blocks]
     attrs = {}
     if aligned:
         for k, p in enumerate(params):
-            if kernel.signature[p].startswith("*") or p == "xnumel":
+            if kernel.signature[p].startswith("*") or p in ("xnumel", "rnumel"):
                 attrs[(k,)] = [["tt.divisibility", 16]]
     source = triton.compiler.ASTSource(
-        fn=fn, signature=dict(kernel.signature), constexprs={"XBLOCK": xblock}, attrs=attrs
+        fn=fn, signature=dict(kernel.signature), constexprs=dict(kernel.blocks), attrs=attrs
     )
     return triton.compile(source, target=GPUTarget("cuda", arch, 32))

@@ -19,6 +19,7 @@ import torch
 from gjit import ir
 from gjit.codegen.indexing import XINDEX, coalesce
 from gjit.codegen.printer import TritonPrinter
+from gjit.config import config
 from gjit.fusion import Region
 from gjit.ir import Const, Expr, IndexValue, Masked, Op, Read
 
@@ -184,11 +185,14 @@ class KernelSource:
     in_args: list[str]  # buffer / node names read, in pointer-argument order
     out_args: list[str]  # node names stored
     size_args: list[sympy.Symbol]  # symbols passed by value
-    numel: sympy.Expr
+    numel: sympy.Expr  # xnumel: the number of programs' elements along x
     index_dtype: str
     aten_nodes: list[str]  # "name: aten.op" per fused node
     source_lines: list[str]
     signature: dict[str, str]  # parameter -> Triton type ("*fp32", "i32", "constexpr")
+    blocks: dict[str, int] = dataclasses.field(default_factory=dict)  # constexpr block sizes at launch
+    rnumel: sympy.Expr | None = None  # reduction kernels: elements reduced per output element
+    persistent: bool = False  # reduction kernels: the whole row in one block (needs rnumel <= RBLOCK)
 
     @property
     def cache_key(self) -> str:
@@ -227,7 +231,10 @@ class KernelWriter:
         self.values: dict[str, str] = {}  # region node -> its tmp variable
         self.printer = TritonPrinter()
         self.mask = "xmask"
+        self.base_masks = {"xmask"}  # masks under which a var-free offset is a plain scalar load
+        self.block_zeros = "tl.zeros([XBLOCK], tl.int32)"
         self.symbols: set[sympy.Symbol] = set()  # size symbols the kernel body uses
+        self.counter = 0
 
     # -- layouts --------------------------------------------------------------------------------
 
@@ -249,7 +256,8 @@ class KernelWriter:
     def tmp(self, key: tuple, text: str) -> str:
         if key in self.cse:
             return self.cse[key]
-        var = f"tmp{len(self.cse)}"
+        var = f"tmp{self.counter}"
+        self.counter += 1
         self.cse[key] = var
         self.lines.append(f"{var} = {text}")
         return var
@@ -257,6 +265,10 @@ class KernelWriter:
     def emit(self, e: Expr) -> str:
         if isinstance(e, Const):
             return literal(e.value, e.dtype)
+        if isinstance(e, IndexValue) and sympy.sympify(e.expr).is_number:
+            return literal(e.expr, e.dtype)
+        if isinstance(e, Op) and e.name == "to_dtype" and _constant(e.args[0]) is not None:
+            return literal(_constant(e.args[0]), e.params[0])  # a constant (size) under a cast
         if isinstance(e, IndexValue):
             text = self.index(self.subst(e.expr))
             if e.dtype == torch.bool:
@@ -280,18 +292,22 @@ class KernelWriter:
             return self.tmp(("masked", mask, body), f"tl.where({mask}, {body}, {literal(e.other, e.dtype)})")
         raise TypeError(type(e))
 
+    def in_registers(self, r: Read) -> bool:
+        """Is this read of a region member at its own element (so the member's value is reused)?"""
+        return r.name in self.region.bodies and r.index == ir.index_vars(len(self.region.size))
+
     def read(self, r: Read) -> str:
-        if r.name in self.region.bodies and r.index == ir.index_vars(len(self.region.size)):
+        if self.in_registers(r):
             return self.node_value(r.name)
         arg = self.in_args.setdefault(r.name, f"in_ptr{len(self.in_args)}")
         offset = self.subst(self.layout(r.name).offset_of(r.index))
         text = self.index(offset)
         if offset.free_symbols & set(self.vars):
             load = f"tl.load({arg} + ({text}), {self.mask})"
-        elif self.mask == "xmask":
+        elif self.mask in self.base_masks:
             load = f"tl.load({arg} + ({text}))"
         else:
-            load = f"tl.load({arg} + ({text}) + tl.zeros([XBLOCK], tl.int32), {self.mask})"
+            load = f"tl.load({arg} + ({text}) + {self.block_zeros}, {self.mask})"
         return self.tmp(("load", arg, text, self.mask), load)
 
     def node_value(self, name: str) -> str:
@@ -338,6 +354,7 @@ class KernelWriter:
         signature = {arg: "*" + POINTER_TYPES[self.layout(name).dtype] for name, arg in pointers.items()}
         signature |= {p: int_type for p in params[len(signature) :]}
         signature["XBLOCK"] = "constexpr"
+        blocks = {"XBLOCK": xblock_for(numel, self.hints)}
         body = setup + self.lines
         nodes = self.region.inlined + self.region.nodes
         header = self.header(name, nodes, numel)
@@ -357,6 +374,7 @@ class KernelWriter:
             aten_nodes=[f"{n.name}: {n.fx_node.target}" for n in nodes],
             source_lines=_unique(source_line(n.fx_node) for n in nodes),
             signature=signature,
+            blocks=blocks,
         )
 
     def depends_on_index(self, body: Expr) -> bool:
@@ -418,9 +436,33 @@ from triton.language.extra import libdevice
 """
 
 
+def _constant(e: Expr):
+    """The Python number `e` always is, or None."""
+    if isinstance(e, Const):
+        return e.value
+    if isinstance(e, IndexValue) and sympy.sympify(e.expr).is_number:
+        return int(e.expr) if e.dtype != torch.bool else bool(e.expr)
+    return None
+
+
+def hint(expr: sympy.Expr, hints: dict[sympy.Symbol, int]) -> int:
+    value = sympy.sympify(expr).subs(hints)
+    return int(value) if value.is_number else 2**31
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 2 ** (n - 1).bit_length()
+
+
+def xblock_for(numel: sympy.Expr, hints: dict[sympy.Symbol, int]) -> int:
+    """Pointwise block size: the configured one, smaller for small (example) sizes."""
+    return max(16, min(config.xblock, next_power_of_2(hint(numel, hints))))
+
+
 def kernel_name(region: Region, index: int) -> str:
     ops = "_".join(region.aten_ops()[:6]) or "copy"
-    return f"gjit_poi_fused_{ops}_{index}"
+    kind = "red" if region.reduction is not None else "poi"
+    return f"gjit_{kind}_fused_{ops}_{index}"
 
 
 def generate_kernel(
@@ -428,4 +470,8 @@ def generate_kernel(
 ) -> KernelSource:
     name = kernel_name(region, index)
     region.name = name
+    if region.reduction is not None:
+        from gjit.codegen.triton_reduction import ReductionWriter
+
+        return ReductionWriter(region, graph, hints).generate(name)
     return KernelWriter(region, graph, hints).generate(name)

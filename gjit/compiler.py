@@ -81,7 +81,7 @@ def compile_program(captured: CapturedProgram, timings: dict[str, float]) -> Com
     # wrapper: the schedule -> one Python call function
     with timed("wrapper", timings):
         by_name = {k.name: k for k in kernels}
-        wrapper = generate_wrapper(loop_graph, steps, by_name, poison=config.debug, xblock=config.xblock)
+        wrapper = generate_wrapper(loop_graph, steps, by_name, poison=config.debug)
     # write: sources to the cache dir (content-addressed)
     with timed("write", timings):
         graph = CompiledGraph(gm, kernels, wrapper)

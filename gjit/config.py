@@ -7,6 +7,9 @@
                                                          write shows up in comparisons
     gjit.config.cache_dir             GJIT_CACHE_DIR     where generated kernels and wrappers are written
     gjit.config.xblock                GJIT_XBLOCK        block size of pointwise kernels
+    gjit.config.reduction             GJIT_REDUCTION     auto | persistent | looped reduction kernels
+    gjit.config.persistent_max        GJIT_PERSISTENT_MAX  auto: persistent up to this row length
+    gjit.config.rblock                GJIT_RBLOCK        chunk size of looped reductions
 
 Tests override knobs with ``with gjit.config.scope(interpret=True): ...``.
 """
@@ -92,6 +95,17 @@ class Config:
         "directory for generated kernel and wrapper sources",
     )
     xblock = _Knob("GJIT_XBLOCK", _env_int("GJIT_XBLOCK", 1024), "block size of pointwise kernels")
+    reduction = _Knob(
+        "GJIT_REDUCTION",
+        _env_str("GJIT_REDUCTION", lambda: "auto"),
+        "reduction kernel shape: auto | persistent (whole row in one block) | looped (row in chunks)",
+    )
+    persistent_max = _Knob(
+        "GJIT_PERSISTENT_MAX",
+        _env_int("GJIT_PERSISTENT_MAX", 1024),
+        "auto picks a persistent reduction when a row has at most this many elements",
+    )
+    rblock = _Knob("GJIT_RBLOCK", _env_int("GJIT_RBLOCK", 64), "chunk size of looped reductions")
 
     def __init__(self) -> None:
         self._overrides: dict[str, Any] = {}
@@ -114,7 +128,8 @@ class Config:
 
     def snapshot(self) -> dict[str, Any]:
         """The knob values that change generated code or how it runs (part of a cache key)."""
-        return {name: getattr(self, name) for name in ("interpret", "debug", "xblock")}
+        names = ("interpret", "debug", "xblock", "reduction", "persistent_max", "rblock")
+        return {name: getattr(self, name) for name in names}
 
 
 config = Config()

@@ -8,6 +8,10 @@ Rules, in order:
      and every read between them is element-for-element;
   3. horizontal: regions of the same iteration space that read a common buffer merge, so
      a DAG over shared inputs is one kernel;
+  4. reductions: a ReduceNode's region iterates its input's full space split into outer (kept)
+     and reduced dims; pointwise nodes over the full space or over the outer space join it
+     when every read between members lines up in those coordinates (softmax, layer_norm,
+     rms_norm, mean/var are one kernel each). Producers read only by reductions are inlined.
   a merge that would create a cycle through a third region or an extern is refused.
 Every refusal is logged to `GJIT_LOGS=fusion` as "cannot fuse A with B: reason".
 A region stores exactly the nodes that something outside it needs.
@@ -18,10 +22,48 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import sympy
+
 from gjit import ir
-from gjit.ir import ComputeNode, Expr, ExternNode, LoopGraph, Read
+from gjit.ir import ComputeNode, Expr, ExternNode, LoopGraph, Read, ReduceNode
 
 log = logging.getLogger("gjit.fusion")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReductionSpace:
+    """A reduction kernel's iteration space: `full` split into kept (outer) and `reduced` dims."""
+
+    full: ir.Index
+    reduced: tuple[int, ...]
+
+    @property
+    def vars(self) -> ir.Index:
+        """The canonical index variables c0, c1, ... of the full space."""
+        return ir.index_vars(len(self.full), prefix="c")
+
+    def placement(self, node: ComputeNode) -> dict | None:
+        """Map `node`'s index variables to canonical ones; None if it does not live in this space."""
+        c = self.vars
+        if isinstance(node, ReduceNode):
+            ok = tuple(node.full_size) == tuple(self.full) and tuple(node.reduced) == self.reduced
+            return dict(zip(ir.index_vars(len(self.full)), c)) if ok else None
+        size, iv = tuple(node.size), ir.index_vars(len(node.size))
+        if size == tuple(self.full):
+            return dict(zip(iv, c))
+        kept = [k for k in range(len(self.full)) if k not in self.reduced]
+        if size == tuple(1 if k in self.reduced else s for k, s in enumerate(self.full)):
+            return {iv[k]: (sympy.Integer(0) if k in self.reduced else c[k]) for k in range(len(c))}
+        if size == tuple(self.full[k] for k in kept):
+            return {iv[j]: c[k] for j, k in enumerate(kept)}
+        return None
+
+    def value_index(self, node: ComputeNode) -> ir.Index:
+        """Where, in canonical coordinates, a member's value for the current point is read."""
+        if isinstance(node, ReduceNode):
+            return node.output_index(self.vars)
+        mapping = self.placement(node)
+        return tuple(mapping[v] for v in ir.index_vars(len(node.size)))
 
 
 @dataclasses.dataclass
@@ -31,6 +73,7 @@ class Region:
     stores: list[str]  # nodes whose values leave the region
     inlined: list[ComputeNode]  # nodes recomputed inside this region
     name: str = ""  # the kernel name, given by codegen
+    reduction: ReductionSpace | None = None  # None: a pointwise region
 
     @property
     def size(self) -> ir.Index:
@@ -81,10 +124,13 @@ class Fusion:
         identity_consumers: dict[str, int] = {name: 0 for name in self.compute}
         for name in reversed(list(self.compute)):
             node = self.compute[name]
-            if name not in self.graph.needed_in_memory and identity_consumers[name] == 0:
+            reduction = isinstance(node, ReduceNode)
+            if not reduction and name not in self.graph.needed_in_memory and identity_consumers[name] == 0:
                 inline.add(name)
                 log.debug("inline %s into its consumers: no consumer reads it element-for-element", name)
                 continue
+            if reduction:
+                continue  # a producer read only by reductions is inlined into their bodies
             for r in ir.reads(node.body):
                 producer = self.compute.get(r.name)
                 if producer is not None and producer.size == node.size and _identity(r, node.size):
@@ -150,21 +196,56 @@ class Fusion:
                     frontier.append(c)
         return False
 
+    def space(self, gid: str) -> ReductionSpace | None:
+        for m in self.group_members(gid):
+            node = self.compute[m]
+            if isinstance(node, ReduceNode):
+                return ReductionSpace(tuple(node.full_size), tuple(node.reduced))
+        return None
+
     def why_not(self, a: str, b: str) -> str | None:
         """None if groups a and b may merge, else the reason they may not."""
         ma, mb = self.group_members(a), self.group_members(b)
         if any(m not in self.bodies for m in ma + mb):
             return "an extern never fuses"
+        members = set(ma) | set(mb)
+        space_a, space_b = self.space(a), self.space(b)
+        if space_a is not None and space_b is not None and space_a != space_b:
+            return "reductions over different spaces"
+        space = space_a or space_b
+        if space is None:
+            reason = self.why_not_pointwise(ma, mb, members)
+        else:
+            reason = self.why_not_reduction(space, members)
+        if reason is not None:
+            return reason
+        if self.reaches({a}, {b}) or self.reaches({b}, {a}):
+            return "fusing would create a cycle through another kernel or extern"
+        return None
+
+    def why_not_pointwise(self, ma: list[str], mb: list[str], members: set[str]) -> str | None:
         size_a, size_b = self.compute[ma[0]].size, self.compute[mb[0]].size
         if size_a != size_b:
             return f"different iteration spaces {list(size_a)} vs {list(size_b)}"
-        members = set(ma) | set(mb)
         for m in members:
             for r in ir.reads(self.bodies[m]):
                 if r.name in members and not _identity(r, size_a):
                     return f"{m} reads {r.name} at [{', '.join(map(str, r.index))}], not element-for-element"
-        if self.reaches({a}, {b}) or self.reaches({b}, {a}):
-            return "fusing would create a cycle through another kernel or extern"
+        return None
+
+    def why_not_reduction(self, space: ReductionSpace, members: set[str]) -> str | None:
+        placements = {}
+        for m in members:
+            placements[m] = space.placement(self.compute[m])
+            if placements[m] is None:
+                return f"{m} {list(self.compute[m].size)} is not in the reduction space {list(space.full)}"
+        for m in members:
+            for r in ir.reads(self.bodies[m]):
+                if r.name not in members:
+                    continue
+                at = tuple(sympy.sympify(i).xreplace(placements[m]) for i in r.index)
+                if at != space.value_index(self.compute[r.name]):
+                    return f"{m} reads {r.name} at [{', '.join(map(str, r.index))}], which is not its own row"
         return None
 
     def merge(self, a: str, b: str) -> None:
@@ -241,6 +322,7 @@ class Fusion:
             bodies={m: self.bodies[m] for m in members},
             stores=[m for m in members if m in needed_outside],
             inlined=[self.compute[n] for n in sorted(used, key=self.order.get)],
+            reduction=self.space(gid),
         )
 
 

@@ -188,6 +188,23 @@ class ComputeNode:
 
 
 @dataclasses.dataclass
+class ReduceNode(ComputeNode):
+    """A reduction: `body` is one element of the reduced input at `index_vars(len(full_size))`;
+    the node's value at an output index is the reduction over the dims in `reduced`."""
+
+    full_size: Index = ()
+    reduced: tuple[int, ...] = ()
+    reduce_type: str = "sum"  # "sum" | "max" | "min" | "prod" | "any"
+    keepdim: bool = False
+
+    def output_index(self, full_index: Index) -> Index:
+        """The output index that full-space index `full_index` reduces into."""
+        if self.keepdim:
+            return tuple(sympy.Integer(0) if k in self.reduced else v for k, v in enumerate(full_index))
+        return tuple(v for k, v in enumerate(full_index) if k not in self.reduced)
+
+
+@dataclasses.dataclass
 class ExternNode:
     """An op run by eager ATen inside the compiled program (matmul, conv, unsupported ops)."""
 
@@ -217,6 +234,8 @@ class LoopGraph:
     fx_graph: torch.fx.Graph
     # names of graph values whose memory the wrapper must have (outputs, extern args, view bases)
     needed_in_memory: set[str]
+    # FX node name -> the value it names, where they differ (elements of multi-output lowerings)
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def node(self, name: str) -> ComputeNode | ExternNode:
         for n in self.nodes:
@@ -235,7 +254,14 @@ class LoopGraph:
                 f"buffer {b.name}: {b.kind} {dtype_str(lay.dtype)}{list(lay.size)} stride={list(lay.stride)}"
             )
         for n in self.nodes:
-            if isinstance(n, ComputeNode):
+            if isinstance(n, ReduceNode):
+                iv = ", ".join(map(str, index_vars(len(n.full_size))))
+                dims = list(n.reduced)
+                lines.append(
+                    f"{n.name} = {n.reduce_type}[{iv}] over dims {dims} of {format_expr(n.body)}"
+                    f"  # {dtype_str(n.dtype)}{list(n.size)}"
+                )
+            elif isinstance(n, ComputeNode):
                 iv = ", ".join(map(str, index_vars(len(n.size))))
                 lines.append(f"{n.name}[{iv}] = {format_expr(n.body)}  # {dtype_str(n.dtype)}{list(n.size)}")
             else:

@@ -99,6 +99,15 @@ def to_sympy(value: Any) -> sympy.Expr:
     raise Unsupported(f"cannot use {type(value).__name__} {value!r} as a size")
 
 
+def contiguous_layout(size: Index, dtype: torch.dtype) -> ir.Layout:
+    stride = []
+    step = sympy.Integer(1)
+    for s in reversed(size):
+        stride.append(step)
+        step = step * s
+    return ir.Layout(tuple(size), tuple(reversed(stride)), sympy.Integer(0), dtype)
+
+
 def to_sympy_any(value: Any) -> sympy.Expr:
     """Like to_sympy, also for SymFloat/SymBool and plain numbers."""
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
@@ -130,6 +139,7 @@ class Lowering:
         self.needed: set[str] = set()
         self.node: torch.fx.Node | None = None  # the FX node being lowered
         self.known_symbols: set[sympy.Symbol] = set()  # symbols bound by inputs or earlier externs
+        self.aliases: dict[str, str] = {}
 
     # -- helpers used by the lowering functions ------------------------------------------------
 
@@ -137,14 +147,47 @@ class Lowering:
     def out_val(self) -> torch.Tensor:
         return self.node.meta["val"]
 
-    def pointwise(self, body_fn: Callable[[Index], Expr]) -> TensorValue:
-        """Make the current node a ComputeNode whose element at index `i` is `body_fn(i)`."""
-        layout = meta_layout(self.out_val)
+    @property
+    def aten_name(self) -> str:
+        return getattr(self.node.target, "__name__", str(self.node.target)).split(".")[0]
+
+    def pointwise(
+        self, body_fn: Callable[[Index], Expr], layout: ir.Layout | None = None, suffix: str = ""
+    ) -> TensorValue:
+        """Make a ComputeNode whose element at index `i` is `body_fn(i)`: the current node's
+        result, or (with `layout` and `suffix`) an intermediate value of a multi-node lowering."""
+        layout = layout or meta_layout(self.out_val)
         idx = ir.index_vars(len(layout.size))
         body = cast(body_fn(idx), layout.dtype)
-        name = self.node.name
-        aten_name = getattr(self.node.target, "__name__", str(self.node.target)).split(".")[0]
-        self.nodes.append(ir.ComputeNode(name, layout, body, self.node, aten_name))
+        name = self.node.name + suffix
+        self.nodes.append(ir.ComputeNode(name, layout, body, self.node, self.aten_name))
+        return TensorValue(name, layout.size, layout.dtype)
+
+    def reduction(
+        self,
+        body_fn: Callable[[Index], Expr],
+        full_size: Index,
+        reduced: Sequence[int],
+        reduce_type: str,
+        dtype: torch.dtype,
+        keepdim: bool,
+        layout: ir.Layout | None = None,
+        suffix: str = "",
+    ) -> TensorValue:
+        """Make a ReduceNode: `reduce_type` of `body_fn(full index)` over the dims `reduced`."""
+        reduced = tuple(sorted(reduced))
+        if layout is None:
+            size = tuple(
+                1 if k in reduced else s for k, s in enumerate(full_size) if keepdim or k not in reduced
+            )
+            layout = contiguous_layout(tuple(sympy.sympify(s) for s in size), dtype)
+        idx = ir.index_vars(len(full_size))
+        body = body_fn(idx)
+        name = self.node.name + suffix
+        node = ir.ReduceNode(
+            name, layout, body, self.node, self.aten_name, tuple(full_size), reduced, reduce_type, keepdim
+        )
+        self.nodes.append(node)
         return TensorValue(name, layout.size, layout.dtype)
 
     def view(self, base: TensorValue, reindex: Callable[[Index], Index]) -> ViewValue:
@@ -163,6 +206,9 @@ class Lowering:
                 self.values[node] = self.placeholder(node)
             elif node.op == "call_function":
                 self.values[node] = self.call_function(node)
+                value = self.values[node]
+                if isinstance(value, TensorValue) and value.name != node.name:
+                    self.aliases[node.name] = value.name
             elif node.op == "output":
                 for out in node.args[0]:
                     value = self.values.get(out) if isinstance(out, torch.fx.Node) else None
@@ -173,7 +219,9 @@ class Lowering:
                         outputs.append(None)
             else:
                 raise NotImplementedError(f"FX op {node.op} ({node.format_node()})")
-        return ir.LoopGraph(self.buffers, self.nodes, self.views, outputs, self.gm.graph, self.needed)
+        return ir.LoopGraph(
+            self.buffers, self.nodes, self.views, outputs, self.gm.graph, self.needed, self.aliases
+        )
 
     def placeholder(self, node: torch.fx.Node) -> Any:
         val = node.meta.get("val")
@@ -325,6 +373,6 @@ def load_as(arg: Any, dtype: torch.dtype, index: Index, out_size: Index) -> Expr
 
 def lower_graph(gm: torch.fx.GraphModule) -> ir.LoopGraph:
     # the op tables register themselves on import
-    from gjit import lowering_pointwise, lowering_views  # noqa: F401
+    from gjit import lowering_pointwise, lowering_reductions, lowering_views  # noqa: F401
 
     return Lowering(gm).run()

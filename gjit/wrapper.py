@@ -66,8 +66,9 @@ class WrapperWriter:
             val = a.meta.get("val")
             if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)) and a.name not in self.defined:
                 return self.sym(to_sympy(val))
-            self.ensure(a.name)
-            return a.name
+            name = self.graph.aliases.get(a.name, a.name)
+            self.ensure(name)
+            return name
         if isinstance(a, (list, tuple)):
             inner = ", ".join(self.arg(x) for x in a)
             return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
@@ -124,12 +125,20 @@ class WrapperWriter:
         for s in kernel.size_args:
             self.sym(s)
         self.lines.append(f"xnumel = {numel}")
+        sizes = ["xnumel"]
+        if kernel.rnumel is not None:
+            self.lines.append(f"rnumel = {self.sym(kernel.rnumel)}")
+            sizes.append("rnumel")
+            if kernel.persistent:  # a persistent kernel holds a whole row in one block
+                self.lines.append(
+                    f"assert rnumel <= {kernel.blocks['RBLOCK']}, 'persistent reduction row too long'"
+                )
+        blocks = ", ".join(f"{k}={v}" for k, v in kernel.blocks.items())
+        grid = f"(triton.cdiv(xnumel, {kernel.blocks['XBLOCK']}),)"
         self.lines.append("if xnumel > 0:")
-        self.lines.append(
-            f"    {kernel.name}[(triton.cdiv(xnumel, XBLOCK),)]({', '.join(args)}, xnumel, XBLOCK=XBLOCK)"
-        )
+        self.lines.append(f"    {kernel.name}[{grid}]({', '.join(args + sizes)}, {blocks})")
 
-    def generate(self, xblock: int) -> str:
+    def generate(self) -> str:
         placeholders = [n for n in self.graph.fx_graph.nodes if n.op == "placeholder"]
         self.device = _graph_device(placeholders)
         names = [n.name for n in placeholders]
@@ -158,7 +167,6 @@ class WrapperWriter:
             "import triton",
             "",
             "aten = torch.ops.aten",
-            f"XBLOCK = {xblock}",
             "",
             "",
             "def call(args):",
@@ -186,6 +194,6 @@ def _graph_device(placeholders: list[torch.fx.Node]) -> torch.device:
 
 
 def generate_wrapper(
-    graph: ir.LoopGraph, steps: list[Step], kernels: dict[str, KernelSource], poison: bool, xblock: int
+    graph: ir.LoopGraph, steps: list[Step], kernels: dict[str, KernelSource], poison: bool
 ) -> str:
-    return WrapperWriter(graph, steps, kernels, poison).generate(xblock)
+    return WrapperWriter(graph, steps, kernels, poison).generate()

@@ -1,0 +1,302 @@
+"""Triton codegen for reduction regions: one kernel per (outer rows x reduced elements) space.
+
+Programs own XBLOCK outer rows; RBLOCK lanes walk the reduced elements. Members of the
+region are either full-space values ([XBLOCK, RBLOCK]) or outer values ([XBLOCK, 1]).
+Reductions are ordered in levels (a reduction reading another's result is one level later):
+
+  persistent (RBLOCK >= row length): everything in one pass over registers, the input read once;
+  looped: one loop over the row per level, accumulating [XBLOCK, RBLOCK] partials, then a last
+          loop for full-space values that leave the kernel (e.g. softmax's output).
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+
+from gjit import ir
+from gjit.codegen.triton import (
+    POINTER_TYPES,
+    TL_DTYPES,
+    KernelSource,
+    KernelWriter,
+    _unique,
+    hint,
+    next_power_of_2,
+    source_line,
+    to_dtype,
+)
+from gjit.config import config
+from gjit.fusion import Region
+from gjit.ir import Read, ReduceNode
+
+HELPERS = {
+    "max_nan": "@triton.jit\ndef _max_nan(a, b):\n    return tl.maximum(a, b, tl.PropagateNan.ALL)\n",
+    "min_nan": "@triton.jit\ndef _min_nan(a, b):\n    return tl.minimum(a, b, tl.PropagateNan.ALL)\n",
+    "mul": "@triton.jit\ndef _mul(a, b):\n    return a * b\n",
+}
+
+
+def _identity(reduce_type: str, dtype: torch.dtype) -> str:
+    if reduce_type == "sum":
+        return "0"
+    if reduce_type == "prod":
+        return "1"
+    big = "float('inf')" if dtype.is_floating_point else str(torch.iinfo(dtype).max)
+    small = "float('-inf')" if dtype.is_floating_point else str(torch.iinfo(dtype).min)
+    return small if reduce_type == "max" else big
+
+
+class ReductionWriter(KernelWriter):
+    def __init__(self, region: Region, graph: ir.LoopGraph, hints: dict[sympy.Symbol, int]):
+        super().__init__(region, graph, hints)
+        space = region.reduction
+        self.space = space
+        self.kept = [k for k in range(len(space.full)) if k not in space.reduced]
+        c = space.vars
+        self.vars = list(c)
+        self.subst = lambda e: e
+        self.block_zeros = "tl.zeros([XBLOCK, RBLOCK], tl.int32)"
+        self.base_masks = {"xmask", "xrmask"}
+        self.helpers: set[str] = set()
+        self.bodies = {}
+        self.nodes = {n.name: n for n in region.nodes}
+        for name, body in region.bodies.items():
+            mapping = space.placement(self.nodes[name])
+            self.bodies[name] = ir.substitute(
+                body, lambda r: r, lambda e, m=mapping: sympy.sympify(e).xreplace(m)
+            )
+        self.rvars = {c[k] for k in space.reduced}
+        self.level = {}
+        for name in sorted(self.bodies, key=lambda n: [m.name for m in region.nodes].index(n)):
+            self.level[name] = self._level(name)
+        self.scopes: list[tuple[list[str], dict, dict, str]] = []
+
+    # -- classification ----------------------------------------------------------------------------
+
+    def _level(self, name: str) -> int:
+        deps = [r.name for r in ir.reads(self.bodies[name]) if r.name in self.bodies]
+        base = max((self.level[d] for d in deps), default=0)
+        return base + 1 if isinstance(self.nodes[name], ReduceNode) else base
+
+    def is_full(self, name: str) -> bool:
+        if isinstance(self.nodes[name], ReduceNode):
+            return False
+        return any(
+            sympy.sympify(i).free_symbols & self.rvars for i in self.space.value_index(self.nodes[name])
+        )
+
+    # -- reads ---------------------------------------------------------------------------------------
+
+    def in_registers(self, r: Read) -> bool:
+        return r.name in self.bodies and r.index == self.space.value_index(self.nodes[r.name])
+
+    def node_value(self, name: str) -> str:
+        if name in self.values:
+            return self.values[name]
+        if isinstance(self.nodes[name], ReduceNode):
+            raise AssertionError(f"reduction {name} read before its loop finished")
+        if self.is_full(name) or not self.scopes:
+            self.values[name] = self.emit(self.bodies[name])
+            return self.values[name]
+        # an outer value needed inside a loop is computed before the loop, once per row
+        inner = (self.lines, self.cse, self.mask)
+        self.lines, self.cse, _, self.mask = self.scopes[-1]
+        value = self.emit(self.bodies[name])
+        outer_values = self.scopes[-1][2]
+        outer_values[name] = value
+        self.lines, self.cse, self.mask = inner
+        self.values[name] = value
+        return value
+
+    # -- loops -----------------------------------------------------------------------------------------
+
+    def enter_loop(self) -> None:
+        self.scopes.append((self.lines, self.cse, self.values, self.mask))
+        self.lines, self.cse, self.values = [], dict(self.cse), dict(self.values)
+        self.lines += [
+            "rindex = roffset + tl.arange(0, RBLOCK)[None, :]",
+            "rmask = rindex < rnumel",
+            "xrmask = xmask & rmask",
+        ] + self.var_lines("rindex", list(self.space.reduced))
+        self.mask = "xrmask"
+
+    def exit_loop(self) -> None:
+        body = self.lines
+        self.lines, self.cse, self.values, self.mask = self.scopes.pop()
+        self.lines.append("for roffset in range(0, rnumel, RBLOCK):")
+        self.lines += [f"    {ln}" for ln in body]
+
+    def var_lines(self, index: str, dims: list[int]) -> list[str]:
+        sizes = [self.space.full[k] for k in dims]
+        out = []
+        for j, k in enumerate(dims):
+            inner = sympy.Mul(*sizes[j + 1 :]) if j + 1 < len(sizes) else sympy.Integer(1)
+            expr = f"{index} // ({self.index(inner)})" if inner != 1 else index
+            if j > 0:
+                expr = f"({expr}) % ({self.index(sizes[j])})"
+            out.append(f"c{k} = {expr}")
+        return out
+
+    # -- reductions --------------------------------------------------------------------------------------
+
+    def combine(self, node: ReduceNode, acc: str, value: str) -> str:
+        dtype = self.bodies[node.name].dtype
+        if node.reduce_type == "sum":
+            return f"{acc} + {value}"
+        if node.reduce_type == "prod":
+            return f"{acc} * {value}"
+        fn = "tl.maximum" if node.reduce_type == "max" else "tl.minimum"
+        nan = ", tl.PropagateNan.ALL" if dtype.is_floating_point else ""
+        return f"{fn}({acc}, {value}{nan})"
+
+    def final(self, node: ReduceNode, partial: str) -> str:
+        dtype = self.bodies[node.name].dtype
+        if node.reduce_type == "sum":
+            return f"tl.sum({partial}, 1)[:, None]"
+        if node.reduce_type == "prod":
+            self.helpers.add("mul")
+            return f"tl.reduce({partial}, 1, _mul)[:, None]"
+        if dtype.is_floating_point:
+            helper = f"{node.reduce_type}_nan"
+            self.helpers.add(helper)
+            return f"tl.reduce({partial}, 1, _{helper})[:, None]"
+        return f"tl.{node.reduce_type}({partial}, 1)[:, None]"
+
+    def finish(self, node: ReduceNode, reduced: str) -> None:
+        """Cast the reduced [XBLOCK, 1] value to the node's dtype; later reads use it."""
+        acc = self.bodies[node.name].dtype
+        if acc == node.dtype:
+            self.values[node.name] = reduced
+        else:
+            self.values[node.name] = self.tmp(("reduced", node.name), to_dtype(reduced, acc, node.dtype))
+
+    def reduce_persistent(self, node: ReduceNode) -> None:
+        acc = self.bodies[node.name].dtype
+        value = self.emit(self.bodies[node.name])
+        identity = _identity(node.reduce_type, acc)
+        masked = self.tmp(("rmasked", value, identity), f"tl.where(xrmask, {value}, {identity})")
+        self.finish(node, self.tmp(("final", node.name), self.final(node, masked)))
+
+    def reduce_looped(self, nodes: list[ReduceNode]) -> None:
+        accs = {}
+        for node in nodes:
+            acc = self.bodies[node.name].dtype
+            accs[node.name] = f"acc_{node.name}"
+            init = f"tl.full([XBLOCK, RBLOCK], {_identity(node.reduce_type, acc)}, {TL_DTYPES[acc]})"
+            self.lines.append(f"{accs[node.name]} = {init}")
+        self.enter_loop()
+        for node in nodes:
+            acc = self.bodies[node.name].dtype
+            value = self.emit(self.bodies[node.name])
+            masked = f"tl.where(xrmask, {value}, {_identity(node.reduce_type, acc)})"
+            self.lines.append(f"{accs[node.name]} = {self.combine(node, accs[node.name], masked)}")
+        self.exit_loop()
+        for node in nodes:
+            self.finish(node, self.tmp(("final", node.name), self.final(node, accs[node.name])))
+
+    # -- stores ------------------------------------------------------------------------------------------
+
+    def store(self, name: str) -> None:
+        value = self.node_value(name)
+        arg = self.out_args.setdefault(name, f"out_ptr{len(self.out_args)}")
+        node = self.nodes[name]
+        offset_expr = self.layout(name).offset_of(self.space.value_index(node))
+        offset = self.index(offset_expr)
+        mask = "xrmask" if self.is_full(name) else "xmask"
+        if not sympy.sympify(offset_expr).free_symbols & set(self.vars):
+            offset += ") + (tl.zeros([XBLOCK, 1], tl.int32)"  # a one-row result still needs a block pointer
+        value = f"tl.where({mask}, {value}, {value})"  # a block even when the value is per-row or scalar
+        self.lines.append(f"tl.store({arg} + ({offset}), {value}, {mask})")
+
+    # -- the kernel --------------------------------------------------------------------------------------
+
+    def generate(self, name: str) -> KernelSource:
+        space = self.space
+        xnumel = sympy.Mul(*[space.full[k] for k in self.kept]) if self.kept else sympy.Integer(1)
+        rnumel = sympy.Mul(*[space.full[k] for k in space.reduced]) if space.reduced else sympy.Integer(1)
+        rhint = hint(rnumel, self.hints)
+        mode = config.reduction
+        persistent = mode == "persistent" or (mode == "auto" and rhint <= config.persistent_max)
+        rblock = next_power_of_2(max(rhint, 1)) if persistent else config.rblock
+        xblock = max(1, min(next_power_of_2(hint(xnumel, self.hints)), max(1, 1024 // rblock)))
+        index_dtype = self.pick_index_dtype(xnumel * rnumel)
+        pid = "tl.program_id(0)" if index_dtype == "tl.int32" else "tl.program_id(0).to(tl.int64)"
+        self.lines = [
+            f"xoffset = {pid} * XBLOCK",
+            "xindex = xoffset + tl.arange(0, XBLOCK)[:, None]",
+            "xmask = xindex < xnumel",
+        ] + self.var_lines("xindex", self.kept)
+        reductions = [n for n in self.region.nodes if isinstance(n, ReduceNode)]
+        levels = sorted({self.level[n.name] for n in reductions})
+        full_stores = [s for s in self.region.stores if self.is_full(s)]
+        outer_stores = [s for s in self.region.stores if not self.is_full(s)]
+        if persistent:
+            self.lines += [
+                "rindex = tl.arange(0, RBLOCK)[None, :]",
+                "rmask = rindex < rnumel",
+                "xrmask = xmask & rmask",
+            ]
+            self.lines += self.var_lines("rindex", list(space.reduced))
+            for level in levels:
+                for node in reductions:
+                    if self.level[node.name] == level:
+                        self.mask = "xrmask"
+                        self.reduce_persistent(node)
+            for s in full_stores:
+                self.mask = "xrmask"
+                self.store(s)
+        else:
+            for level in levels:
+                self.reduce_looped([n for n in reductions if self.level[n.name] == level])
+            if full_stores:
+                self.enter_loop()
+                for s in full_stores:
+                    self.store(s)
+                self.exit_loop()
+        self.mask = "xmask"
+        for s in outer_stores:
+            self.store(s)
+        return self.finish_source(name, xnumel, rnumel, xblock, rblock, persistent, index_dtype)
+
+    def finish_source(self, name, xnumel, rnumel, xblock, rblock, persistent, index_dtype) -> KernelSource:
+        symbols = sorted(self.symbols - set(self.vars), key=lambda s: s.name)
+        params = [
+            *self.in_args.values(),
+            *self.out_args.values(),
+            *(s.name for s in symbols),
+            "xnumel",
+            "rnumel",
+        ]
+        int_type = "i32" if index_dtype == "tl.int32" else "i64"
+        pointers = {**self.in_args, **self.out_args}
+        signature = {arg: "*" + POINTER_TYPES[self.layout(n).dtype] for n, arg in pointers.items()}
+        signature |= {p: int_type for p in params[len(signature) :]}
+        signature |= {"XBLOCK": "constexpr", "RBLOCK": "constexpr"}
+        nodes = self.region.inlined + self.region.nodes
+        header = self.header(name, nodes, xnumel)
+        header.insert(
+            -1, f"# reduction: {rnumel} elements per row, {'persistent' if persistent else 'looped'}"
+        )
+        helpers = [HELPERS[h] for h in sorted(self.helpers)]
+        source = "\n".join(
+            header
+            + helpers
+            + ["@triton.jit", f"def {name}({', '.join(params)}, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):"]
+            + [f"    {ln}" for ln in self.lines]
+        )
+        return KernelSource(
+            name=name,
+            source=source + "\n",
+            in_args=list(self.in_args),
+            out_args=list(self.out_args),
+            size_args=symbols,
+            numel=xnumel,
+            index_dtype=index_dtype,
+            aten_nodes=[f"{n.name}: {n.fx_node.target}" for n in nodes],
+            source_lines=_unique(source_line(n.fx_node) for n in nodes),
+            signature=signature,
+            blocks={"XBLOCK": xblock, "RBLOCK": rblock},
+            rnumel=rnumel,
+            persistent=persistent,
+        )

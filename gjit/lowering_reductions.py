@@ -1,0 +1,270 @@
+"""Reduction lowerings: sum/mean/amax/amin/prod/any, var/var_mean, softmax, log_softmax and
+layer_norm become ReduceNodes plus pointwise nodes around them; fusion puts each into one
+kernel. Reduced-precision inputs accumulate in float32, as eager does; variance is two-pass
+(mean first, then the sum of squared deviations), which is numerically stable.
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+
+from gjit.ir import Const, Expr, Index, IndexValue, Op
+from gjit.lowering import (
+    Lowering,
+    TensorValue,
+    Unsupported,
+    cast,
+    contiguous_layout,
+    meta_layout,
+    register_lowering,
+)
+
+aten = torch.ops.aten
+
+
+def op(name: str, *args: Expr, dtype: torch.dtype | None = None) -> Op:
+    return Op(dtype or args[0].dtype, name, tuple(args))
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype eager accumulates `dtype` in."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    if dtype == torch.bool or not dtype.is_floating_point:
+        return torch.int64
+    return dtype
+
+
+def reduced_dims(dims, rank: int) -> tuple[int, ...]:
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return tuple(range(rank))
+    if isinstance(dims, int):
+        dims = [dims]
+    return tuple(sorted({d + rank if d < 0 else d for d in dims}))
+
+
+def count(x: TensorValue, dims: tuple[int, ...], dtype: torch.dtype) -> Expr:
+    n = sympy.Mul(*[x.size[d] for d in dims]) if dims else sympy.Integer(1)
+    return cast(IndexValue(torch.int64, n), dtype)
+
+
+def keep_index(dims: tuple[int, ...], idx: Index) -> Index:
+    """Index of a keepdim reduction result read from full-space index `idx` (broadcast)."""
+    return tuple(sympy.Integer(0) if k in dims else v for k, v in enumerate(idx))
+
+
+def _reduce(ctx: Lowering, x: TensorValue, dims, keepdim: bool, reduce_type: str, dtype=None) -> TensorValue:
+    if len(x.size) == 0:
+        raise Unsupported("reduction of a 0-d tensor")
+    dims = reduced_dims(dims, len(x.size))
+    out = ctx.out_val
+    acc = acc_dtype(dtype or out.dtype) if reduce_type in ("sum", "prod") else acc_dtype(x.dtype)
+    if reduce_type in ("max", "min"):
+        acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    return ctx.reduction(
+        lambda idx: cast(x.load(idx), acc),
+        x.size,
+        dims,
+        reduce_type,
+        out.dtype,
+        keepdim,
+        layout=meta_layout(out),
+    )
+
+
+@register_lowering(aten.sum.dim_IntList)
+def sum_(ctx: Lowering, x: TensorValue, dims=None, keepdim: bool = False, *, dtype=None):
+    return _reduce(ctx, x, dims, keepdim, "sum", dtype)
+
+
+@register_lowering(aten.sum.default)
+def sum_all(ctx: Lowering, x: TensorValue, *, dtype=None):
+    return _reduce(ctx, x, None, False, "sum", dtype)
+
+
+@register_lowering(aten.prod.dim_int)
+def prod(ctx: Lowering, x: TensorValue, dim: int, keepdim: bool = False, *, dtype=None):
+    return _reduce(ctx, x, dim, keepdim, "prod", dtype)
+
+
+@register_lowering(aten.prod.default)
+def prod_all(ctx: Lowering, x: TensorValue, *, dtype=None):
+    return _reduce(ctx, x, None, False, "prod", dtype)
+
+
+@register_lowering(aten.amax.default)
+def amax(ctx: Lowering, x: TensorValue, dims=(), keepdim: bool = False):
+    return _reduce(ctx, x, dims, keepdim, "max")
+
+
+@register_lowering(aten.amin.default)
+def amin(ctx: Lowering, x: TensorValue, dims=(), keepdim: bool = False):
+    return _reduce(ctx, x, dims, keepdim, "min")
+
+
+def _any(ctx: Lowering, x: TensorValue, dims, keepdim: bool, negate: bool) -> TensorValue:
+    dims = reduced_dims(dims, len(x.size))
+
+    def truth(idx: Index) -> Expr:
+        v = x.load(idx)
+        t = v if v.dtype == torch.bool else op("ne", v, Const(v.dtype, 0), dtype=torch.bool)
+        return cast(op("logical_not", t) if negate else t, torch.int32)
+
+    if not negate:
+        return ctx.reduction(truth, x.size, dims, "max", torch.bool, keepdim, layout=meta_layout(ctx.out_val))
+    found = ctx.reduction(truth, x.size, dims, "max", torch.int32, keepdim, suffix="_any_false")
+    return ctx.pointwise(lambda idx: op("eq", found.load(idx), Const(torch.int32, 0), dtype=torch.bool))
+
+
+@register_lowering(aten.any.dim, aten.any.dims)
+def any_(ctx: Lowering, x: TensorValue, dim=None, keepdim: bool = False):
+    return _any(ctx, x, dim, keepdim, negate=False)
+
+
+@register_lowering(aten.any.default)
+def any_all(ctx: Lowering, x: TensorValue):
+    return _any(ctx, x, None, False, negate=False)
+
+
+@register_lowering(aten.all.dim, aten.all.dims)
+def all_(ctx: Lowering, x: TensorValue, dim=None, keepdim: bool = False):
+    return _any(ctx, x, dim, keepdim, negate=True)
+
+
+@register_lowering(aten.all.default)
+def all_all(ctx: Lowering, x: TensorValue):
+    return _any(ctx, x, None, False, negate=True)
+
+
+@register_lowering(aten.mean.dim)
+def mean(ctx: Lowering, x: TensorValue, dims=None, keepdim: bool = False, *, dtype=None):
+    out = ctx.out_val
+    acc = acc_dtype(dtype or out.dtype)
+    dims = reduced_dims(dims, len(x.size))
+    total = ctx.reduction(
+        lambda idx: cast(x.load(idx), acc), x.size, dims, "sum", acc, keepdim, suffix="_sum"
+    )
+    return ctx.pointwise(lambda idx: op("truediv", total.load(idx), count(x, dims, acc)))
+
+
+@register_lowering(aten.mean.default)
+def mean_all(ctx: Lowering, x: TensorValue, *, dtype=None):
+    return mean(ctx, x, None, False, dtype=dtype)
+
+
+def _mean_and_var(
+    ctx: Lowering, x: TensorValue, dims: tuple[int, ...], correction
+) -> tuple[TensorValue, TensorValue]:
+    """Two-pass moments in the accumulation dtype, both keepdim (so full-space reads broadcast)."""
+    acc = acc_dtype(x.dtype)
+    if not acc.is_floating_point:
+        raise Unsupported("variance of an integer tensor")
+    n = count(x, dims, acc)
+    total = ctx.reduction(lambda idx: cast(x.load(idx), acc), x.size, dims, "sum", acc, True, suffix="_sum")
+    keep = contiguous_layout(total.size, acc)
+    mean_ = ctx.pointwise(lambda idx: op("truediv", total.load(idx), n), keep, suffix="_mean")
+
+    def square_dev(idx: Index) -> Expr:
+        d = op("sub", cast(x.load(idx), acc), mean_.load(keep_index(dims, idx)))
+        return op("mul", d, d)
+
+    sq = ctx.reduction(square_dev, x.size, dims, "sum", acc, True, suffix="_m2")
+    denom = op("sub", n, Const(acc, float(correction)))
+    denom = op("maximum", denom, Const(acc, 0.0))
+    var = ctx.pointwise(lambda idx: op("truediv", sq.load(idx), denom), keep, suffix="_var")
+    return mean_, var
+
+
+def _squeeze_to(ctx: Lowering, value: TensorValue, dims, keepdim: bool, out: torch.Tensor, suffix: str):
+    """The keepdim value `value` as the node's own output (dropping reduced dims, casting)."""
+    layout = meta_layout(out)
+
+    def body(idx: Index) -> Expr:
+        full = list(idx)
+        if not keepdim:
+            it = iter(idx)
+            full = [sympy.Integer(0) if k in dims else next(it) for k in range(len(value.size))]
+        return cast(value.load(tuple(full)), layout.dtype)
+
+    return ctx.pointwise(body, layout, suffix=suffix)
+
+
+@register_lowering(aten.var.correction)
+def var(ctx: Lowering, x: TensorValue, dims=None, *, correction=None, keepdim: bool = False):
+    dims = reduced_dims(dims, len(x.size))
+    _, v = _mean_and_var(ctx, x, dims, 1 if correction is None else correction)
+    return _squeeze_to(ctx, v, dims, keepdim, ctx.out_val, "")
+
+
+@register_lowering(aten.var_mean.correction)
+def var_mean(ctx: Lowering, x: TensorValue, dims=None, *, correction=None, keepdim: bool = False):
+    dims = reduced_dims(dims, len(x.size))
+    m, v = _mean_and_var(ctx, x, dims, 1 if correction is None else correction)
+    out_var, out_mean = ctx.out_val
+    return [
+        _squeeze_to(ctx, v, dims, keepdim, out_var, "_out_var"),
+        _squeeze_to(ctx, m, dims, keepdim, out_mean, "_out_mean"),
+    ]
+
+
+def _softmax_parts(ctx: Lowering, x: TensorValue, dim: int, acc: torch.dtype):
+    dims = reduced_dims(dim, len(x.size))
+    if not dims:
+        dims = ()
+    peak = ctx.reduction(lambda idx: cast(x.load(idx), acc), x.size, dims, "max", acc, True, suffix="_max")
+
+    def shifted(idx: Index) -> Expr:
+        return op("sub", cast(x.load(idx), acc), peak.load(keep_index(dims, idx)))
+
+    total = ctx.reduction(lambda idx: op("exp", shifted(idx)), x.size, dims, "sum", acc, True, suffix="_sum")
+    return dims, shifted, total
+
+
+@register_lowering(aten._softmax.default)
+def softmax(ctx: Lowering, x: TensorValue, dim: int, half_to_float: bool):
+    if len(x.size) == 0:
+        raise Unsupported("softmax of a 0-d tensor")
+    acc = acc_dtype(x.dtype)
+    dims, shifted, total = _softmax_parts(ctx, x, dim, acc)
+    return ctx.pointwise(
+        lambda idx: op("truediv", op("exp", shifted(idx)), total.load(keep_index(dims, idx)))
+    )
+
+
+@register_lowering(aten._log_softmax.default)
+def log_softmax(ctx: Lowering, x: TensorValue, dim: int, half_to_float: bool):
+    if len(x.size) == 0:
+        raise Unsupported("log_softmax of a 0-d tensor")
+    acc = acc_dtype(x.dtype)
+    dims, shifted, total = _softmax_parts(ctx, x, dim, acc)
+    return ctx.pointwise(lambda idx: op("sub", shifted(idx), op("log", total.load(keep_index(dims, idx)))))
+
+
+@register_lowering(aten.native_layer_norm.default)
+def layer_norm(ctx: Lowering, x: TensorValue, normalized_shape, weight, bias, eps: float):
+    rank = len(x.size)
+    dims = tuple(range(rank - len(normalized_shape), rank))
+    acc = acc_dtype(x.dtype)
+    m, v = _mean_and_var(ctx, x, dims, 0)
+    keep = contiguous_layout(m.size, acc)
+    rstd = ctx.pointwise(
+        lambda idx: op("rsqrt", op("add", v.load(idx), Const(acc, float(eps)))), keep, "_rstd"
+    )
+    out, out_mean, out_rstd = ctx.out_val
+    lead = rank - len(normalized_shape)
+
+    def normalized(idx: Index) -> Expr:
+        at = keep_index(dims, idx)
+        y = op("mul", op("sub", cast(x.load(idx), acc), m.load(at)), rstd.load(at))
+        if weight is not None:
+            y = op("mul", y, cast(weight.load(idx[lead:]), acc))
+        if bias is not None:
+            y = op("add", y, cast(bias.load(idx[lead:]), acc))
+        return y
+
+    return [
+        ctx.pointwise(normalized, meta_layout(out), suffix=""),
+        _squeeze_to(ctx, m, dims, True, out_mean, "_out_mean"),
+        _squeeze_to(ctx, rstd, dims, True, out_rstd, "_out_rstd"),
+    ]

@@ -1,0 +1,127 @@
+"""Reductions and normalizations: each one kernel, persistent and looped, against eager on
+random data including negative, large-magnitude and NaN inputs, odd sizes and low precision."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gjit
+from gjit.codegen.compile_only import compile_kernel
+from helpers import check
+
+pytestmark = pytest.mark.cpu
+
+MODES = ["persistent", "looped"]
+
+
+def rms_norm(x, weight, eps=1e-6):  # as written in Llama
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+REDUCTIONS = {
+    "sum_last": lambda x: x.sum(-1),
+    "sum_first": lambda x: x.sum(0),
+    "sum_middle_keepdim": lambda x: x.sum(1, keepdim=True),
+    "sum_several": lambda x: x.sum((0, 2)),
+    "sum_all": lambda x: x.sum(),
+    "mean_last": lambda x: x.mean(-1),
+    "mean_first_keepdim": lambda x: x.mean(0, keepdim=True),
+    "amax_middle": lambda x: x.amax(1),
+    "amin_last_keepdim": lambda x: x.amin(-1, keepdim=True),
+    "prod_last": lambda x: (x * 0.5).prod(-1),
+    "var_last": lambda x: x.var(-1),
+    "var_correction0_several": lambda x: x.var((0, 1), correction=0),
+    "std_last": lambda x: x.std(-1),
+    "var_mean": lambda x: torch.var_mean(x, -1, correction=2),
+    "any": lambda x: (x > 1).any(-1),
+    "all": lambda x: (x > -2).all(1),
+    "logsumexp": lambda x: torch.logsumexp(x, -1),
+    "center": lambda x: x - x.mean(-1, keepdim=True),
+    "softmax_last": lambda x: F.softmax(x, -1),
+    "softmax_first": lambda x: F.softmax(x, 0),
+    "log_softmax_middle": lambda x: F.log_softmax(x, 1),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(REDUCTIONS), ids=list(REDUCTIONS))
+def test_reduction(name, mode):
+    fn = REDUCTIONS[name]
+    x = torch.randn(3, 5, 7) * 4
+    with gjit.config.scope(reduction=mode, rblock=4):
+        check(fn, x)
+        check(fn, x.transpose(0, 2))  # non-contiguous input
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nan_and_large_inputs(mode):
+    x = torch.randn(4, 9) * 1e4
+    x[1, 3] = float("nan")
+    x[2, 0] = float("inf")
+    x[3, :] = -float("inf")
+    with gjit.config.scope(reduction=mode, rblock=4):
+        for fn in (
+            lambda t: t.sum(-1),
+            lambda t: t.amax(-1),
+            lambda t: t.amin(0),
+            lambda t: F.softmax(t, -1),
+            lambda t: F.log_softmax(t, -1),
+            lambda t: t.mean(-1),
+            lambda t: t.var(-1),
+        ):
+            check(fn, x)
+
+
+def test_softmax_is_stable_for_large_inputs():
+    x = torch.randn(4, 33) * 1e3 + 1e4
+    check(lambda t: F.softmax(t, -1), x, kernels=1)
+
+
+@pytest.mark.parametrize("size", [1, 3, 127, 1000, 4097], ids=str)
+def test_odd_sizes(size):
+    x = torch.randn(2, size)
+    check(lambda t: (t.sum(-1), t.amax(-1), F.softmax(t, -1)), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mode", MODES)
+def test_low_precision_accumulates_in_float32(dtype, mode):
+    x = (torch.randn(4, 300) * 3).to(dtype)
+    with gjit.config.scope(reduction=mode):
+        check(lambda t: (t.sum(-1), t.mean(-1), F.softmax(t, -1), F.layer_norm(t, (300,))), x)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_normalizations_are_one_kernel(mode):
+    x, w, b = torch.randn(2, 6, 40), torch.randn(40), torch.randn(40)
+    with gjit.config.scope(reduction=mode, rblock=16):
+        check(lambda t: F.softmax(t, -1), x, kernels=1)
+        check(lambda t: F.log_softmax(t, -1), x, kernels=1)
+        check(lambda t, w, b: F.layer_norm(t, (40,), w, b), x, w, b, kernels=1)
+        check(rms_norm, x, w, kernels=1)
+        check(lambda t, r, w, b: F.gelu(F.layer_norm(t + r, (40,), w, b)), x, x.flip(0), w, b, kernels=1)
+        check(lambda t: t - t.mean(-1, keepdim=True), x, kernels=1)
+
+
+def test_mean_and_variance_share_one_kernel():
+    x = torch.randn(5, 64)
+    cm = check(lambda t: torch.var_mean(t, -1), x, kernels=1)
+    source = gjit.explain(cm, x).kernels[0].source
+    assert source.count("tl.load(") == 1  # persistent: the row is read once for both moments
+
+
+def test_layer_norm_mean_and_rstd_outputs():
+    x, w, b = torch.randn(3, 4, 16), torch.randn(16), torch.randn(16)
+    check(lambda t, w, b: torch.ops.aten.native_layer_norm.default(t, [16], w, b, 1e-5), x, w, b, kernels=1)
+
+
+def test_reduction_kernels_compile_for_sm90():
+    x = torch.randn(4, 300)
+    for mode in MODES:
+        with gjit.config.scope(reduction=mode):
+            cm = check(lambda t: (F.softmax(t, -1), t.amax(-1), t.var(-1), (t > 0).any(-1)), x)
+        program = cm.entries[-1].program
+        for kernel in program.kernels:
+            binary = compile_kernel(kernel, program.graph.kernel_paths[kernel.name])
+            assert ".target sm_90" in binary.asm["ptx"]
