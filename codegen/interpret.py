@@ -11,6 +11,7 @@ and `tests/test_interpret_libdevice.py` checks these stand-ins against float64 r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -125,13 +126,25 @@ def stdlib_interpreted() -> Iterator[None]:
             obj = getattr(tl, name)
             if isinstance(obj, JITFunction):
                 _STDLIB[name] = (obj, _ScopedDeviceFunction(obj.fn))
+    from triton.runtime.interpreter import interpreter_builder
+
     for name, (_, interpreted) in _STDLIB.items():
         setattr(tl, name, interpreted)
+    options = interpreter_builder.options
+    # device_assert only exists in kernels generated in debug mode; let the interpreter run them
+    interpreter_builder.options = dataclasses.replace(options, debug=True)
     try:
         yield
     finally:
+        interpreter_builder.options = options
         for name, (original, _) in _STDLIB.items():
             setattr(tl, name, original)
+
+
+def create_assert(self, condition, message):
+    """Triton's interpreter asserts on the handle object (always true): check the values."""
+    if not np.all(condition.data):
+        raise AssertionError(message)
 
 
 def install() -> None:
@@ -144,5 +157,6 @@ def install() -> None:
     from triton.runtime import interpreter
 
     interpreter.InterpreterBuilder.create_extern_elementwise = create_extern_elementwise
+    interpreter.InterpreterBuilder.create_assert = create_assert
     if not getattr(interpreter._patch_lang, "gjit_libdevice", False):
         interpreter._patch_lang = _patch_lang_with_libdevice(interpreter._patch_lang)

@@ -235,6 +235,11 @@ class KernelWriter:
         self.block_zeros = "tl.zeros([XBLOCK], tl.int32)"
         self.symbols: set[sympy.Symbol] = set()  # size symbols the kernel body uses
         self.counter = 0
+        self.debug_asserts = False  # bounds checks emitted: compile with debug=True
+
+    @property
+    def decorator(self) -> str:
+        return "@triton.jit(debug=True)" if self.debug_asserts else "@triton.jit"
 
     # -- layouts --------------------------------------------------------------------------------
 
@@ -248,10 +253,11 @@ class KernelWriter:
 
     # -- expressions ----------------------------------------------------------------------------
 
-    def index(self, expr: sympy.Expr) -> str:
-        """Print an index expression (in kernel variables), noting the size symbols it uses."""
-        self.symbols |= sympy.sympify(expr).free_symbols
-        return self.printer(expr)
+    def index(self, expr: sympy.Expr, names: dict[sympy.Symbol, str] | None = None) -> str:
+        """Print an index expression (in kernel variables), noting the size symbols it uses;
+        `names` gives the tmp variables of indirect (data) symbols."""
+        self.symbols |= sympy.sympify(expr).free_symbols - set(names or ())
+        return TritonPrinter(names)(expr) if names else self.printer(expr)
 
     def tmp(self, key: tuple, text: str) -> str:
         if key in self.cse:
@@ -299,16 +305,31 @@ class KernelWriter:
     def read(self, r: Read) -> str:
         if self.in_registers(r):
             return self.node_value(r.name)
+        names = self.indirect(r)
         arg = self.in_args.setdefault(r.name, f"in_ptr{len(self.in_args)}")
         offset = self.subst(self.layout(r.name).offset_of(r.index))
-        text = self.index(offset)
-        if offset.free_symbols & set(self.vars):
+        text = self.index(offset, names)
+        if offset.free_symbols & (set(self.vars) | set(names)):
             load = f"tl.load({arg} + ({text}), {self.mask})"
         elif self.mask in self.base_masks:
             load = f"tl.load({arg} + ({text}))"
         else:
             load = f"tl.load({arg} + ({text}) + {self.block_zeros}, {self.mask})"
         return self.tmp(("load", arg, text, self.mask), load)
+
+    def indirect(self, r: Read) -> dict[sympy.Symbol, str]:
+        """Emit the data an indirect read indexes with; in debug mode, assert it is in bounds."""
+        names = {}
+        for sym, value, size in r.indirect:
+            names[sym] = var = self.emit(value)
+            if config.debug:
+                bound = self.index(self.subst(size))
+                self.debug_asserts = True
+                self.lines.append(
+                    f"tl.device_assert(({var} >= 0) & ({var} < {bound}), "
+                    f"'index out of bounds reading {r.name}', mask={self.mask})"
+                )
+        return names
 
     def node_value(self, name: str) -> str:
         if name not in self.values:
@@ -360,7 +381,7 @@ class KernelWriter:
         header = self.header(name, nodes, numel)
         source = "\n".join(
             header
-            + ["@triton.jit", f"def {name}({', '.join(params)}, XBLOCK: tl.constexpr):"]
+            + [self.decorator, f"def {name}({', '.join(params)}, XBLOCK: tl.constexpr):"]
             + [f"    {ln}" for ln in body]
         )
         return KernelSource(

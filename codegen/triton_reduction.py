@@ -34,6 +34,15 @@ HELPERS = {
     "max_nan": "@triton.jit\ndef _max_nan(a, b):\n    return tl.maximum(a, b, tl.PropagateNan.ALL)\n",
     "min_nan": "@triton.jit\ndef _min_nan(a, b):\n    return tl.minimum(a, b, tl.PropagateNan.ALL)\n",
     "mul": "@triton.jit\ndef _mul(a, b):\n    return a * b\n",
+    # first index of the max / min; NaN counts as the max (and the min), as in eager
+    "argmax": "@triton.jit\ndef _argmax(v1, i1, v2, i2):\n"
+    "    nan1 = v1 != v1\n    nan2 = v2 != v2\n"
+    "    better = (v1 > v2) | (nan1 & (nan2 == 0))\n    same = (v1 == v2) | (nan1 & nan2)\n"
+    "    take = better | (same & (i1 < i2))\n    return tl.where(take, v1, v2), tl.where(take, i1, i2)\n",
+    "argmin": "@triton.jit\ndef _argmin(v1, i1, v2, i2):\n"
+    "    nan1 = v1 != v1\n    nan2 = v2 != v2\n"
+    "    better = (v1 < v2) | (nan1 & (nan2 == 0))\n    same = (v1 == v2) | (nan1 & nan2)\n"
+    "    take = better | (same & (i1 < i2))\n    return tl.where(take, v1, v2), tl.where(take, i1, i2)\n",
 }
 
 
@@ -42,6 +51,8 @@ def _identity(reduce_type: str, dtype: torch.dtype) -> str:
         return "0"
     if reduce_type == "prod":
         return "1"
+    if reduce_type in ("argmax", "argmin"):
+        reduce_type = "max" if reduce_type == "argmax" else "min"
     big = "float('inf')" if dtype.is_floating_point else str(torch.iinfo(dtype).max)
     small = "float('-inf')" if dtype.is_floating_point else str(torch.iinfo(dtype).min)
     return small if reduce_type == "max" else big
@@ -171,12 +182,30 @@ class ReductionWriter(KernelWriter):
         else:
             self.values[node.name] = self.tmp(("reduced", node.name), to_dtype(reduced, acc, node.dtype))
 
+    def arg_partial(self, node: ReduceNode) -> tuple[str, str]:
+        """(value, index) blocks of an argmax/argmin with masked lanes that can never win."""
+        acc = self.bodies[node.name].dtype
+        value = self.emit(self.bodies[node.name])
+        identity = _identity(node.reduce_type, acc)
+        masked = self.tmp(("rmasked", value, identity), f"tl.where(xrmask, {value}, {identity})")
+        index = self.tmp(("rindex",), "tl.where(xrmask, rindex, 2147483647)")
+        self.helpers.add(node.reduce_type)
+        return masked, index
+
     def reduce_persistent(self, node: ReduceNode) -> None:
+        if node.reduce_type in ("argmax", "argmin"):
+            value, index = self.arg_partial(node)
+            final = f"tl.reduce(({value}, {index}), 1, _{node.reduce_type})[1][:, None]"
+            self.finish_arg(node, self.tmp(("final", node.name), final))
+            return
         acc = self.bodies[node.name].dtype
         value = self.emit(self.bodies[node.name])
         identity = _identity(node.reduce_type, acc)
         masked = self.tmp(("rmasked", value, identity), f"tl.where(xrmask, {value}, {identity})")
         self.finish(node, self.tmp(("final", node.name), self.final(node, masked)))
+
+    def finish_arg(self, node: ReduceNode, index: str) -> None:
+        self.values[node.name] = self.tmp(("reduced", node.name), f"{index}.to(tl.int64)")
 
     def reduce_looped(self, nodes: list[ReduceNode]) -> None:
         accs = {}
@@ -185,14 +214,26 @@ class ReductionWriter(KernelWriter):
             accs[node.name] = f"acc_{node.name}"
             init = f"tl.full([XBLOCK, RBLOCK], {_identity(node.reduce_type, acc)}, {TL_DTYPES[acc]})"
             self.lines.append(f"{accs[node.name]} = {init}")
+            if node.reduce_type in ("argmax", "argmin"):
+                self.lines.append(f"idx_{node.name} = tl.full([XBLOCK, RBLOCK], 2147483647, tl.int32)")
         self.enter_loop()
         for node in nodes:
+            if node.reduce_type in ("argmax", "argmin"):
+                value, index = self.arg_partial(node)
+                a, i = accs[node.name], f"idx_{node.name}"
+                self.lines.append(f"{a}, {i} = _{node.reduce_type}({a}, {i}, {value}, {index})")
+                continue
             acc = self.bodies[node.name].dtype
             value = self.emit(self.bodies[node.name])
             masked = f"tl.where(xrmask, {value}, {_identity(node.reduce_type, acc)})"
             self.lines.append(f"{accs[node.name]} = {self.combine(node, accs[node.name], masked)}")
         self.exit_loop()
         for node in nodes:
+            if node.reduce_type in ("argmax", "argmin"):
+                a, i = accs[node.name], f"idx_{node.name}"
+                final = f"tl.reduce(({a}, {i}), 1, _{node.reduce_type})[1][:, None]"
+                self.finish_arg(node, self.tmp(("final", node.name), final))
+                continue
             self.finish(node, self.tmp(("final", node.name), self.final(node, accs[node.name])))
 
     # -- stores ------------------------------------------------------------------------------------------
@@ -279,10 +320,11 @@ class ReductionWriter(KernelWriter):
             -1, f"# reduction: {rnumel} elements per row, {'persistent' if persistent else 'looped'}"
         )
         helpers = [HELPERS[h] for h in sorted(self.helpers)]
+        blocks = ["XBLOCK: tl.constexpr", "RBLOCK: tl.constexpr"]
         source = "\n".join(
             header
             + helpers
-            + ["@triton.jit", f"def {name}({', '.join(params)}, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):"]
+            + [self.decorator, f"def {name}({', '.join(params + blocks)}):"]
             + [f"    {ln}" for ln in self.lines]
         )
         return KernelSource(

@@ -122,10 +122,13 @@ class Fusion:
         # consumers come after producers, so walking backwards decides every consumer first
         inline: set[str] = set()
         identity_consumers: dict[str, int] = {name: 0 for name in self.compute}
+        # data-indexed reads need their source in memory
+        indirect = {r.name for n in self.compute.values() for r in ir.reads(n.body) if r.indirect}
         for name in reversed(list(self.compute)):
             node = self.compute[name]
             reduction = isinstance(node, ReduceNode)
-            if not reduction and name not in self.graph.needed_in_memory and identity_consumers[name] == 0:
+            kept = name in self.graph.needed_in_memory or name in indirect
+            if not reduction and not kept and identity_consumers[name] == 0:
                 inline.add(name)
                 log.debug("inline %s into its consumers: no consumer reads it element-for-element", name)
                 continue

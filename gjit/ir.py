@@ -36,10 +36,16 @@ class Expr:
 
 @dataclasses.dataclass(frozen=True)
 class Read(Expr):
-    """The element of buffer or node `name` at logical index `index`."""
+    """The element of buffer or node `name` at logical index `index`.
+
+    An indirect read (embedding, gather, advanced indexing) has index expressions that use
+    symbols bound to data: each `indirect` entry is (symbol, the Expr whose value it is, the
+    size of the dim it indexes, for bounds checks).
+    """
 
     name: str
     index: Index
+    indirect: tuple[tuple[sympy.Symbol, Expr, sympy.Expr], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +97,8 @@ def walk(expr: Expr) -> Iterator[Expr]:
 
 
 def children(e: Expr) -> tuple[Expr, ...]:
+    if isinstance(e, Read):
+        return tuple(value for _, value, _ in e.indirect)
     if isinstance(e, Op):
         return e.args
     if isinstance(e, Masked):
@@ -112,7 +120,8 @@ def substitute(
         if id(e) in memo:
             return memo[id(e)]
         if isinstance(e, Read):
-            out = on_read(Read(e.dtype, e.name, tuple(on_index(i) for i in e.index)))
+            indirect = tuple((sym, go(value), size) for sym, value, size in e.indirect)
+            out = on_read(Read(e.dtype, e.name, tuple(on_index(i) for i in e.index), indirect))
         elif isinstance(e, IndexValue):
             out = IndexValue(e.dtype, on_index(e.expr))
         elif isinstance(e, Op):
@@ -130,7 +139,8 @@ def substitute(
 def format_expr(expr: Expr) -> str:
     """One-line readable form, used in IR dumps and error messages."""
     if isinstance(expr, Read):
-        return f"{expr.name}[{', '.join(map(str, expr.index))}]"
+        bound = "".join(f", {sym}={format_expr(value)}" for sym, value, _ in expr.indirect)
+        return f"{expr.name}[{', '.join(map(str, expr.index))}{bound}]"
     if isinstance(expr, Const):
         return repr(expr.value)
     if isinstance(expr, IndexValue):

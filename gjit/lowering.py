@@ -373,6 +373,6 @@ def load_as(arg: Any, dtype: torch.dtype, index: Index, out_size: Index) -> Expr
 
 def lower_graph(gm: torch.fx.GraphModule) -> ir.LoopGraph:
     # the op tables register themselves on import
-    from gjit import lowering_pointwise, lowering_reductions, lowering_views  # noqa: F401
+    from gjit import lowering_indexing, lowering_pointwise, lowering_reductions, lowering_views  # noqa: F401
 
     return Lowering(gm).run()

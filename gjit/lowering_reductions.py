@@ -137,6 +137,21 @@ def all_all(ctx: Lowering, x: TensorValue):
     return _any(ctx, x, None, False, negate=True)
 
 
+@register_lowering(aten.argmax.default, aten.argmin.default)
+def argmax(ctx: Lowering, x: TensorValue, dim=None, keepdim: bool = False):
+    """Index of the first max (min); NaN counts as the max, as in eager. dim=None: flattened."""
+    if len(x.size) == 0:
+        raise Unsupported("argmax of a 0-d tensor")
+    dims = reduced_dims(dim, len(x.size))
+    acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    kind = "argmax" if ctx.node.target is aten.argmax.default else "argmin"
+    keep = keepdim and dim is not None
+    layout = meta_layout(ctx.out_val)
+    return ctx.reduction(
+        lambda idx: cast(x.load(idx), acc), x.size, dims, kind, torch.int64, keep, layout=layout
+    )
+
+
 @register_lowering(aten.mean.dim)
 def mean(ctx: Lowering, x: TensorValue, dims=None, keepdim: bool = False, *, dtype=None):
     out = ctx.out_val

@@ -125,3 +125,21 @@ def test_reduction_kernels_compile_for_sm90():
         for kernel in program.kernels:
             binary = compile_kernel(kernel, program.graph.kernel_paths[kernel.name])
             assert ".target sm_90" in binary.asm["ptx"]
+
+
+ARG = {
+    "argmax_last": lambda x: x.argmax(-1),
+    "argmin_middle": lambda x: x.argmin(1),
+    "argmax_all": lambda x: x.argmax(),
+    "argmax_first_keepdim": lambda x: x.argmax(0, keepdim=True),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(ARG), ids=list(ARG))
+def test_argmax_argmin_tie_break_and_nan_like_eager(name, mode):
+    x = torch.randint(-3, 3, (4, 6, 10)).float()  # many ties: the first index wins
+    x[1, 2, 3] = float("nan")  # NaN counts as the max (and the min)
+    with gjit.config.scope(reduction=mode, rblock=4):
+        check(ARG[name], x, kernels=1)
+        check(ARG[name], torch.randint(-3, 3, (4, 6, 10)))  # integers

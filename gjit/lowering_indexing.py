@@ -1,0 +1,140 @@
+"""Indexing lowerings as indirect loads inside kernels: embedding, index_select, gather and
+advanced indexing (index.Tensor with integer index tensors).
+
+An indirect read indexes with a symbol bound to data (the index tensor's element); in debug
+mode the generated kernel asserts every such index is in bounds, so an out-of-range index is a
+clear error instead of a silent garbage read. Writes through indices (index_put, scatter,
+index_add) stay externs, with that reason in `gjit.explain(...).externs`.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import sympy
+import torch
+
+from gjit import ir
+from gjit.ir import Const, Expr, Index, Op
+from gjit.lowering import (
+    EXTERN_REASONS,
+    Lowering,
+    TensorValue,
+    Unsupported,
+    broadcast_index,
+    cast,
+    register_lowering,
+    to_sympy,
+)
+
+aten = torch.ops.aten
+_symbols = itertools.count()
+
+for _op in (aten.index_put.default, aten.scatter.src, aten.scatter.value, aten.scatter_add.default,
+            aten.index_add.default, aten.scatter_reduce.two):  # fmt: skip
+    EXTERN_REASONS[_op] = "writes through indices run as an ATen extern"
+for _op in (aten.cumsum.default, aten.cumprod.default):
+    EXTERN_REASONS[_op] = "scans (cumsum/cumprod) run as an ATen extern"
+
+
+def indirect_symbol() -> sympy.Symbol:
+    return sympy.Symbol(f"ind{next(_symbols)}", integer=True)
+
+
+def bind(expr: Expr, bindings: list[tuple[sympy.Symbol, Expr, sympy.Expr]]) -> Expr:
+    """Attach the data each indirect symbol stands for to the reads that index with it."""
+
+    def on_read(r: ir.Read) -> Expr:
+        used = set().union(*(sympy.sympify(i).free_symbols for i in r.index)) if r.index else set()
+        extra = tuple(b for b in bindings if b[0] in used and b not in r.indirect)
+        return ir.Read(r.dtype, r.name, r.index, r.indirect + extra) if extra else r
+
+    return ir.substitute(expr, on_read, lambda e: e)
+
+
+def index_value(index: TensorValue, at: Index, size: sympy.Expr, wrap: bool) -> Expr:
+    if index.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise Unsupported(f"indexing with a {index.dtype} tensor (boolean masks have data-dependent sizes)")
+    value = cast(index.load(at), torch.int64)
+    if wrap:  # negative indices count from the end, as in Python
+        size_value = cast(ir.IndexValue(torch.int64, size), torch.int64)
+        negative = Op(torch.bool, "lt", (value, Const(torch.int64, 0)))
+        value = Op(torch.int64, "where", (negative, Op(torch.int64, "add", (value, size_value)), value))
+    return value
+
+
+def gather_from(x: TensorValue, src: list, bindings: list) -> Expr:
+    return bind(x.load(tuple(src)), bindings)
+
+
+@register_lowering(aten.embedding.default)
+def embedding(ctx: Lowering, weight: TensorValue, indices: TensorValue, padding_idx=-1, scale_grad=False,
+              sparse=False):  # fmt: skip
+    def body(idx: Index) -> Expr:
+        sym = indirect_symbol()
+        value = index_value(indices, idx[:-1], weight.size[0], wrap=False)
+        return gather_from(weight, [sym, idx[-1]], [(sym, value, weight.size[0])])
+
+    return ctx.pointwise(body)
+
+
+@register_lowering(aten.index_select.default)
+def index_select(ctx: Lowering, x: TensorValue, dim: int, index: TensorValue):
+    dim = dim + len(x.size) if dim < 0 else dim
+
+    def body(idx: Index) -> Expr:
+        sym = indirect_symbol()
+        at = (idx[dim],) if index.size else ()
+        value = index_value(index, at, x.size[dim], wrap=False)
+        src = list(idx)
+        src[dim] = sym
+        return gather_from(x, src, [(sym, value, x.size[dim])])
+
+    return ctx.pointwise(body)
+
+
+@register_lowering(aten.gather.default)
+def gather(ctx: Lowering, x: TensorValue, dim: int, index: TensorValue, *, sparse_grad: bool = False):
+    dim = dim + len(x.size) if dim < 0 else dim
+
+    def body(idx: Index) -> Expr:
+        sym = indirect_symbol()
+        value = index_value(index, idx, x.size[dim], wrap=False)
+        src = list(idx)
+        src[dim] = sym
+        return gather_from(x, src, [(sym, value, x.size[dim])])
+
+    return ctx.pointwise(body)
+
+
+@register_lowering(aten.index.Tensor)
+def index_tensor(ctx: Lowering, x: TensorValue, indices: list):
+    positions = [k for k, t in enumerate(indices) if t is not None]
+    tensors = [indices[k] for k in positions]
+    if not all(isinstance(t, TensorValue) for t in tensors):
+        raise Unsupported("index.Tensor with a non-tensor index")
+    if any(t.dtype == torch.bool for t in tensors):
+        raise Unsupported("boolean mask indexing has a data-dependent size")
+    out_size = tuple(to_sympy(s) for s in ctx.out_val.shape)
+    nb = len(out_size) - (len(x.size) - len(positions))
+    adjacent = positions == list(range(positions[0], positions[-1] + 1))
+    start = positions[0] if adjacent else 0  # where the broadcast index dims sit in the output
+    bshape = out_size[start : start + nb]
+
+    def body(idx: Index) -> Expr:
+        b = idx[start : start + nb]
+        rest = list(idx[:start]) + list(idx[start + nb :])
+        src, bindings = [], []
+        it = iter(rest)
+        for k in range(len(x.size)):
+            if k in positions:
+                t = indices[k]
+                sym = indirect_symbol()
+                value = index_value(t, broadcast_index(t, b, bshape), x.size[k], wrap=True)
+                bindings.append((sym, value, x.size[k]))
+                src.append(sym)
+            else:
+                src.append(next(it))
+        return gather_from(x, src, bindings)
+
+    return ctx.pointwise(body)

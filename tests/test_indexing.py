@@ -1,0 +1,68 @@
+"""Indexing as indirect loads inside kernels; out-of-range indices are a clear error in debug mode."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gjit
+from helpers import check, run_compiled
+
+pytestmark = pytest.mark.cpu
+
+X = torch.randn(4, 6, 10)
+CASES = {
+    "embedding": (lambda w, i: F.embedding(i, w) * 2, (torch.randn(10, 8), torch.randint(0, 10, (3, 5)))),
+    "embedding_then_layer_norm": (
+        lambda w, i: F.layer_norm(F.embedding(i, w), (8,)),
+        (torch.randn(10, 8), torch.randint(0, 10, (2, 7))),
+    ),
+    "index_select": (lambda x, i: x.index_select(1, i).sin(), (X, torch.tensor([0, 5, 2, 2]))),
+    "index_select_transposed": (lambda x, i: x.transpose(0, 2).index_select(0, i), (X, torch.tensor([9, 0]))),
+    "gather": (lambda x, i: x.gather(2, i) + 1, (X, torch.randint(0, 10, (4, 6, 3)))),
+    "advanced_two_tensors": (
+        lambda x, i, j: x[i, :, j] * 3,
+        (X, torch.tensor([0, -1, 2]), torch.tensor([[1], [9]])),
+    ),
+    "advanced_one_tensor": (lambda x, i: x[:, i], (X, torch.tensor([[0, 5], [3, -2]]))),
+    "advanced_int32": (lambda x, i: x[i], (X, torch.tensor([3, 0], dtype=torch.int32))),
+    "where_with_mask": (lambda x: torch.where(x > 0, x, torch.zeros_like(x)), (X,)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_indexing_is_one_kernel(case):
+    fn, args = CASES[case]
+    cm = check(fn, *args, kernels=1)
+    assert gjit.explain(cm, *args).externs == []
+
+
+def test_out_of_range_index_is_a_clear_error_in_debug_mode():
+    w = torch.randn(10, 8)
+    cm = gjit.compile(lambda w, i: F.embedding(i, w) * 2)
+    run_compiled(cm, w, torch.tensor([1, 2]))
+    with pytest.raises(Exception, match="index out of bounds reading w"):
+        run_compiled(cm, w, torch.tensor([1, 12]))
+    with pytest.raises(Exception, match="index out of bounds"):
+        run_compiled(cm, w, torch.tensor([-1, 3]))
+
+
+def test_boolean_mask_indexing_runs_eagerly_and_correctly():
+    # a boolean mask gives a data-dependent size: not lowered, still correct
+    x = torch.randn(5, 4)
+    check(lambda x, m: x[m] * 2, x, x > 0)
+
+
+def test_writes_through_indices_are_named_externs():
+    def f(x, i, v):
+        return x.index_put([i], v) + 1
+
+    args = (torch.randn(6, 3), torch.tensor([0, 4]), torch.randn(2, 3))
+    cm = check(f, *args)
+    reasons = [e.reason for e in gjit.explain(cm, *args).externs]
+    assert reasons == ["writes through indices run as an ATen extern"]
+
+
+def test_cumsum_is_a_named_extern():
+    x = torch.randn(3, 7)
+    cm = check(lambda x: x.cumsum(-1) * 2, x, kernels=1)
+    assert [e.reason for e in gjit.explain(cm, x).externs] == ["scans (cumsum/cumprod) run as an ATen extern"]
