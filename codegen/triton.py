@@ -191,6 +191,8 @@ class KernelSource:
     source_lines: list[str]
     signature: dict[str, str]  # parameter -> Triton type ("*fp32", "i32", "constexpr")
     blocks: dict[str, int] = dataclasses.field(default_factory=dict)  # constexpr block sizes at launch
+    bytes_read: sympy.Expr = sympy.Integer(0)  # modeled: each buffer once per pass over it
+    bytes_written: sympy.Expr = sympy.Integer(0)
     rnumel: sympy.Expr | None = None  # reduction kernels: elements reduced per output element
     persistent: bool = False  # reduction kernels: the whole row in one block (needs rnumel <= RBLOCK)
 
@@ -236,6 +238,8 @@ class KernelWriter:
         self.symbols: set[sympy.Symbol] = set()  # size symbols the kernel body uses
         self.counter = 0
         self.debug_asserts = False  # bounds checks emitted: compile with debug=True
+        self.pass_id = 0  # which pass over memory a load belongs to (looped reductions make several)
+        self.loaded: set[tuple[str, int, bool]] = set()  # (buffer, pass, indirect)
 
     @property
     def decorator(self) -> str:
@@ -306,6 +310,7 @@ class KernelWriter:
         if self.in_registers(r):
             return self.node_value(r.name)
         names = self.indirect(r)
+        self.loaded.add((r.name, self.pass_id, bool(names)))
         arg = self.in_args.setdefault(r.name, f"in_ptr{len(self.in_args)}")
         offset = self.subst(self.layout(r.name).offset_of(r.index))
         text = self.index(offset, names)
@@ -396,7 +401,22 @@ class KernelWriter:
             source_lines=_unique(source_line(n.fx_node) for n in nodes),
             signature=signature,
             blocks=blocks,
+            bytes_read=self.traffic(numel)[0],
+            bytes_written=self.traffic(numel)[1],
         )
+
+    def traffic(self, elements: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
+        """Modeled bytes (read, written): a buffer is read once per pass; an indirect (gather)
+        read moves one element per kernel element, not the whole table."""
+
+        def nbytes(name: str, count: sympy.Expr | None = None) -> sympy.Expr:
+            lay = self.layout(name)
+            numel = sympy.Mul(*lay.size) if lay.size else sympy.Integer(1)
+            return (numel if count is None else count) * lay.dtype.itemsize
+
+        read = sum((nbytes(n, elements if ind else None) for n, _, ind in self.loaded), sympy.Integer(0))
+        written = sum((nbytes(n) for n in self.region.stores), sympy.Integer(0))
+        return read, written
 
     def depends_on_index(self, body: Expr) -> bool:
         return any(isinstance(e, (Read, IndexValue)) for e in ir.walk(body))

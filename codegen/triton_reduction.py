@@ -123,6 +123,7 @@ class ReductionWriter(KernelWriter):
     # -- loops -----------------------------------------------------------------------------------------
 
     def enter_loop(self) -> None:
+        self.pass_id += 1
         self.scopes.append((self.lines, self.cse, self.values, self.mask))
         self.lines, self.cse, self.values = [], dict(self.cse), dict(self.values)
         self.lines += [
@@ -341,4 +342,6 @@ class ReductionWriter(KernelWriter):
             blocks={"XBLOCK": xblock, "RBLOCK": rblock},
             rnumel=rnumel,
             persistent=persistent,
+            bytes_read=self.traffic(xnumel * rnumel)[0],
+            bytes_written=self.traffic(xnumel * rnumel)[1],
         )

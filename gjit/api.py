@@ -8,14 +8,16 @@ import logging
 import weakref
 from typing import Any
 
+import sympy
 import torch
 import torch.utils._pytree as pytree
 
 from gjit import stats
 from gjit.capture import CaptureError, bind_call, capture, forward_signature
-from gjit.compiler import CompiledProgram, compile_program, run_program, timed
+from gjit.compiler import CompiledProgram, compile_program, run_program, size_hints, timed
 from gjit.guards import GuardSet, build_guards
 from gjit.ir import ExternNode
+from gjit.perf_model import Traffic, traffic
 
 log = logging.getLogger("gjit.capture")
 recompiles_log = logging.getLogger("gjit.recompiles")
@@ -202,6 +204,8 @@ class KernelInfo:
     aten_nodes: list[str]
     source_lines: list[str]
     path: str
+    bytes_read: int = 0  # modeled, at the example sizes
+    bytes_written: int = 0
 
 
 @dataclasses.dataclass
@@ -218,6 +222,7 @@ class Report:
     guards: str
     loop_ir: str
     timings: dict[str, float]
+    traffic: Traffic  # modeled bytes: gjit vs eager vs ideal, at the example sizes
 
     def __str__(self) -> str:
         out = [f"gjit: {len(self.kernels)} kernel(s), {len(self.externs)} extern(s)"]
@@ -225,6 +230,7 @@ class Report:
             out.append(f"  kernel {k.name}: {', '.join(n.split(':')[0] for n in k.aten_nodes)}")
         for e in self.externs:
             out.append(f"  extern {e.node} = {e.op}: {e.reason}")
+        out.append(f"  {self.traffic}")
         out.append("  compile time: " + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in self.timings.items()))
         return "\n".join(out)
 
@@ -236,8 +242,17 @@ def explain(model: Any, *args: Any, **kwargs: Any) -> Report:
     if entry is None:
         raise CaptureError(f"gjit could not capture {cm._name()}: {getattr(cm, '_capture_failed', '')}")
     program = entry.program
+    hints = size_hints(program.captured.graph_module)
     kernels = [
-        KernelInfo(k.name, k.source, k.aten_nodes, k.source_lines, program.graph.kernel_paths.get(k.name, ""))
+        KernelInfo(
+            k.name,
+            k.source,
+            k.aten_nodes,
+            k.source_lines,
+            program.graph.kernel_paths.get(k.name, ""),
+            int(sympy.sympify(k.bytes_read).subs(hints)),
+            int(sympy.sympify(k.bytes_written).subs(hints)),
+        )
         for k in program.kernels
     ]
     externs = [
@@ -245,4 +260,8 @@ def explain(model: Any, *args: Any, **kwargs: Any) -> Report:
         for s in program.steps
         if isinstance(s, ExternNode) and s.reason != "element of an extern's result"
     ]
-    return Report(kernels, externs, entry.guards.format(), program.loop_graph.format(), dict(program.timings))
+    by_name = {k.name: k for k in program.kernels}
+    moved = traffic(program.loop_graph, program.steps, by_name, hints)
+    return Report(
+        kernels, externs, entry.guards.format(), program.loop_graph.format(), dict(program.timings), moved
+    )

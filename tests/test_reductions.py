@@ -143,3 +143,15 @@ def test_argmax_argmin_tie_break_and_nan_like_eager(name, mode):
     with gjit.config.scope(reduction=mode, rblock=4):
         check(ARG[name], x, kernels=1)
         check(ARG[name], torch.randint(-3, 3, (4, 6, 10)))  # integers
+
+
+def test_modeled_bytes_of_persistent_normalizations_are_ideal():
+    x, w, b = torch.randn(16, 128), torch.randn(128), torch.randn(128)
+    for fn, args in (
+        (lambda t: F.softmax(t, -1), (x,)),
+        (lambda t, w, b: F.layer_norm(t, (128,), w, b), (x, w, b)),
+        (rms_norm, (x, w)),
+    ):
+        traffic = gjit.explain(fn, *args).traffic
+        assert traffic.gjit == traffic.ideal, traffic
+        assert traffic.gjit <= traffic.eager, traffic
