@@ -283,3 +283,30 @@ def layer_norm(ctx: Lowering, x: TensorValue, normalized_shape, weight, bias, ep
         _squeeze_to(ctx, m, dims, True, out_mean, "_out_mean"),
         _squeeze_to(ctx, rstd, dims, True, out_rstd, "_out_rstd"),
     ]
+
+
+@register_lowering(aten._native_batch_norm_legit_no_training.default)
+def batch_norm_inference(
+    ctx: Lowering, x: TensorValue, weight, bias, running_mean, running_var, momentum, eps
+):
+    """Eval-mode batch norm is pointwise: per-channel (dim 1) statistics are inputs."""
+    if len(x.size) < 2:
+        raise Unsupported("batch norm of a tensor without a channel dim")
+    acc = acc_dtype(x.dtype)
+    out, save_mean, save_rstd = ctx.out_val
+
+    def channel(t: TensorValue, idx: Index) -> Expr:
+        return cast(t.load((idx[1],)), acc)
+
+    def body(idx: Index) -> Expr:
+        rstd = op("rsqrt", op("add", channel(running_var, idx), Const(acc, float(eps))))
+        y = op("mul", op("sub", cast(x.load(idx), acc), channel(running_mean, idx)), rstd)
+        if weight is not None:
+            y = op("mul", y, channel(weight, idx))
+        if bias is not None:
+            y = op("add", y, channel(bias, idx))
+        return y
+
+    empty = [ctx.pointwise(lambda idx, v=v: Const(v.dtype, 0), meta_layout(v), suffix=f"_empty{k}")
+             for k, v in enumerate((save_mean, save_rstd))]  # fmt: skip
+    return [ctx.pointwise(body, meta_layout(out)), *empty]

@@ -133,3 +133,13 @@ def test_sizes_are_kernel_arguments():
 
 def test_kernel_count_of_extern_only_graph_is_zero():
     assert kernel_count(gjit.compile(lambda a, b: torch.mm(a, b)), torch.randn(2, 3), torch.randn(3, 4)) == 0
+
+
+def test_conv_batchnorm_relu_is_conv_extern_plus_one_kernel():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).eval()
+    model[1].running_mean.normal_()
+    model[1].running_var.uniform_(0.5, 2.0)
+    x = torch.randn(2, 3, 10, 10)
+    with torch.no_grad():
+        cm = check(model, x, kernels=1)
+    assert [e.op for e in gjit.explain(cm, x).externs] == ["aten.convolution.default"]
