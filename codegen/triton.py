@@ -406,15 +406,15 @@ class KernelWriter:
         )
 
     def traffic(self, elements: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
-        """Modeled bytes (read, written): a buffer is read once per pass; an indirect (gather)
-        read moves one element per kernel element, not the whole table."""
+        """Modeled bytes (read, written): each buffer once per pass over it, but never more
+        elements than the kernel visits (a slice or a gather reads only what it uses)."""
 
-        def nbytes(name: str, count: sympy.Expr | None = None) -> sympy.Expr:
+        def nbytes(name: str, limit: sympy.Expr | None = None) -> sympy.Expr:
             lay = self.layout(name)
             numel = sympy.Mul(*lay.size) if lay.size else sympy.Integer(1)
-            return (numel if count is None else count) * lay.dtype.itemsize
+            return (numel if limit is None else sympy.Min(numel, limit)) * lay.dtype.itemsize
 
-        read = sum((nbytes(n, elements if ind else None) for n, _, ind in self.loaded), sympy.Integer(0))
+        read = sum((nbytes(n, elements) for n, _, _ in self.loaded), sympy.Integer(0))
         written = sum((nbytes(n) for n in self.region.stores), sympy.Integer(0))
         return read, written
 

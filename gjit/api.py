@@ -238,6 +238,8 @@ class Report:
 def explain(model: Any, *args: Any, **kwargs: Any) -> Report:
     """What gjit compiles for this call: kernels (with sources), externs and why, guards."""
     cm = model if isinstance(model, CompiledFunction) else CompiledFunction(model)
+    if cm.eager_reason is not None:
+        raise CaptureError(f"gjit could not capture {cm._name()}: {cm.eager_reason}")
     entry = cm.entry_for(args, kwargs)
     if entry is None:
         raise CaptureError(f"gjit could not capture {cm._name()}: {getattr(cm, '_capture_failed', '')}")

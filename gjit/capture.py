@@ -143,8 +143,8 @@ def capture(model: Any, args: tuple, kwargs: dict, dynamic: bool) -> CapturedPro
     try:
         program = export_model(module, args, kwargs, dynamic).run_decompositions(decomposition_table())
     except Exception as e:
-        if not dynamic:
-            raise CaptureError(f"torch.export failed: {type(e).__name__}: {e}") from e
+        if not dynamic or _not_about_shapes(e):
+            raise CaptureError(_explain_failure(e)) from e
         # export or its decomposition can fail with dynamic dims where static shapes work
         log.info(
             "capture with automatic dynamic dims failed (%s: %s); retrying with static shapes",
@@ -155,9 +155,25 @@ def capture(model: Any, args: tuple, kwargs: dict, dynamic: bool) -> CapturedPro
             program = export_model(module, args, kwargs, dynamic=False)
             program = program.run_decompositions(decomposition_table())
         except Exception as e2:
-            raise CaptureError(f"torch.export failed: {type(e2).__name__}: {e2}") from e2
+            raise CaptureError(_explain_failure(e2)) from e2
         dynamic = False
     return describe(program, module, dynamic)
+
+
+def _not_about_shapes(e: Exception) -> bool:
+    """Failures a static retry cannot fix (types export cannot flatten)."""
+    return "not a known type" in str(e) or "register a pytree" in str(e)
+
+
+def _explain_failure(e: Exception) -> str:
+    text = f"torch.export failed: {type(e).__name__}: {e}"
+    if "DynamicCache" in text or "cache_utils" in text:
+        text = (
+            "the model returns a transformers DynamicCache (its KV cache), which torch.export cannot "
+            "flatten; build the model with use_cache=False (e.g. config.use_cache = False) or call it "
+            f"with use_cache=False. {text}"
+        )
+    return text
 
 
 def describe(program: ExportedProgram, module: torch.nn.Module | None, dynamic: bool) -> CapturedProgram:

@@ -231,6 +231,7 @@ class ViewNode:
     name: str
     fx_node: torch.fx.Node
     base: str
+    element: int | None = None  # for ops returning several views (split): which one
 
 
 @dataclasses.dataclass

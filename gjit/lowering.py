@@ -190,10 +190,13 @@ class Lowering:
         self.nodes.append(node)
         return TensorValue(name, layout.size, layout.dtype)
 
-    def view(self, base: TensorValue, reindex: Callable[[Index], Index]) -> ViewValue:
-        val = self.out_val
-        name = self.node.name
-        self.views[name] = ir.ViewNode(name, self.node, base.name)
+    def view(
+        self, base: TensorValue, reindex: Callable[[Index], Index], element: int | None = None
+    ) -> ViewValue:
+        """A view of `base`; `element` picks one view of an op that returns several (split)."""
+        val = self.out_val if element is None else self.out_val[element]
+        name = self.node.name if element is None else f"{self.node.name}_piece{element}"
+        self.views[name] = ir.ViewNode(name, self.node, base.name, element)
         return ViewValue(name, tuple(to_sympy(s) for s in val.shape), val.dtype, base, reindex)
 
     # -- the walk ------------------------------------------------------------------------------

@@ -211,3 +211,20 @@ def reshape_indexer(old: Index, new: Index):
         return tuple(src)
 
     return reindex
+
+
+@register_lowering(aten.split_with_sizes.default, aten.split.Tensor)
+def split(ctx: Lowering, x: TensorValue, sizes, dim: int = 0) -> list[TensorValue]:
+    """Each piece is a slice view of `x` along `dim`."""
+    dim = _norm_dim(dim, len(x.size))
+    views = []
+    start = ZERO
+    for k, piece in enumerate(ctx.out_val):
+        begin = start
+
+        def reindex(idx: Index, begin=begin) -> Index:
+            return idx[:dim] + (begin + idx[dim],) + idx[dim + 1 :]
+
+        views.append(ctx.view(x, reindex, element=k))
+        start = start + to_sympy(piece.shape[dim])
+    return views

@@ -88,7 +88,13 @@ class WrapperWriter:
             return
         view = self.graph.views[name]
         self.ensure(view.base)
-        self.call_aten(view.fx_node)
+        if view.element is None:
+            self.call_aten(view.fx_node)
+            return
+        if view.fx_node.name not in self.defined:
+            self.call_aten(view.fx_node)
+        self.lines.append(f"{name} = {view.fx_node.name}[{view.element}]")
+        self.defined.add(name)
 
     def call_aten(self, node: torch.fx.Node) -> None:
         args = [self.arg(a) for a in node.args]

@@ -226,10 +226,12 @@ def test_views_of_computed_values_as_outputs():
 
 
 def test_split_and_chunk():
-    """split_with_sizes runs as an ATen extern (its outputs are views, not copies)."""
+    """split/chunk pieces are slice views: each consumer reads its piece in place, no extern."""
     x = torch.randn(6, 7)
-    check(lambda a: tuple(c + 1 for c in a.chunk(3, 1)), x)
-    check(lambda a: tuple(c * 2 for c in a.split([2, 4], 0)), x)
+    cm = check(lambda a: tuple(c + 1 for c in a.chunk(3, 1)), x, kernels=2)  # two 3-wide pieces share one
+    assert gjit.explain(cm, x).externs == []
+    check(lambda a: tuple(c * 2 for c in a.split([2, 4], 0)), x, kernels=2)
+    check(lambda a: a.split(2, 1)[1], x, kernels=0)  # a piece returned as is: a view, no kernel
 
 
 def test_view_as_dtype():

@@ -1,0 +1,126 @@
+"""Tiny real models built from configs with random weights (nothing is downloaded).
+
+Shared by tests/test_models.py and bench/models_report.py, so the tests and docs/models.md
+describe the same models and inputs. Every builder seeds torch, returns the model in eval mode
+and its example inputs (a tuple of positional arguments).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+VOCAB = 128
+BATCH = 2
+SEQ = 8
+
+
+def token_ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ))
+
+
+def gpt2(attn: str, use_cache: bool = False) -> tuple[torch.nn.Module, tuple]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=32,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=use_cache,
+        attn_implementation=attn,
+    )
+    return GPT2LMHeadModel(config).eval(), (token_ids(),)
+
+
+def bert(attn: str) -> tuple[torch.nn.Module, tuple]:
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=32,
+        use_cache=False,
+        attn_implementation=attn,
+    )
+    ids = token_ids()
+    # the second sequence is padded: its last 3 tokens are masked out
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, -3:] = 0
+    return BertModel(config).eval(), (ids, mask)
+
+
+def llama(attn: str) -> tuple[torch.nn.Module, tuple]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        use_cache=False,
+        attn_implementation=attn,
+    )
+    return LlamaForCausalLM(config).eval(), (token_ids(),)
+
+
+def transformer_encoder_layer() -> tuple[torch.nn.Module, tuple]:
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=128, batch_first=True)
+    return layer.eval(), (torch.randn(BATCH, SEQ, 64),)
+
+
+def conv_bn_relu() -> tuple[torch.nn.Module, tuple]:
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+    bn = block[1]
+    with torch.no_grad():  # non-trivial running statistics and affine parameters
+        bn.running_mean.normal_()
+        bn.running_var.uniform_(0.5, 2.0)
+        bn.weight.normal_()
+        bn.bias.normal_()
+    return block.eval(), (torch.randn(BATCH, 3, 16, 16),)
+
+
+# name -> builder; the names are test ids and the rows of docs/models.md
+MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple]]] = {
+    "gpt2-eager": lambda: gpt2("eager"),
+    "gpt2-sdpa": lambda: gpt2("sdpa"),
+    "bert-eager": lambda: bert("eager"),
+    "bert-sdpa": lambda: bert("sdpa"),
+    "llama-eager": lambda: llama("eager"),
+    "llama-sdpa": lambda: llama("sdpa"),
+    "transformer_encoder_layer": transformer_encoder_layer,
+    "conv_bn_relu": conv_bn_relu,
+}
+
+DESCRIPTIONS = {
+    "gpt2-eager": "GPT2LMHeadModel, attn_implementation='eager'",
+    "gpt2-sdpa": "GPT2LMHeadModel, attn_implementation='sdpa'",
+    "bert-eager": "BertModel (with pooler, padded attention_mask), attn_implementation='eager'",
+    "bert-sdpa": "BertModel (with pooler, padded attention_mask), attn_implementation='sdpa'",
+    "llama-eager": "LlamaForCausalLM (GQA: 4 heads, 2 KV heads), attn_implementation='eager'",
+    "llama-sdpa": "LlamaForCausalLM (GQA: 4 heads, 2 KV heads), attn_implementation='sdpa'",
+    "transformer_encoder_layer": "nn.TransformerEncoderLayer(d_model=64, nhead=4, batch_first=True).eval()",
+    "conv_bn_relu": "Conv2d(3, 8, 3) + BatchNorm2d(8).eval() + ReLU",
+}
+
+
+def max_rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected| (0 when both are all zeros)."""
+    scale = expected.abs().max().item()
+    err = (actual.double() - expected.double()).abs().max().item()
+    return err / scale if scale > 0 else err
