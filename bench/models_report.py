@@ -84,6 +84,7 @@ def run_gjit(model: torch.nn.Module, inputs: tuple) -> dict[str, Any]:
         "eager_runs": eager_runs,
         "seconds": seconds,
         "kernel_names": [k.name for k in report.kernels],
+        "traffic": report.traffic,
     }
 
 
@@ -120,11 +121,16 @@ def measure(name: str) -> dict[str, Any]:
     return row
 
 
+def kb(traffic) -> str:
+    return f"{traffic.gjit / 1024:.1f} / {traffic.eager / 1024:.1f} / {traffic.ideal / 1024:.1f}"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         "| model | gjit kernels | gjit externs | ATen ops (call_function / compute) "
-        "| torch.compile kernels (C++) | gjit matches eager (max rel err) |\n"
-        "|---|---:|---|---:|---:|---|\n"
+        "| torch.compile kernels (C++) | modeled KB gjit / eager / ideal "
+        "| gjit matches eager (max rel err) |\n"
+        "|---|---:|---|---:|---:|---:|---|\n"
     )
     lines = []
     for r in rows:
@@ -132,7 +138,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         verdict = "yes" if r["matched"] else ("**no: ran eagerly**" if r["eager_runs"] else "**no**")
         lines.append(
             f"| {r['name']} | {r['kernels']} | {externs} | {r['calls']} / {r['compute']} "
-            f"| {r['inductor_text']} | {verdict} ({r['err']:.1e}) |"
+            f"| {r['inductor_text']} | {kb(r['traffic'])} | {verdict} ({r['err']:.1e}) |"
         )
     return head + "\n".join(lines) + "\n"
 
@@ -192,6 +198,9 @@ Columns:
   `torch.no_grad()`, default inductor on CPU. **On CPU inductor generates C++ (OpenMP) kernels, not
   Triton**; its CPU scheduler fuses differently from its Triton one, so this count is a reference,
   not the count inductor would reach on a GPU. Inductor's externs (matmul, conv, sdpa) are not counted.
+- **modeled KB**: `gjit.explain(...).traffic` (gjit/perf_model.py) at these sizes: bytes gjit's
+  kernels and externs move, eager's (one kernel per non-view ATen op, reading its inputs and writing
+  its outputs), and the ideal (graph inputs, weights included, read once; outputs written once).
 - **gjit matches eager**: gjit's output (kernels run in Triton's interpreter, poisoned buffers)
   against the eager model, every output tensor, `max|gjit - eager| / max|eager|` below {TOLERANCE:g}
   (the largest over the outputs is shown), and gjit did not fall back to eager.
