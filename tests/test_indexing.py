@@ -66,3 +66,15 @@ def test_cumsum_is_a_named_extern():
     x = torch.randn(3, 7)
     cm = check(lambda x: x.cumsum(-1) * 2, x, kernels=1)
     assert [e.reason for e in gjit.explain(cm, x).externs] == ["scans (cumsum/cumprod) run as an ATen extern"]
+
+
+def test_indexing_kernels_compile_for_sm90():
+    from gjit.codegen.compile_only import compile_kernel
+
+    for case in ("embedding_then_layer_norm", "gather", "advanced_two_tensors"):
+        fn, args = CASES[case]
+        cm = check(fn, *args)  # debug mode: the kernels carry device-side bounds asserts
+        program = cm.entries[-1].program
+        for kernel in program.kernels:
+            binary = compile_kernel(kernel, program.graph.kernel_paths[kernel.name])
+            assert ".target sm_90" in binary.asm["ptx"], kernel.name
