@@ -373,36 +373,58 @@ class KernelWriter:
             if not self.depends_on_index(self.region.bodies[node]):
                 value = f"tl.where(xmask, {value}, {value})"
             self.lines.append(f"tl.store({arg} + ({offset}), {value}, xmask)")
-        symbols = sorted(self.symbols - set(plan.vars) - {XINDEX}, key=lambda s: s.name)
-        params = [*self.in_args.values(), *self.out_args.values(), *(s.name for s in symbols), "xnumel"]
+        nodes = self.region.inlined + self.region.nodes
+        return self.kernel_source(
+            name,
+            header=self.header(name, nodes, numel),
+            body=setup + self.lines,
+            sizes={"xnumel": numel},
+            blocks={"XBLOCK": xblock_for(numel, self.hints)},
+            index_dtype=index_dtype,
+        )
+
+    def kernel_source(
+        self,
+        name: str,
+        header: list[str],
+        body: list[str],
+        sizes: dict[str, sympy.Expr],
+        blocks: dict[str, int],
+        index_dtype: str,
+        **extra,
+    ) -> KernelSource:
+        """Assemble the kernel: parameters (pointers, size symbols, numels, block sizes), source,
+        Triton signature and the modeled traffic."""
+        symbols = sorted(self.symbols - set(self.vars) - {XINDEX}, key=lambda s: s.name)
+        params = [*self.in_args.values(), *self.out_args.values(), *(s.name for s in symbols), *sizes]
         int_type = "i32" if index_dtype == "tl.int32" else "i64"
         pointers = {**self.in_args, **self.out_args}
-        signature = {arg: "*" + POINTER_TYPES[self.layout(name).dtype] for name, arg in pointers.items()}
+        signature = {arg: "*" + POINTER_TYPES[self.layout(n).dtype] for n, arg in pointers.items()}
         signature |= {p: int_type for p in params[len(signature) :]}
-        signature["XBLOCK"] = "constexpr"
-        blocks = {"XBLOCK": xblock_for(numel, self.hints)}
-        body = setup + self.lines
-        nodes = self.region.inlined + self.region.nodes
-        header = self.header(name, nodes, numel)
+        signature |= {b: "constexpr" for b in blocks}
+        constexprs = [f"{b}: tl.constexpr" for b in blocks]
         source = "\n".join(
             header
-            + [self.decorator, f"def {name}({', '.join(params)}, XBLOCK: tl.constexpr):"]
+            + [self.decorator, f"def {name}({', '.join(params + constexprs)}):"]
             + [f"    {ln}" for ln in body]
         )
+        nodes = self.region.inlined + self.region.nodes
+        read, written = self.traffic(sympy.Mul(*sizes.values()))
         return KernelSource(
             name=name,
             source=source + "\n",
             in_args=list(self.in_args),
             out_args=list(self.out_args),
             size_args=symbols,
-            numel=numel,
+            numel=sizes["xnumel"],
             index_dtype=index_dtype,
             aten_nodes=[f"{n.name}: {n.fx_node.target}" for n in nodes],
             source_lines=_unique(source_line(n.fx_node) for n in nodes),
             signature=signature,
             blocks=blocks,
-            bytes_read=self.traffic(numel)[0],
-            bytes_written=self.traffic(numel)[1],
+            bytes_read=read,
+            bytes_written=written,
+            **extra,
         )
 
     def traffic(self, elements: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:

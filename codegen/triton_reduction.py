@@ -16,14 +16,11 @@ import torch
 
 from gjit import ir
 from gjit.codegen.triton import (
-    POINTER_TYPES,
     TL_DTYPES,
     KernelSource,
     KernelWriter,
-    _unique,
     hint,
     next_power_of_2,
-    source_line,
     to_dtype,
 )
 from gjit.config import config
@@ -302,46 +299,18 @@ class ReductionWriter(KernelWriter):
         return self.finish_source(name, xnumel, rnumel, xblock, rblock, persistent, index_dtype)
 
     def finish_source(self, name, xnumel, rnumel, xblock, rblock, persistent, index_dtype) -> KernelSource:
-        symbols = sorted(self.symbols - set(self.vars), key=lambda s: s.name)
-        params = [
-            *self.in_args.values(),
-            *self.out_args.values(),
-            *(s.name for s in symbols),
-            "xnumel",
-            "rnumel",
-        ]
-        int_type = "i32" if index_dtype == "tl.int32" else "i64"
-        pointers = {**self.in_args, **self.out_args}
-        signature = {arg: "*" + POINTER_TYPES[self.layout(n).dtype] for n, arg in pointers.items()}
-        signature |= {p: int_type for p in params[len(signature) :]}
-        signature |= {"XBLOCK": "constexpr", "RBLOCK": "constexpr"}
         nodes = self.region.inlined + self.region.nodes
         header = self.header(name, nodes, xnumel)
-        header.insert(
-            -1, f"# reduction: {rnumel} elements per row, {'persistent' if persistent else 'looped'}"
-        )
+        shape = "persistent" if persistent else "looped"
+        header.insert(-1, f"# reduction: {rnumel} elements per row, {shape}")
         helpers = [HELPERS[h] for h in sorted(self.helpers)]
-        blocks = ["XBLOCK: tl.constexpr", "RBLOCK: tl.constexpr"]
-        source = "\n".join(
-            header
-            + helpers
-            + [self.decorator, f"def {name}({', '.join(params + blocks)}):"]
-            + [f"    {ln}" for ln in self.lines]
-        )
-        return KernelSource(
-            name=name,
-            source=source + "\n",
-            in_args=list(self.in_args),
-            out_args=list(self.out_args),
-            size_args=symbols,
-            numel=xnumel,
-            index_dtype=index_dtype,
-            aten_nodes=[f"{n.name}: {n.fx_node.target}" for n in nodes],
-            source_lines=_unique(source_line(n.fx_node) for n in nodes),
-            signature=signature,
+        return self.kernel_source(
+            name,
+            header=header + helpers,
+            body=self.lines,
+            sizes={"xnumel": xnumel, "rnumel": rnumel},
             blocks={"XBLOCK": xblock, "RBLOCK": rblock},
+            index_dtype=index_dtype,
             rnumel=rnumel,
             persistent=persistent,
-            bytes_read=self.traffic(xnumel * rnumel)[0],
-            bytes_written=self.traffic(xnumel * rnumel)[1],
         )

@@ -78,33 +78,28 @@ def embedding(ctx: Lowering, weight: TensorValue, indices: TensorValue, padding_
     return ctx.pointwise(body)
 
 
-@register_lowering(aten.index_select.default)
-def index_select(ctx: Lowering, x: TensorValue, dim: int, index: TensorValue):
+def _take_along(ctx: Lowering, x: TensorValue, dim: int, index: TensorValue, index_at) -> TensorValue:
+    """out[idx] = x[idx with dim replaced by index[index_at(idx)]] (index_select, gather)."""
     dim = dim + len(x.size) if dim < 0 else dim
 
     def body(idx: Index) -> Expr:
         sym = indirect_symbol()
-        at = (idx[dim],) if index.size else ()
-        value = index_value(index, at, x.size[dim], wrap=False)
+        value = index_value(index, index_at(idx, dim), x.size[dim], wrap=False)
         src = list(idx)
         src[dim] = sym
         return gather_from(x, src, [(sym, value, x.size[dim])])
 
     return ctx.pointwise(body)
+
+
+@register_lowering(aten.index_select.default)
+def index_select(ctx: Lowering, x: TensorValue, dim: int, index: TensorValue):
+    return _take_along(ctx, x, dim, index, lambda idx, d: (idx[d],) if index.size else ())
 
 
 @register_lowering(aten.gather.default)
 def gather(ctx: Lowering, x: TensorValue, dim: int, index: TensorValue, *, sparse_grad: bool = False):
-    dim = dim + len(x.size) if dim < 0 else dim
-
-    def body(idx: Index) -> Expr:
-        sym = indirect_symbol()
-        value = index_value(index, idx, x.size[dim], wrap=False)
-        src = list(idx)
-        src[dim] = sym
-        return gather_from(x, src, [(sym, value, x.size[dim])])
-
-    return ctx.pointwise(body)
+    return _take_along(ctx, x, dim, index, lambda idx, d: idx)
 
 
 @register_lowering(aten.index.Tensor)
