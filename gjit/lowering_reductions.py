@@ -9,7 +9,7 @@ from __future__ import annotations
 import sympy
 import torch
 
-from gjit.ir import Const, Expr, Index, IndexValue, Op
+from gjit.ir import Const, Expr, Index, IndexValue
 from gjit.lowering import (
     Lowering,
     TensorValue,
@@ -19,12 +19,9 @@ from gjit.lowering import (
     meta_layout,
     register_lowering,
 )
+from gjit.lowering_pointwise import op
 
 aten = torch.ops.aten
-
-
-def op(name: str, *args: Expr, dtype: torch.dtype | None = None) -> Op:
-    return Op(dtype or args[0].dtype, name, tuple(args))
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -73,24 +70,15 @@ def _reduce(ctx: Lowering, x: TensorValue, dims, keepdim: bool, reduce_type: str
     )
 
 
-@register_lowering(aten.sum.dim_IntList)
+# The no-dim overloads (sum.default, ...) reduce everything: dims=None.
+@register_lowering(aten.sum.dim_IntList, aten.sum.default)
 def sum_(ctx: Lowering, x: TensorValue, dims=None, keepdim: bool = False, *, dtype=None):
     return _reduce(ctx, x, dims, keepdim, "sum", dtype)
 
 
-@register_lowering(aten.sum.default)
-def sum_all(ctx: Lowering, x: TensorValue, *, dtype=None):
-    return _reduce(ctx, x, None, False, "sum", dtype)
-
-
-@register_lowering(aten.prod.dim_int)
-def prod(ctx: Lowering, x: TensorValue, dim: int, keepdim: bool = False, *, dtype=None):
+@register_lowering(aten.prod.dim_int, aten.prod.default)
+def prod(ctx: Lowering, x: TensorValue, dim=None, keepdim: bool = False, *, dtype=None):
     return _reduce(ctx, x, dim, keepdim, "prod", dtype)
-
-
-@register_lowering(aten.prod.default)
-def prod_all(ctx: Lowering, x: TensorValue, *, dtype=None):
-    return _reduce(ctx, x, None, False, "prod", dtype)
 
 
 @register_lowering(aten.amax.default)
@@ -117,24 +105,14 @@ def _any(ctx: Lowering, x: TensorValue, dims, keepdim: bool, negate: bool) -> Te
     return ctx.pointwise(lambda idx: op("eq", found.load(idx), Const(torch.int32, 0), dtype=torch.bool))
 
 
-@register_lowering(aten.any.dim, aten.any.dims)
+@register_lowering(aten.any.dim, aten.any.dims, aten.any.default)
 def any_(ctx: Lowering, x: TensorValue, dim=None, keepdim: bool = False):
     return _any(ctx, x, dim, keepdim, negate=False)
 
 
-@register_lowering(aten.any.default)
-def any_all(ctx: Lowering, x: TensorValue):
-    return _any(ctx, x, None, False, negate=False)
-
-
-@register_lowering(aten.all.dim, aten.all.dims)
+@register_lowering(aten.all.dim, aten.all.dims, aten.all.default)
 def all_(ctx: Lowering, x: TensorValue, dim=None, keepdim: bool = False):
     return _any(ctx, x, dim, keepdim, negate=True)
-
-
-@register_lowering(aten.all.default)
-def all_all(ctx: Lowering, x: TensorValue):
-    return _any(ctx, x, None, False, negate=True)
 
 
 @register_lowering(aten.argmax.default, aten.argmin.default)
@@ -152,7 +130,7 @@ def argmax(ctx: Lowering, x: TensorValue, dim=None, keepdim: bool = False):
     )
 
 
-@register_lowering(aten.mean.dim)
+@register_lowering(aten.mean.dim, aten.mean.default)
 def mean(ctx: Lowering, x: TensorValue, dims=None, keepdim: bool = False, *, dtype=None):
     out = ctx.out_val
     acc = acc_dtype(dtype or out.dtype)
@@ -161,11 +139,6 @@ def mean(ctx: Lowering, x: TensorValue, dims=None, keepdim: bool = False, *, dty
         lambda idx: cast(x.load(idx), acc), x.size, dims, "sum", acc, keepdim, suffix="_sum"
     )
     return ctx.pointwise(lambda idx: op("truediv", total.load(idx), count(x, dims, acc)))
-
-
-@register_lowering(aten.mean.default)
-def mean_all(ctx: Lowering, x: TensorValue, *, dtype=None):
-    return mean(ctx, x, None, False, dtype=dtype)
 
 
 def _mean_and_var(

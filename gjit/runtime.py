@@ -9,6 +9,7 @@ CUDA tensors launch the kernels, CPU tensors run them through Triton's interpret
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import os
@@ -143,8 +144,17 @@ class CompiledGraph:
             self._calls[key] = _interpreted(call) if interpret else call
         return self._calls[key]
 
+    @functools.cached_property
+    def on_cuda(self) -> bool:
+        """The graph's device, from export's example inputs (guards keep an entry on it)."""
+        for node in self.graph_module.graph.nodes:
+            val = node.meta.get("val") if node.op == "placeholder" else None
+            if isinstance(val, torch.Tensor):
+                return val.device.type == "cuda"
+        return False
+
     def run(self, graph_inputs: list[Any]) -> list[Any]:
-        if any(isinstance(t, torch.Tensor) and t.is_cuda for t in graph_inputs):
+        if self.on_cuda:
             return list(self.call_fn(interpret=False)(graph_inputs))
         if config.interpret:
             return list(self.call_fn(interpret=True)(graph_inputs))
