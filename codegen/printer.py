@@ -14,6 +14,7 @@ from torch.utils._sympy.functions import (
     IntTrueDiv,
     Max,
     Min,
+    Mod,
     ModularIndexing,
     PythonMod,
 )
@@ -70,7 +71,7 @@ class ExprPrinter:
             base, div, mod = expr.args
             inner = self.paren(base) if div == 1 else f"({self.paren(base)} // {self.paren(div)})"
             return f"{inner} % {self.paren(mod)}"
-        if isinstance(expr, (sympy.Mod, PythonMod)):
+        if isinstance(expr, (sympy.Mod, Mod, PythonMod)):
             return f"{self.paren(expr.args[0])} % {self.paren(expr.args[1])}"
         if isinstance(expr, (Min, sympy.Min)):
             return self.fold(self.min_fn, expr.args)
