@@ -195,6 +195,11 @@ class KernelSource:
     bytes_written: sympy.Expr = sympy.Integer(0)
     rnumel: sympy.Expr | None = None  # reduction kernels: elements reduced per output element
     persistent: bool = False  # reduction kernels: the whole row in one block (needs rnumel <= RBLOCK)
+    # block sizes the wrapper computes at launch (Python over xnumel / rnumel), overriding `blocks`
+    launch_blocks: dict[str, str] = dataclasses.field(default_factory=dict)
+    # (condition over size symbols, why): what this kernel relies on beyond its example sizes;
+    # the entry's guards check them (a call that breaks one recompiles)
+    assumptions: list[tuple[sympy.Basic, str]] = dataclasses.field(default_factory=list)
 
     @property
     def cache_key(self) -> str:
@@ -226,6 +231,7 @@ class KernelWriter:
         self.region = region
         self.graph = graph
         self.hints = hints
+        self.assumptions: list[tuple[sympy.Basic, str]] = []
         self.lines: list[str] = []
         self.cse: dict[tuple, str] = {}
         self.in_args: dict[str, str] = {}
@@ -280,7 +286,10 @@ class KernelWriter:
         if isinstance(e, Op) and e.name == "to_dtype" and _constant(e.args[0]) is not None:
             return literal(_constant(e.args[0]), e.params[0])  # a constant (size) under a cast
         if isinstance(e, IndexValue):
-            text = self.index(self.subst(e.expr))
+            expr = self.subst(e.expr)
+            if sympy.sympify(expr).is_number:  # e.g. the index of a size-1 dim
+                return literal(expr, e.dtype)
+            text = self.index(expr)
             if e.dtype == torch.bool:
                 return self.tmp(("index", text, self.mask), f"{text}")
             return self.tmp(("index", text, e.dtype), f"({text}).to({TL_DTYPES[e.dtype]})")
@@ -424,6 +433,7 @@ class KernelWriter:
             blocks=blocks,
             bytes_read=read,
             bytes_written=written,
+            assumptions=list(self.assumptions),
             **extra,
         )
 
@@ -444,7 +454,11 @@ class KernelWriter:
         return any(isinstance(e, (Read, IndexValue)) for e in ir.walk(body))
 
     def pick_index_dtype(self, numel: sympy.Expr) -> str:
-        """int32 unless some element offset of this kernel can reach 2**31 at the example sizes."""
+        """int32 unless some element offset of this kernel can reach 2**31 at the example sizes.
+
+        With symbolic sizes int32 is an assumption: each span becomes a guard of the entry, so a
+        call large enough to overflow recompiles (and gets int64 offsets) instead of wrapping.
+        """
         spans = [numel]
         for name in (
             set(self.in_args)
@@ -453,13 +467,13 @@ class KernelWriter:
         ):
             lay = self.layout(name)
             spans.append(sum(((s - 1) * st for s, st in zip(lay.size, lay.stride)), sympy.Integer(1)))
-        worst = max(
-            int(sympy.sympify(s).subs(self.hints))
-            if sympy.sympify(s).free_symbols <= set(self.hints)
-            else 2**63
-            for s in spans
-        )
-        return "tl.int32" if worst < 2**31 else "tl.int64"
+        spans = [sympy.expand(s) for s in spans]
+        worst = max(int(s.subs(self.hints)) if s.free_symbols <= set(self.hints) else 2**63 for s in spans)
+        if worst >= 2**31:
+            return "tl.int64"
+        for span in dict.fromkeys(s for s in spans if s.free_symbols):
+            self.assumptions.append((sympy.Lt(span, 2**31), f"int32 offsets: {span} < 2**31"))
+        return "tl.int32"
 
     def index_setup(self, plan, index_dtype: str) -> list[str]:
         pid = "tl.program_id(0)" if index_dtype == "tl.int32" else "tl.program_id(0).to(tl.int64)"

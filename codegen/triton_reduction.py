@@ -258,7 +258,20 @@ class ReductionWriter(KernelWriter):
         mode = config.reduction
         persistent = mode == "persistent" or (mode == "auto" and rhint <= config.persistent_max)
         rblock = next_power_of_2(max(rhint, 1)) if persistent else config.rblock
-        xblock = max(1, min(next_power_of_2(hint(xnumel, self.hints)), max(1, 1024 // rblock)))
+        xhint = next_power_of_2(hint(xnumel, self.hints))
+        xblock = max(1, min(xhint, max(1, 1024 // rblock)))
+        launch_blocks = {}
+        if persistent and rnumel.free_symbols:
+            # the row length varies between calls: the block is sized at launch (same source,
+            # Triton specializes the constexpr), valid while a row fits one block
+            limit = max(config.persistent_max, rblock)
+            launch_blocks = {
+                "RBLOCK": "triton.next_power_of_2(rnumel)",
+                "XBLOCK": f"max(1, min({xhint}, 1024 // RBLOCK))",
+            }
+            self.assumptions.append(
+                (sympy.Le(rnumel, limit), f"persistent reduction: a row of {rnumel} fits one block")
+            )
         index_dtype = self.pick_index_dtype(xnumel * rnumel)
         pid = "tl.program_id(0)" if index_dtype == "tl.int32" else "tl.program_id(0).to(tl.int64)"
         self.lines = [
@@ -296,9 +309,13 @@ class ReductionWriter(KernelWriter):
         self.mask = "xmask"
         for s in outer_stores:
             self.store(s)
-        return self.finish_source(name, xnumel, rnumel, xblock, rblock, persistent, index_dtype)
+        return self.finish_source(
+            name, xnumel, rnumel, xblock, rblock, persistent, index_dtype, launch_blocks
+        )
 
-    def finish_source(self, name, xnumel, rnumel, xblock, rblock, persistent, index_dtype) -> KernelSource:
+    def finish_source(
+        self, name, xnumel, rnumel, xblock, rblock, persistent, index_dtype, launch_blocks
+    ) -> KernelSource:
         nodes = self.region.inlined + self.region.nodes
         header = self.header(name, nodes, xnumel)
         shape = "persistent" if persistent else "looped"
@@ -313,4 +330,5 @@ class ReductionWriter(KernelWriter):
             index_dtype=index_dtype,
             rnumel=rnumel,
             persistent=persistent,
+            launch_blocks=launch_blocks,
         )

@@ -3,13 +3,15 @@
 cm = gjit.compile(model)      # or @gjit.compile on a function
 out = cm(x, y)
 print(gjit.explain(cm, x, y)) # kernels, externs, guards
+gjit.mark_dynamic(x, 0, min=2, max=64)  # before the first call: dim 0 of x dynamic in [2, 64]
 gjit.stats(); gjit.reset()
 """
 
 from gjit import api as _api
 from gjit import stats as _stats
-from gjit.api import CompiledFunction, Report, compile, explain
+from gjit.api import CompiledFunction, RecompileError, Report, compile, explain
 from gjit.config import config
+from gjit.guards import mark_dynamic
 
 __version__ = "0.1.0"
 
@@ -26,4 +28,14 @@ def reset() -> None:
     _stats.clear()
 
 
-__all__ = ["CompiledFunction", "Report", "compile", "config", "explain", "reset", "stats"]
+__all__ = [
+    "CompiledFunction",
+    "RecompileError",
+    "Report",
+    "compile",
+    "config",
+    "explain",
+    "mark_dynamic",
+    "reset",
+    "stats",
+]

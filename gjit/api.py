@@ -15,7 +15,8 @@ import torch.utils._pytree as pytree
 from gjit import stats
 from gjit.capture import CaptureError, bind_call, capture, forward_signature
 from gjit.compiler import CompiledProgram, compile_program, run_program, size_hints, timed
-from gjit.guards import GuardSet, build_guards
+from gjit.config import config
+from gjit.guards import GuardBuildError, GuardSet, MissHistory, build_guards, dynamic_dims
 from gjit.ir import ExternNode
 from gjit.perf_model import Traffic, traffic
 
@@ -47,6 +48,51 @@ def _input_names(args: tuple, kwargs: dict, signature) -> list[str]:
     return names
 
 
+class RecompileError(RuntimeError):
+    """A call needed a recompile that gjit.config forbids (error_on_recompile, fail_on_recompile_limit)."""
+
+
+def _mark_dynamic_hint(changing: list[tuple[str, int]], dynamic: bool | None) -> str:
+    """The call that would have served the missed calls from one entry."""
+    marks = "; ".join(f"gjit.mark_dynamic({name}, {dim})" for name, dim in changing)
+    if marks:
+        advice = f"call {marks} on the input(s) before the first call"
+        return advice + (" (they are marked dynamic even with dynamic=False)" if dynamic is False else "")
+    return "keep the inputs' types, dtypes, devices and specialized Python values fixed between calls"
+
+
+def _min_sizes(flat: list, dims: dict, user_vals: list) -> dict[sympy.Symbol, int]:
+    """The least size each dynamic dim's symbol admits: the user's mark_dynamic min, else 1
+    (a size-0 call gets its own entry), else 0 when the example itself had size 0."""
+    out: dict[sympy.Symbol, int] = {}
+    for i, ranges in dims.items():
+        val = user_vals[i] if i < len(user_vals) else None
+        if not isinstance(val, torch.Tensor):
+            continue
+        for d, (lo, _) in ranges.items():
+            size = val.shape[d]
+            if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                default = 1 if flat[i].shape[d] >= 1 else 0
+                out[size.node.expr] = lo if lo is not None else default
+    return out
+
+
+VARARGS = -2  # _fast_arity of `def f(*args)`: any positional call is already normalized
+
+
+def _fast_arity(signature) -> int:
+    """How many positional arguments make a call that needs no binding (-1: always bind)."""
+    if signature is None:
+        return -1
+    params = list(signature.parameters.values())
+    if len(params) == 1 and params[0].kind == params[0].VAR_POSITIONAL:
+        return VARARGS
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) == len(params) and all(p.default is p.empty for p in positional):
+        return len(positional)
+    return -1
+
+
 LIVE: weakref.WeakSet = weakref.WeakSet()  # every CompiledFunction, so gjit.reset() reaches them
 
 
@@ -60,16 +106,10 @@ class CompiledFunction:
         self.entries: list[Entry] = []
         self.eager_reason: str | None = None
         self._warned_autograd = False
+        self._warned_limit = False
+        self.misses = MissHistory()
         self._tensor_tuple_specs: dict[int, pytree.TreeSpec] = {}
-        if self.signature is not None:
-            positional = [
-                p
-                for p in self.signature.parameters.values()
-                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-            ]
-            self._fast_arity = len(positional) if all(p.default is p.empty for p in positional) else -1
-        else:
-            self._fast_arity = -1
+        self._fast_arity = _fast_arity(self.signature)
         if callable(model) and not isinstance(model, torch.nn.Module):
             functools.update_wrapper(self, model, updated=())
         LIVE.add(self)
@@ -78,6 +118,8 @@ class CompiledFunction:
         """Forget compiled entries and a recorded capture failure."""
         self.entries.clear()
         self.eager_reason = None
+        self.misses = MissHistory()
+        self._warned_limit = False
 
     def __repr__(self) -> str:
         return (
@@ -86,7 +128,7 @@ class CompiledFunction:
         )
 
     def _normalize(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if not kwargs and len(args) == self._fast_arity:
+        if not kwargs and (len(args) == self._fast_arity or self._fast_arity == VARARGS):
             return args, kwargs
         return bind_call(self.signature, args, kwargs, self._name())
 
@@ -100,13 +142,76 @@ class CompiledFunction:
             stats.COUNTERS["eager_runs"] += 1
             return self.model(*args, **kwargs)
         for entry in reversed(self.entries):
-            if entry.spec == spec and entry.guards.check(flat):
-                stats.COUNTERS["cache_hits"] += 1
-                return run_program(entry.program, flat)
-        entry = self._compile(args, kwargs, flat, spec)
+            if entry.spec == spec:
+                sizes = entry.guards.check(flat)
+                if sizes is not None:
+                    stats.COUNTERS["cache_hits"] += 1
+                    return run_program(entry.program, flat, sizes)
+        return self._miss(args, kwargs, flat, spec)
+
+    def _miss(self, args: tuple, kwargs: dict, flat: list, spec: pytree.TreeSpec) -> Any:
+        """No entry admits the call: explain why, then compile a new entry, or run eagerly past the limit."""
+        names = _input_names(args, kwargs, self.signature)
+        if self.entries:
+            index, failed = self._nearest(flat, spec)
+            self.misses.record(flat, names, failed)
+            explanation = (
+                f"{self._name()} missed all {len(self.entries)} entries; the nearest, entry {index}, "
+                f"failed {len(failed)} guard(s):\n" + "\n".join(f"    {f}" for f in failed)
+            )
+            if config.error_on_recompile:
+                raise RecompileError(f"{explanation}\n(gjit.config.error_on_recompile is set)")
+            if len(self.entries) >= config.recompile_limit:
+                return self._over_limit(args, kwargs, explanation)
+            stats.COUNTERS["recompiles"] += 1
+            for f in failed:
+                stats.COUNTERS[f"recompile_reason:{f.split(', got ')[0]}"] += 1
+            recompiles_log.info("%s\n  decision: compile entry %d", explanation, len(self.entries))
+        entry = self._compile(args, kwargs, flat, spec, names)
         if entry is None:
             return self._run_eager(args, kwargs)
-        return run_program(entry.program, flat)
+        sizes = entry.guards.check(flat)
+        if sizes is None:  # a guard-building bug must not become a wrong answer
+            log.warning(
+                "gjit: the new entry of %s does not admit the call it was compiled for (%s); running eagerly",
+                self._name(),
+                "; ".join(entry.guards.failures(flat)),
+            )
+            stats.COUNTERS["eager_runs"] += 1
+            return self.model(*args, **kwargs)
+        return run_program(entry.program, flat, sizes)
+
+    def _nearest(self, flat: list, spec: pytree.TreeSpec) -> tuple[int, list[str]]:
+        """The entry with the fewest failing guards, and those failures (expected vs actual)."""
+        best: tuple[int, list[str]] | None = None
+        for index, entry in enumerate(self.entries):
+            if entry.spec != spec:
+                failed = [f"the inputs' structure changed: expected {entry.spec}, got {spec}"]
+            else:
+                failed = entry.guards.failures(flat)
+            if best is None or len(failed) < len(best[1]):
+                best = (index, failed)
+        return best
+
+    def _over_limit(self, args: tuple, kwargs: dict, explanation: str) -> Any:
+        limit = config.recompile_limit
+        worst = self.misses.worst_guard()
+        hint = _mark_dynamic_hint(self.misses.changing_dims(), self.dynamic)
+        message = (
+            f"gjit: {self._name()} reached the recompile limit ({limit} entries, "
+            "gjit.config.recompile_limit). "
+            f"The guard that keeps failing: {worst}. Input signatures that missed every entry:\n"
+            f"{self.misses.histogram()}\n{explanation}\n"
+            f"To serve these calls from one entry, {hint}."
+        )
+        if config.fail_on_recompile_limit:
+            raise RecompileError(message)
+        if not self._warned_limit:
+            self._warned_limit = True
+            log.warning("%s Calls that miss from now on run eagerly.", message)
+        recompiles_log.info("%s: recompile limit reached, running eagerly", self._name())
+        stats.COUNTERS["eager_runs"] += 1
+        return self.model(*args, **kwargs)
 
     def _flatten(self, args: tuple, kwargs: dict) -> tuple[list, pytree.TreeSpec]:
         """pytree.tree_flatten((args, kwargs)), with a fast path for a plain tuple of tensors."""
@@ -139,20 +244,18 @@ class CompiledFunction:
         args, kwargs = self._normalize(args, kwargs)
         flat, spec = pytree.tree_flatten((args, kwargs))
         for entry in reversed(self.entries):
-            if entry.spec == spec and entry.guards.check(flat):
+            if entry.spec == spec and entry.guards.check(flat) is not None:
                 return entry
-        return self._compile(args, kwargs, flat, spec)
+        return self._compile(args, kwargs, flat, spec, _input_names(args, kwargs, self.signature))
 
-    def _compile(self, args: tuple, kwargs: dict, flat: list, spec: pytree.TreeSpec) -> Entry | None:
-        if self.entries:
-            stats.COUNTERS["recompiles"] += 1
-            newest = self.entries[-1]
-            why = newest.guards.failures(flat) if newest.spec == spec else ["the inputs' structure changed"]
-            recompiles_log.info("recompiling %s: %s", self._name(), "; ".join(why))
+    def _compile(
+        self, args: tuple, kwargs: dict, flat: list, spec: pytree.TreeSpec, names: list[str]
+    ) -> Entry | None:
         timings: dict[str, float] = {}
+        dims = dynamic_dims(flat, self.dynamic)
         try:
             with timed("capture", timings):
-                captured = capture(self.model, args, kwargs, dynamic=self.dynamic is not False)
+                captured = capture(self.model, args, kwargs, dims)
         except CaptureError as e:
             self._capture_failed = str(e)
             log.warning(
@@ -160,10 +263,29 @@ class CompiledFunction:
             )
             return None
         program = compile_program(captured, timings)
+        try:
+            with timed("guards", timings):
+                guards = build_guards(
+                    flat,
+                    names,
+                    captured.user_vals,
+                    captured.program.range_constraints,
+                    [a for k in program.kernels for a in k.assumptions],
+                    _min_sizes(flat, dims, captured.user_vals),
+                )
+        except GuardBuildError as e:
+            self._capture_failed = f"cannot guard the exported program: {e}"
+            log.warning("gjit cannot guard %s, running it eagerly: %s", self._name(), e)
+            return None
         stats.COUNTERS["compiles"] += 1
-        names = _input_names(args, kwargs, self.signature)
-        guards = build_guards(flat, names)
-        guards_log.debug("guards of entry %d of %s:\n%s", len(self.entries), self._name(), guards.format())
+        index = len(self.entries)
+        recompiles_log.info(
+            "%s: entry %d compiled; dynamic: %s",
+            self._name(),
+            index,
+            ", ".join(guards.dynamic_dims) or "none (every dim static)",
+        )
+        guards_log.debug("guards of entry %d of %s:\n%s", index, self._name(), guards.format())
         entry = Entry(guards, spec, program)
         self.entries.append(entry)
         return entry
@@ -184,8 +306,10 @@ class CompiledFunction:
 def compile(model: Any = None, *, dynamic: bool | None = None) -> Any:
     """Compile `model` (nn.Module, function, ExportedProgram or .pt2 path); usable as a decorator.
 
-    dynamic=None: export decides which dims can be dynamic (kernels take sizes as arguments);
-    dynamic=False: static export. Guards in this version admit exactly the example's shapes.
+    dynamic=None: export decides from the first call which dims stay dynamic (dims of size 0 or
+    1 in the example stay static); a call no entry admits compiles a new entry the same way.
+    dynamic=True: every dim starts dynamic, size-1 dims included. dynamic=False: every dim
+    static, one entry per distinct shape. gjit.mark_dynamic(t, dim, min, max) adds ranges.
     """
     if model is None:
         return lambda m: CompiledFunction(m, dynamic=dynamic)
@@ -235,6 +359,25 @@ class Report:
         return "\n".join(out)
 
 
+UNBACKED_HINT = 8192  # a data-dependent size has no example value; the byte model assumes this
+
+
+def _explain_hints(program: CompiledProgram, entry: Entry, cm: CompiledFunction, args, kwargs) -> dict:
+    """Size symbol values for the byte model: this call's sizes, else export's example values, else
+    UNBACKED_HINT for data-dependent sizes."""
+    hints = size_hints(program.captured.graph_module)
+    args, kwargs = cm._normalize(args, kwargs)
+    sizes = entry.guards.check(pytree.tree_flatten((args, kwargs))[0]) or ()
+    hints.update(zip(entry.guards.symbols, sizes))
+    for node in program.captured.graph_module.graph.nodes:
+        val = node.meta.get("val")
+        for size in getattr(val, "shape", ()):
+            if isinstance(size, torch.SymInt):
+                for sym in size.node.expr.free_symbols:
+                    hints.setdefault(sym, UNBACKED_HINT)
+    return hints
+
+
 def explain(model: Any, *args: Any, **kwargs: Any) -> Report:
     """What gjit compiles for this call: kernels (with sources), externs and why, guards."""
     cm = model if isinstance(model, CompiledFunction) else CompiledFunction(model)
@@ -244,7 +387,7 @@ def explain(model: Any, *args: Any, **kwargs: Any) -> Report:
     if entry is None:
         raise CaptureError(f"gjit could not capture {cm._name()}: {getattr(cm, '_capture_failed', '')}")
     program = entry.program
-    hints = size_hints(program.captured.graph_module)
+    hints = _explain_hints(program, entry, cm, args, kwargs)
     kernels = [
         KernelInfo(
             k.name,

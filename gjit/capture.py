@@ -19,6 +19,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export import Dim, ExportedProgram, ShapesCollection
 from torch.export.graph_signature import InputKind, OutputKind
+from torch.fx.experimental import _config as fx_config
 
 log = logging.getLogger("gjit.capture")
 
@@ -69,15 +70,27 @@ def decomposition_table() -> dict:
     return table
 
 
-def export_model(module: torch.nn.Module, args: tuple, kwargs: dict, dynamic: bool) -> ExportedProgram:
-    """torch.export with every tensor dim Dim.AUTO (export specializes what it must), or static."""
+DimRanges = dict[int, dict[int, tuple[int | None, int | None]]]  # flat input -> dim -> (min, max)
+
+
+def export_model(module: torch.nn.Module, args: tuple, kwargs: dict, dims: DimRanges) -> ExportedProgram:
+    """torch.export with the chosen dims as Dim.AUTO (export specializes what it must), the rest static.
+
+    Dynamic dims are traced size-obliviously: export does not assume a size is at least 2, so a
+    program is kept general for sizes 0 and 1 unless it branches on them, and then the branch
+    shows up as a guard (e.g. `Ne(s0, 1)`) that the entry checks.
+    """
     shapes = None
-    if dynamic:
+    if dims:
         shapes = ShapesCollection()
-        for leaf in pytree.tree_leaves((args, kwargs)):
-            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and id(leaf) not in shapes._shapes:
-                shapes[leaf] = {d: Dim.AUTO for d in range(leaf.dim())}
-    return torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
+        leaves = pytree.tree_leaves((args, kwargs))
+        for i, ranges in dims.items():
+            leaf = leaves[i]
+            if id(leaf) not in shapes._shapes:
+                shapes[leaf] = {d: Dim.AUTO(min=lo, max=hi) for d, (lo, hi) in ranges.items()}
+    with fx_config.patch(backed_size_oblivious=bool(dims)):
+        program = torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
+        return program.run_decompositions(decomposition_table())
 
 
 @dataclasses.dataclass
@@ -93,7 +106,7 @@ class CapturedProgram:
     user_output_indices: list[int]
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
-    dynamic: bool
+    user_vals: list[Any]  # export's placeholder value per flat user input (FakeTensor with SymInt sizes)
     _getters: list | None = None
 
     @property
@@ -134,30 +147,32 @@ class CapturedProgram:
         return pytree.tree_unflatten([flat_out[i] for i in self.user_output_indices], self.out_spec)
 
 
-def capture(model: Any, args: tuple, kwargs: dict, dynamic: bool) -> CapturedProgram:
-    """Export (unless given a program), decompose to core ATen, and record the calling convention."""
+def capture(model: Any, args: tuple, kwargs: dict, dims: DimRanges) -> CapturedProgram:
+    """Export (unless given a program), decompose to core ATen, and record the calling convention.
+
+    `dims`: which input dims to export as dynamic; if export fails with them, gjit retries with
+    static shapes (a failure about types is not retried).
+    """
     program = load_program(model)
     if program is not None:
-        return describe(program.run_decompositions(decomposition_table()), None, dynamic)
+        return describe(program.run_decompositions(decomposition_table()), None)
     module = as_module(model)
     try:
-        program = export_model(module, args, kwargs, dynamic).run_decompositions(decomposition_table())
+        program = export_model(module, args, kwargs, dims)
     except Exception as e:
-        if not dynamic or _not_about_shapes(e):
+        if not dims or _not_about_shapes(e):
             raise CaptureError(_explain_failure(e)) from e
         # export or its decomposition can fail with dynamic dims where static shapes work
         log.info(
-            "capture with automatic dynamic dims failed (%s: %s); retrying with static shapes",
+            "capture with dynamic dims failed (%s: %s); retrying with static shapes",
             type(e).__name__,
             str(e).splitlines()[0] if str(e) else "",
         )
         try:
-            program = export_model(module, args, kwargs, dynamic=False)
-            program = program.run_decompositions(decomposition_table())
+            program = export_model(module, args, kwargs, {})
         except Exception as e2:
             raise CaptureError(_explain_failure(e2)) from e2
-        dynamic = False
-    return describe(program, module, dynamic)
+    return describe(program, module)
 
 
 def _not_about_shapes(e: Exception) -> bool:
@@ -176,8 +191,9 @@ def _explain_failure(e: Exception) -> str:
     return text
 
 
-def describe(program: ExportedProgram, module: torch.nn.Module | None, dynamic: bool) -> CapturedProgram:
+def describe(program: ExportedProgram, module: torch.nn.Module | None) -> CapturedProgram:
     sig = program.graph_signature
+    vals = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
     user_names = [s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
     sources: list[tuple[str, Any]] = []
     user_pos = 0
@@ -214,7 +230,7 @@ def describe(program: ExportedProgram, module: torch.nn.Module | None, dynamic: 
         user_output_indices=user_outputs,
         in_spec=program.call_spec.in_spec,
         out_spec=program.call_spec.out_spec,
-        dynamic=dynamic,
+        user_vals=[vals.get(s.arg.name) for s in sig.input_specs if s.kind == InputKind.USER_INPUT],
     )
 
 

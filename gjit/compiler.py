@@ -17,6 +17,7 @@ from gjit.capture import CapturedProgram
 from gjit.codegen.triton import KernelSource, generate_kernel
 from gjit.config import config
 from gjit.fusion import Region, Step, fuse
+from gjit.guards.builder import input_symbols
 from gjit.ir import LoopGraph
 from gjit.lowering import lower_graph
 from gjit.runtime import CompiledGraph
@@ -67,6 +68,15 @@ def size_hints(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, int]:
 
 def compile_program(captured: CapturedProgram, timings: dict[str, float]) -> CompiledProgram:
     gm = captured.graph_module
+    loop_graph, steps, graph = compile_graph(gm, timings, input_symbols(captured.user_vals))
+    return CompiledProgram(captured, loop_graph, steps, graph, timings)
+
+
+def compile_graph(
+    gm: torch.fx.GraphModule, timings: dict[str, float], symbols: list[sympy.Symbol]
+) -> tuple[LoopGraph, list[Step], CompiledGraph]:
+    """One FX graph -> kernels + wrapper; `symbols` are the sizes the caller passes in bound.
+    The branches of a torch.cond are compiled the same way (binding their sizes themselves)."""
     # lower: ATen FX graph -> loop IR (views become index expressions, unsupported ops externs)
     with timed("lower", timings):
         loop_graph = lower_graph(gm)
@@ -81,7 +91,7 @@ def compile_program(captured: CapturedProgram, timings: dict[str, float]) -> Com
     # wrapper: the schedule -> one Python call function
     with timed("wrapper", timings):
         by_name = {k.name: k for k in kernels}
-        wrapper = generate_wrapper(loop_graph, steps, by_name, poison=config.debug)
+        wrapper = generate_wrapper(loop_graph, steps, by_name, poison=config.debug, input_symbols=symbols)
     # write: sources to the cache dir (content-addressed)
     with timed("write", timings):
         graph = CompiledGraph(gm, kernels, wrapper)
@@ -90,10 +100,14 @@ def compile_program(captured: CapturedProgram, timings: dict[str, float]) -> Com
     for k in kernels:
         output_code_log.debug("kernel %s written to %s\n%s", k.name, graph.kernel_paths[k.name], k.source)
     output_code_log.debug("wrapper written to %s\n%s", graph.wrapper_path, wrapper)
-    return CompiledProgram(captured, loop_graph, steps, graph, timings)
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and isinstance(getattr(gm, node.target), torch.fx.GraphModule):
+            graph.subgraphs[node.target] = compile_graph(getattr(gm, node.target), timings, [])[2]
+    return loop_graph, steps, graph
 
 
-def run_program(program: CompiledProgram, flat_user: list[Any]) -> Any:
+def run_program(program: CompiledProgram, flat_user: list[Any], sizes: tuple) -> Any:
+    """Run one call: `sizes` are the size symbols' values the entry's guard bound."""
     captured = program.captured
-    flat_out = program.graph.run(captured.graph_inputs(flat_user))
+    flat_out = program.graph.run(captured.graph_inputs(flat_user), sizes)
     return captured.finish(flat_user, flat_out)

@@ -10,6 +10,10 @@
     gjit.config.reduction             GJIT_REDUCTION     auto | persistent | looped reduction kernels
     gjit.config.persistent_max        GJIT_PERSISTENT_MAX  auto: persistent up to this row length
     gjit.config.rblock                GJIT_RBLOCK        chunk size of looped reductions
+    gjit.config.recompile_limit       GJIT_RECOMPILE_LIMIT  entries per compiled callable; calls that
+                                                         miss past it run eagerly (one warning)
+    gjit.config.fail_on_recompile_limit  GJIT_FAIL_ON_RECOMPILE_LIMIT  raise instead of running eagerly
+    gjit.config.error_on_recompile    GJIT_ERROR_ON_RECOMPILE  raise on any recompile (strict ranges)
 
 Tests override knobs with ``with gjit.config.scope(interpret=True): ...``.
 """
@@ -106,6 +110,21 @@ class Config:
         "auto picks a persistent reduction when a row has at most this many elements",
     )
     rblock = _Knob("GJIT_RBLOCK", _env_int("GJIT_RBLOCK", 64), "chunk size of looped reductions")
+    recompile_limit = _Knob(
+        "GJIT_RECOMPILE_LIMIT",
+        _env_int("GJIT_RECOMPILE_LIMIT", 8),
+        "compiled entries per callable; past it, calls that miss run eagerly with one warning",
+    )
+    fail_on_recompile_limit = _Knob(
+        "GJIT_FAIL_ON_RECOMPILE_LIMIT",
+        _env_bool("GJIT_FAIL_ON_RECOMPILE_LIMIT", False),
+        "raise gjit.RecompileError at the recompile limit instead of running eagerly",
+    )
+    error_on_recompile = _Knob(
+        "GJIT_ERROR_ON_RECOMPILE",
+        _env_bool("GJIT_ERROR_ON_RECOMPILE", False),
+        "raise gjit.RecompileError whenever a call misses every entry (e.g. a size outside a range)",
+    )
 
     def __init__(self) -> None:
         self._overrides: dict[str, Any] = {}

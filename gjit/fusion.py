@@ -23,6 +23,8 @@ import dataclasses
 import logging
 
 import sympy
+import torch
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from gjit import ir
 from gjit.ir import ComputeNode, Expr, ExternNode, LoopGraph, Read, ReduceNode
@@ -111,6 +113,7 @@ class Fusion:
         self.group = {name: name for name in bodies}
         self.group.update({n.name: n.name for n in self.graph.nodes if isinstance(n, ExternNode)})
         self.members = {gid: [gid] for gid in self.group}
+        self.symbol_producers = self.data_dependent_symbols()
         self.deps = {name: self.node_deps(name) for name in self.group}
         self.fuse_vertical()
         self.fuse_horizontal()
@@ -163,9 +166,28 @@ class Fusion:
             name = self.graph.views[name].base
         return name
 
+    def data_dependent_symbols(self) -> dict[sympy.Symbol, str]:
+        """Symbol -> the extern whose result binds it (`.item()`, nonzero's row count): a node
+        using the symbol runs after that extern, so it never fuses into a kernel before it."""
+        out: dict[sympy.Symbol, str] = {}
+        for n in self.graph.nodes:
+            if isinstance(n, ExternNode):
+                val = n.fx_node.meta.get("val")
+                sizes = [val] if isinstance(val, torch.SymInt) else list(getattr(val, "shape", ()))
+                for s in sizes:
+                    if isinstance(s, torch.SymInt):
+                        for sym in free_unbacked_symbols(s.node.expr):
+                            out.setdefault(sym, n.name)
+        return out
+
     def node_deps(self, name: str) -> set[str]:
         if name in self.bodies:
             names = {r.name for r in ir.reads(self.bodies[name])}
+            node = self.compute[name]
+            used = ir.free_symbols(self.bodies[name])
+            for s in (*node.layout.size, *getattr(node, "full_size", ())):
+                used |= sympy.sympify(s).free_symbols
+            names |= {self.symbol_producers[s] for s in used if s in self.symbol_producers}
         else:
             extern = self.graph.node(name)
             names = {self.resolve(a) for a in extern.tensor_args}

@@ -79,6 +79,26 @@ class Masked(Expr):
     other: bool | int | float
 
 
+def free_symbols(expr: Expr) -> set[sympy.Symbol]:
+    """Size symbols an expression uses (in indices, masks, scalar operands such as `.item()`)."""
+    out: set[sympy.Symbol] = set()
+
+    def collect(value: Any) -> None:
+        if isinstance(value, sympy.Basic):
+            out.update(value.free_symbols)
+        elif isinstance(value, (tuple, list)):
+            for v in value:
+                collect(v)
+        elif hasattr(value, "node") and hasattr(value.node, "expr"):  # a SymInt / SymFloat operand
+            out.update(value.node.expr.free_symbols)
+
+    for e in walk(expr):
+        for field in dataclasses.fields(e):
+            if field.name not in ("args", "body"):
+                collect(getattr(e, field.name))
+    return out
+
+
 def walk(expr: Expr) -> Iterator[Expr]:
     """Every sub-expression once, producers before consumers."""
     seen: set[int] = set()

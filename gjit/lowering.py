@@ -37,6 +37,10 @@ EXTERN_REASONS: dict[torch._ops.OpOverload, str] = {
 }
 
 # Ops that only check metadata in the graph: guards already cover what they assert.
+EXTERN_REASONS[torch.ops.higher_order.cond] = (
+    "torch.cond: both branches are compiled as their own programs; the predicate picks one at run time"
+)
+
 IGNORED = {
     aten._assert_tensor_metadata.default,
     aten._assert_scalar.default,
@@ -207,6 +211,8 @@ class Lowering:
             self.node = node
             if node.op == "placeholder":
                 self.values[node] = self.placeholder(node)
+            elif node.op == "get_attr":
+                self.values[node] = None  # a torch.cond branch: compiled on its own by the compiler
             elif node.op == "call_function":
                 self.values[node] = self.call_function(node)
                 value = self.values[node]

@@ -106,11 +106,23 @@ class FallbackInterpreter(torch.fx.Interpreter):
 
 
 def _interpreted(call: Callable) -> Callable:
-    def run(args: list[Any]) -> Any:
+    def run(args: list[Any], sizes: tuple) -> Any:
         with interpret_libdevice.stdlib_interpreted():
-            return call(args)
+            return call(args, sizes)
 
     return run
+
+
+# kernel source path (content-addressed) -> its loaded @triton.jit function, per mode: a kernel
+# shared by two entries (an automatic-dynamic recompile) or two models is JIT-compiled once
+_KERNELS: dict[tuple[str, bool], Any] = {}
+
+
+def load_kernel(path: str, name: str, interpret: bool) -> Any:
+    key = (path, interpret)
+    if key not in _KERNELS:
+        _KERNELS[key] = getattr(load_module(path, interpret=interpret), name)
+    return _KERNELS[key]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,6 +137,7 @@ class CompiledGraph:
     wrapper_source: str
     kernel_paths: dict[str, str] = dataclasses.field(default_factory=dict)
     wrapper_path: str = ""
+    subgraphs: dict[str, CompiledGraph] = dataclasses.field(default_factory=dict)  # torch.cond branches
     _calls: dict[str, Callable] = dataclasses.field(default_factory=dict)
 
     def write(self) -> None:
@@ -135,11 +148,11 @@ class CompiledGraph:
     def call_fn(self, interpret: bool) -> Callable:
         key = "interpret" if interpret else "device"
         if key not in self._calls:
-            kernels = {}
-            for k in self.kernels:
-                module = load_module(self.kernel_paths[k.name], interpret=interpret)
-                kernels[k.name] = getattr(module, k.name)
+            kernels = {
+                k.name: load_kernel(self.kernel_paths[k.name], k.name, interpret) for k in self.kernels
+            }
             extra = {"gjit_alloc": gjit_alloc, "gjit_alloc_poisoned": gjit_alloc_poisoned, **kernels}
+            extra |= {name: sub.run_branch for name, sub in self.subgraphs.items()}
             call = load_module(self.wrapper_path, extra).call
             self._calls[key] = _interpreted(call) if interpret else call
         return self._calls[key]
@@ -153,9 +166,13 @@ class CompiledGraph:
                 return val.device.type == "cuda"
         return False
 
-    def run(self, graph_inputs: list[Any]) -> list[Any]:
+    def run_branch(self, operands: tuple) -> tuple:
+        """A torch.cond branch called from the parent's wrapper."""
+        return tuple(self.run(list(operands), ()))
+
+    def run(self, graph_inputs: list[Any], sizes: tuple) -> list[Any]:
         if self.on_cuda:
-            return list(self.call_fn(interpret=False)(graph_inputs))
+            return list(self.call_fn(interpret=False)(graph_inputs, sizes))
         if config.interpret:
-            return list(self.call_fn(interpret=True)(graph_inputs))
+            return list(self.call_fn(interpret=True)(graph_inputs, sizes))
         return list(FallbackInterpreter(self.graph_module).run(*graph_inputs))

@@ -28,8 +28,14 @@ class WrapperError(RuntimeError):
 
 class WrapperWriter:
     def __init__(
-        self, graph: ir.LoopGraph, steps: list[Step], kernels: dict[str, KernelSource], poison: bool
+        self,
+        graph: ir.LoopGraph,
+        steps: list[Step],
+        kernels: dict[str, KernelSource],
+        poison: bool,
+        input_symbols: list[sympy.Symbol],
     ):
+        self.input_symbols = input_symbols
         self.graph = graph
         self.steps = steps
         self.kernels = kernels
@@ -107,6 +113,11 @@ class WrapperWriter:
         if node.target is operator.getitem:
             self.lines.append(f"{node.name} = {node.args[0].name}[{node.args[1]}]")
             self.defined.add(node.name)
+        elif node.target is torch.ops.higher_order.cond:
+            pred, true_fn, false_fn, operands = node.args
+            branch = f"({true_fn.target} if {self.arg(pred)} else {false_fn.target})"
+            self.lines.append(f"{node.name} = {branch}({self.arg(operands)})")
+            self.defined.add(node.name)
         else:
             self.call_aten(node)
         val = node.meta.get("val")
@@ -130,23 +141,47 @@ class WrapperWriter:
         args = [*kernel.in_args, *kernel.out_args, *(s.name for s in kernel.size_args)]
         for s in kernel.size_args:
             self.sym(s)
+        for cond, why in kernel.assumptions:
+            if not cond.free_symbols <= set(self.input_symbols):  # guards check the others
+                self.lines.append(f"assert {self.sym(cond)}, {why!r}")
         self.lines.append(f"xnumel = {numel}")
         sizes = ["xnumel"]
         if kernel.rnumel is not None:
             self.lines.append(f"rnumel = {self.sym(kernel.rnumel)}")
             sizes.append("rnumel")
-            if kernel.persistent:  # a persistent kernel holds a whole row in one block
-                self.lines.append(
-                    f"assert rnumel <= {kernel.blocks['RBLOCK']}, 'persistent reduction row too long'"
-                )
-        blocks = ", ".join(f"{k}={v}" for k, v in kernel.blocks.items())
-        grid = f"(triton.cdiv(xnumel, {kernel.blocks['XBLOCK']}),)"
+        blocks = {k: str(v) for k, v in kernel.blocks.items()}
+        for k, expr in kernel.launch_blocks.items():
+            self.lines.append(f"{k} = {expr}")
+            blocks[k] = k
+        grid = f"(triton.cdiv(xnumel, {blocks['XBLOCK']}),)"
+        launch = ", ".join(f"{k}={v}" for k, v in blocks.items())
         self.lines.append("if xnumel > 0:")
-        self.lines.append(f"    {kernel.name}[{grid}]({', '.join(args + sizes)}, {blocks})")
+        self.lines.append(f"    {kernel.name}[{grid}]({', '.join(args + sizes)}, {launch})")
+
+    def flush_asserts(self) -> None:
+        """export's runtime assertions on sizes (e.g. a data-dependent size is >= 0), emitted as soon
+        as their symbols are bound, so no kernel runs with a size eager would have rejected."""
+        for node in list(self.pending_asserts):
+            cond = node.args[0]
+            val = cond.meta.get("val") if isinstance(cond, torch.fx.Node) else cond
+            expr = val.node.expr if isinstance(val, torch.SymBool) else sympy.sympify(bool(val))
+            if not expr.free_symbols <= self.bound:
+                continue
+            self.pending_asserts.remove(node)
+            if expr != sympy.true:
+                message = node.args[1] if len(node.args) > 1 else "runtime assertion failed"
+                self.lines.append(f"if not ({self.sym(expr)}):")
+                self.lines.append(f"    raise RuntimeError({str(message)!r})")
 
     def generate(self) -> str:
         placeholders = [n for n in self.graph.fx_graph.nodes if n.op == "placeholder"]
         self.device = _graph_device(placeholders)
+        if self.input_symbols:
+            names = ", ".join(s.name for s in self.input_symbols)
+            self.lines.append(
+                f"{names}{',' if len(self.input_symbols) == 1 else ''} = sizes  # bound by the guard"
+            )
+            self.bound.update(self.input_symbols)
         names = [n.name for n in placeholders]
         if names:
             self.lines.append(f"{', '.join(names)}{',' if len(names) == 1 else ''} = args")
@@ -157,11 +192,16 @@ class WrapperWriter:
                 self.bind_from(n.name, val)
             elif isinstance(val, torch.SymInt) and isinstance(to_sympy(val), sympy.Symbol):
                 self.bind(to_sympy(val), n.name)
+        self.pending_asserts = [
+            n for n in self.graph.fx_graph.nodes if n.target is torch.ops.aten._assert_scalar.default
+        ]
+        self.flush_asserts()
         for step in self.steps:
             if isinstance(step, Region):
                 self.region(step)
             else:
                 self.extern(step)
+                self.flush_asserts()
         output = next(n for n in self.graph.fx_graph.nodes if n.op == "output")
         outs = [self.arg(a) for a in output.args[0]]
         self.lines.append(f"return ({', '.join(outs)}{',' if len(outs) == 1 else ''})")
@@ -175,7 +215,7 @@ class WrapperWriter:
             "aten = torch.ops.aten",
             "",
             "",
-            "def call(args):",
+            "def call(args, sizes):",
         ]
         return "\n".join(header + [f"    {ln}" for ln in self.lines]) + "\n"
 
@@ -200,6 +240,11 @@ def _graph_device(placeholders: list[torch.fx.Node]) -> torch.device:
 
 
 def generate_wrapper(
-    graph: ir.LoopGraph, steps: list[Step], kernels: dict[str, KernelSource], poison: bool
+    graph: ir.LoopGraph,
+    steps: list[Step],
+    kernels: dict[str, KernelSource],
+    poison: bool,
+    input_symbols: list[sympy.Symbol],
 ) -> str:
-    return WrapperWriter(graph, steps, kernels, poison).generate()
+    """`input_symbols`: the size symbols the entry's guard binds and passes in as `sizes`."""
+    return WrapperWriter(graph, steps, kernels, poison, input_symbols).generate()

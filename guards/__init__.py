@@ -1,5 +1,16 @@
-"""Guards: which calls a compiled entry may serve (gjit.guards)."""
+"""Guards: which calls a compiled entry may serve, and the recompile policy (gjit.guards)."""
 
-from gjit.guards.builder import Guard, GuardSet, build_guards
+from gjit.guards.builder import Bind, Guard, GuardBuildError, GuardSet, build_guards, input_symbols
+from gjit.guards.policy import MissHistory, dynamic_dims, mark_dynamic
 
-__all__ = ["Guard", "GuardSet", "build_guards"]
+__all__ = [
+    "Bind",
+    "Guard",
+    "GuardBuildError",
+    "GuardSet",
+    "MissHistory",
+    "build_guards",
+    "dynamic_dims",
+    "input_symbols",
+    "mark_dynamic",
+]

@@ -1,89 +1,325 @@
-"""Guards of a compiled entry: which calls it may serve.
+"""Guards of a compiled entry: which calls it may serve, and the sizes it binds for the wrapper.
 
-The guard set is a list of readable checks over the flattened user inputs, compiled into
-ONE generated Python function for the hot path; `failures(...)` re-evaluates them one by
-one to explain a miss. This first version specializes exactly: type, dtype, device, shape,
-strides of every tensor input, and the value of every non-tensor input export baked in.
+Built from the export result: each user input's placeholder has sizes and strides as sympy
+expressions over size symbols (the first plain-symbol occurrence binds the symbol, later ones
+check their expression, e.g. `y.size(0) == s0 + 1`), export's range constraints, the shape
+environment's own guards (a branch on a size), and the assumptions generated kernels made
+(a persistent reduction row fits its block, int32 offsets). Types, dtypes, devices and
+specialized Python scalars come from the example call.
+
+The checks compile into ONE generated function for the hot path, which returns the values of
+the size symbols it bound (handed to the wrapper, so sizes are not read twice) or None on a
+miss; `failures` re-runs the checks one by one to explain a miss with expected and actual
+values.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import logging
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import sympy
 import torch
+from torch.utils._sympy.numbers import int_oo
+
+from gjit.codegen.printer import pyexpr
+
+log = logging.getLogger("gjit.guards")
+
+
+class GuardBuildError(RuntimeError):
+    """A guard the entry needs cannot be expressed over the call's inputs."""
 
 
 @dataclasses.dataclass
 class Guard:
-    source: str  # a Python boolean expression over `inputs`
-    description: str  # what a user reads when it fails
-    actual: str  # expression whose value explains a failure
+    code: str  # Python boolean expression, True when the call is admitted
+    description: str  # the expected condition, as a user reads it
+    actual: str  # Python expression whose value explains a failure
+    input_index: int | None = None  # a failed type/rank check of this input hides its later ones
+    kind: str = ""  # type | dtype | device | rank | size | stride | range | shape | scalar | kernel
+
+
+@dataclasses.dataclass
+class Bind:
+    name: str
+    code: str
 
 
 @dataclasses.dataclass
 class GuardSet:
-    guards: list[Guard]
+    steps: list[Guard | Bind]
+    symbols: list[sympy.Symbol]  # bound by the guard, in the order `check` returns their values
+    symbol_sources: dict[sympy.Symbol, str]  # s0 -> "x.size(0)"
     source: str
-    check: Callable[[list[Any]], bool]
+    check: Callable[[Sequence[Any]], tuple | None]
+    namespace: dict[str, Any]
 
-    def failures(self, flat_inputs: list[Any]) -> list[str]:
-        """Every failing guard with expected and actual values (the slow, explaining path)."""
-        env = {"inputs": flat_inputs, "torch": torch}
-        out = []
-        for g in self.guards:
+    @property
+    def guards(self) -> list[Guard]:
+        return [s for s in self.steps if isinstance(s, Guard)]
+
+    def failures(self, flat_inputs: Sequence[Any]) -> list[str]:
+        """Every failing guard with its expected condition and the actual value (the slow path)."""
+        env = dict(self.namespace, inputs=flat_inputs)
+        out, broken = [], set()
+        for step in self.steps:
+            if isinstance(step, Bind):
+                try:
+                    exec(f"{step.name} = {step.code}", env)  # noqa: S102 - our own generated guard text
+                except Exception:
+                    pass  # a check that needs this name fails and is reported below
+                continue
+            if step.input_index in broken:
+                continue
             try:
-                ok = eval(g.source, env)  # noqa: S307 - our own generated guard text
-            except (
-                Exception
-            ) as e:  # a failed earlier guard (wrong type, too few inputs) can make later ones raise
-                ok, actual = False, f"<{type(e).__name__}>"
-            else:
-                actual = repr(eval(g.actual, env)) if not ok else ""
-            if not ok:
-                out.append(f"{g.description}, got {actual}")
+                ok = bool(eval(step.code, env))  # noqa: S307
+            except Exception:
+                ok = False
+            if ok:
+                continue
+            try:
+                actual = repr(eval(step.actual, env))  # noqa: S307
+            except Exception as e:
+                actual = f"<{type(e).__name__}>"
+            out.append(f"{step.description}, got {actual}")
+            if step.kind in ("type", "rank", "arity"):
+                broken.add(step.input_index)
+            if step.kind == "arity":
+                break
         return out
 
     def format(self) -> str:
-        return "\n".join(f"{g.source}    # {g.description}" for g in self.guards)
+        """One readable line per guard (binds shown as `s0 := x.size(0)`)."""
+        lines = []
+        for step in self.steps:
+            if isinstance(step, Bind):
+                sym = next((s for s in self.symbols if s.name == step.name), None)
+                if sym is not None:
+                    lines.append(f"{sym.name} := {self.symbol_sources[sym]}")
+            else:
+                lines.append(f"{step.kind:6s} {step.description}")
+        return "\n".join(lines)
+
+    @property
+    def dynamic_dims(self) -> list[str]:
+        return [f"{self.symbol_sources[s]} = {s}" for s in self.symbols]
 
 
-def _tensor_guards(i: int, t: torch.Tensor, name: str) -> list[Guard]:
-    v = f"inputs[{i}]"
-    return [
-        Guard(f"isinstance({v}, torch.Tensor)", f"{name} must be a Tensor", f"type({v}).__name__"),
-        Guard(f"{v}.dtype == {t.dtype}", f"{name}.dtype == {t.dtype}", f"{v}.dtype"),
-        Guard(
-            f"{v}.device == torch.device({str(t.device)!r})", f"{name}.device == {t.device}", f"{v}.device"
-        ),
-        Guard(f"{v}.shape == {tuple(t.shape)}", f"{name}.shape == {tuple(t.shape)}", f"tuple({v}.shape)"),
-        Guard(f"{v}.stride() == {t.stride()}", f"{name}.stride() == {t.stride()}", f"{v}.stride()"),
-    ]
+# ----------------------------------------------------------------------------------------------
+# Building
+# ----------------------------------------------------------------------------------------------
 
 
-def build_guards(flat_inputs: list[Any], names: list[str]) -> GuardSet:
-    guards: list[Guard] = [
-        Guard(f"len(inputs) == {len(flat_inputs)}", f"{len(flat_inputs)} flattened inputs", "len(inputs)")
-    ]
-    for i, (value, name) in enumerate(zip(flat_inputs, names)):
-        if isinstance(value, torch.Tensor):
-            guards += _tensor_guards(i, value, name)
-        elif value is None:
-            guards.append(Guard(f"inputs[{i}] is None", f"{name} is None", f"inputs[{i}]"))
+def input_symbols(user_vals: Sequence[Any]) -> list[sympy.Symbol]:
+    """The size symbols the guard binds from the user inputs, in binding order: every plain
+    symbol among sizes (input by input), then among strides."""
+    seen: list[sympy.Symbol] = []
+    for attr in ("shape", "stride"):
+        for val in user_vals:
+            if not isinstance(val, torch.Tensor):
+                continue
+            for s in val.shape if attr == "shape" else val.stride():
+                e = _expr(s)
+                if isinstance(e, sympy.Symbol) and e not in seen:
+                    seen.append(e)
+    return seen
+
+
+def _expr(value: Any) -> sympy.Expr:
+    if isinstance(value, (torch.SymInt, torch.SymBool)):
+        return value.node.expr
+    return sympy.Integer(int(value))
+
+
+def shape_env_of(user_vals: Sequence[Any]):
+    for val in user_vals:
+        if isinstance(val, torch.Tensor):
+            for s in (*val.shape, *val.stride()):
+                if isinstance(s, torch.SymInt):
+                    return s.node.shape_env
+    return None
+
+
+class _Builder:
+    def __init__(self, names: list[str]):
+        self.names = names
+        self.steps: list[Guard | Bind] = []
+        self.late_binds: list[Bind] = []  # stride reads and symbols, after every size is bound
+        self.later: list[Guard] = []  # checks that may use symbols bound by later inputs or strides
+        self.bound: dict[sympy.Symbol, str] = {}  # symbol -> user-readable source
+        self.namespace: dict[str, Any] = {"torch": torch, "Tensor": torch.Tensor}
+
+    def guard(self, code: str, description: str, actual: str, i: int | None, kind: str, later=False) -> None:
+        (self.later if later else self.steps).append(Guard(code, description, actual, i, kind))
+
+    def tensor(self, i: int, value: torch.Tensor, val: torch.Tensor | None) -> None:
+        v, name = f"in{i}", self.names[i]
+        val = value if val is None else val
+        self.guard(f"isinstance({v}, Tensor)", f"{name} is a Tensor", f"type({v}).__name__", i, "type")
+        self.guard(f"{v}.dtype is {val.dtype}", f"{name}.dtype == {val.dtype}", f"{v}.dtype", i, "dtype")
+        self.guard(
+            *_device_check(v, value.device), f"{name}.device == {value.device}", f"{v}.device", i, "device"
+        )
+        size = f"{v}_size"
+        self.steps.append(Bind(size, f"{v}.shape"))
+        sizes = [_expr(s) for s in val.shape]
+        self.guard(f"len({size}) == {len(sizes)}", f"{name}.dim() == {len(sizes)}", f"{v}.dim()", i, "rank")
+        if all(s.is_number for s in sizes):
+            shape = tuple(int(s) for s in sizes)
+            self.guard(f"{size} == {shape}", f"{name}.shape == {shape}", f"tuple({size})", i, "size")
         else:
-            guards.append(
-                Guard(
-                    f"type(inputs[{i}]) is {type(value).__name__}",
-                    f"{name} is a {type(value).__name__}",
-                    f"type(inputs[{i}]).__name__",
-                )
+            for d, s in enumerate(sizes):
+                here = f"{size}[{d}]"
+                if s.is_number:
+                    self.guard(f"{here} == {int(s)}", f"{name}.size({d}) == {int(s)}", here, i, "size")
+                elif isinstance(s, sympy.Symbol) and s not in self.bound:
+                    self.steps.append(Bind(s.name, here))
+                    self.bound[s] = f"{name}.size({d})"
+                else:
+                    self.guard(
+                        f"{here} == {pyexpr(s)}", f"{name}.size({d}) == {s}", here, i, "size", later=True
+                    )
+        self.strides(i, v, name, sizes, [_expr(s) for s in val.stride()])
+
+    def strides(self, i: int, v: str, name: str, sizes: list[sympy.Expr], strides: list[sympy.Expr]) -> None:
+        """The stride pattern kernels index with; a dim of size 1 may have any stride."""
+        stride = f"{v}_stride"
+        self.late_binds.append(Bind(stride, f"{v}.stride()"))
+        if all(s.is_number for s in (*sizes, *strides)) and all(int(s) != 1 for s in sizes):
+            expected = tuple(int(s) for s in strides)
+            self.guard(f"{stride} == {expected}", f"{name}.stride() == {expected}", stride, i, "stride", True)
+            return
+        for d, (size, st) in enumerate(zip(sizes, strides)):
+            if size == 1:
+                continue
+            here = f"{stride}[{d}]"
+            if isinstance(st, sympy.Symbol) and st not in self.bound:
+                self.late_binds.append(Bind(st.name, here))
+                self.bound[st] = f"{name}.stride({d})"
+                continue
+            code = f"{here} == {pyexpr(st)}"
+            if not size.is_number:
+                code = f"{v}_size[{d}] == 1 or {code}"
+            self.guard(code, f"{name}.stride({d}) == {st}", here, i, "stride", True)
+
+    def scalar(self, i: int, value: Any) -> None:
+        v, name = f"in{i}", self.names[i]
+        if value is None:
+            self.guard(f"{v} is None", f"{name} is None", v, i, "type")
+            return
+        kind = type(value)
+        self.namespace[f"type{i}"] = kind
+        self.guard(f"type({v}) is type{i}", f"{name} is a {kind.__name__}", f"type({v}).__name__", i, "type")
+        if isinstance(value, float) and math.isnan(value):
+            self.guard(f"{v} != {v}", f"{name} is nan (specialized)", v, i, "scalar")
+        elif isinstance(value, (bool, int, float, str)) and not (
+            isinstance(value, float) and math.isinf(value)
+        ):
+            self.guard(f"{v} == {value!r}", f"{name} == {value!r} (specialized)", v, i, "scalar")
+        else:
+            self.namespace[f"const{i}"] = value
+            self.guard(f"{v} == const{i}", f"{name} == {value!r} (specialized)", v, i, "scalar")
+
+    def condition(self, cond: sympy.Basic, description: str, kind: str, code: str | None = None) -> None:
+        """A check over bound symbols; `code` overrides printing `cond` (sympy folds `s0 >= 1` to
+        True because size symbols are declared positive, but the check must still run)."""
+        if code is None and cond == sympy.true:
+            return
+        missing = cond.free_symbols - set(self.bound)
+        if missing:
+            raise GuardBuildError(
+                f"guard {cond} uses size symbols {sorted(map(str, missing))} no input binds"
             )
-            guards.append(
-                Guard(f"inputs[{i}] == {value!r}", f"{name} == {value!r} (specialized)", f"inputs[{i}]")
-            )
-    body = " and\n        ".join(g.source for g in guards)
-    source = f"def guard(inputs):\n    return (\n        {body}\n    )\n"
-    namespace: dict[str, Any] = {"torch": torch}
-    exec(compile(source, "<gjit-guard>", "exec"), namespace)  # noqa: S102 - generated guard source
-    return GuardSet(guards, source, namespace["guard"])
+        names = ", ".join(f"{s}: {self.bound[s]}" for s in sorted(cond.free_symbols, key=str))
+        actual = "(" + ", ".join(s.name for s in sorted(cond.free_symbols, key=str)) + ",)"
+        self.guard(code or pyexpr(cond), f"{description}   [{names}]", actual, None, kind, later=True)
+
+
+def _device_check(v: str, device: torch.device) -> tuple[str]:
+    if device.type == "cpu":
+        return (f"{v}.is_cpu",)
+    if device.type == "cuda":
+        return (f"{v}.is_cuda and {v}.get_device() == {device.index or 0}",)
+    return (f"{v}.device == torch.device({str(device)!r})",)
+
+
+def build_guards(
+    flat_inputs: Sequence[Any],
+    names: list[str],
+    user_vals: Sequence[Any] | None = None,
+    range_constraints: dict | None = None,
+    assumptions: Sequence[tuple[sympy.Basic, str]] = (),
+    min_sizes: dict[sympy.Symbol, int] | None = None,
+) -> GuardSet:
+    """The guard set of one entry. `user_vals`: export's placeholder value per flat input (None:
+    static, from the example); `assumptions`: (condition, why) the kernels rely on;
+    `min_sizes`: the least size admitted per symbol (default 1: size 0 gets its own entry)."""
+    n = len(flat_inputs)
+    user_vals = list(user_vals) if user_vals is not None else [None] * n
+    b = _Builder(names)
+    b.guard(f"len(inputs) == {n}", f"{n} flattened inputs", "len(inputs)", None, "arity")
+    if n:
+        b.steps.append(Bind(", ".join(f"in{i}" for i in range(n)) + ("," if n == 1 else ""), "inputs"))
+    for i, value in enumerate(flat_inputs):
+        if isinstance(value, torch.Tensor):
+            b.tensor(i, value, user_vals[i] if isinstance(user_vals[i], torch.Tensor) else None)
+        else:
+            b.scalar(i, value)
+    symbols = input_symbols(user_vals)
+    assert set(symbols) == set(b.bound), (symbols, list(b.bound))
+    _ranges(b, range_constraints or {}, min_sizes or {})
+    env = shape_env_of(user_vals)
+    if env is not None:
+        _shape_env_guards(b, env)
+    for cond, why in assumptions:
+        b.condition(sympy.sympify(cond), why, "kernel")
+    steps = b.steps + b.late_binds + b.later
+    returned = ", ".join(s.name for s in symbols) + ("," if len(symbols) == 1 else "")
+    source = _function_source(steps, f"({returned})")
+    exec(compile(source, "<gjit-guard>", "exec"), b.namespace)  # noqa: S102 - generated guard source
+    return GuardSet(steps, symbols, dict(b.bound), source, b.namespace["guard"], b.namespace)
+
+
+def _ranges(b: _Builder, ranges: dict, min_sizes: dict[sympy.Symbol, int]) -> None:
+    for expr, vr in ranges.items():
+        expr = sympy.sympify(expr)
+        if not expr.free_symbols or not expr.free_symbols <= set(b.bound):
+            continue
+        lower = int(vr.lower) if vr.lower not in (-int_oo, -sympy.oo) else None
+        if isinstance(expr, sympy.Symbol):
+            # export traces 0 and 1 size-obliviously; gjit gives size 0 its own entry unless asked
+            lower = max(lower or 0, min_sizes.get(expr, 1))
+        if lower is not None and lower > 0:
+            b.condition(expr, f"{expr} >= {lower}", "range", code=f"{pyexpr(expr)} >= {lower}")
+        if vr.upper not in (int_oo, sympy.oo):
+            upper = int(vr.upper)
+            b.condition(expr, f"{expr} <= {upper}", "range", code=f"{pyexpr(expr)} <= {upper}")
+
+
+def _shape_env_guards(b: _Builder, env) -> None:
+    """Export's own guards (a branch on a size, a 0/1 split), in the entry's symbols."""
+    seen = set()
+    for g in env.guards:
+        cond = env.simplify(g.expr)
+        if cond == sympy.true or cond in seen:
+            continue
+        if cond == sympy.false:
+            raise GuardBuildError(f"export recorded an unsatisfiable guard {g.expr}")
+        seen.add(cond)
+        b.condition(cond, f"{cond} (from {str(g.sloc).strip('()')})", "shape")
+
+
+def _function_source(steps: list[Guard | Bind], returned: str) -> str:
+    lines = ["def guard(inputs):"]
+    for step in steps:
+        if isinstance(step, Bind):
+            lines.append(f"    {step.name} = {step.code}")
+        else:
+            lines.append(f"    if not ({step.code}):")
+            lines.append("        return None")
+    lines.append(f"    return {returned}")
+    return "\n".join(lines) + "\n"

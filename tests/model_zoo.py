@@ -20,13 +20,13 @@ def token_ids() -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ))
 
 
-def gpt2(attn: str, use_cache: bool = False) -> tuple[torch.nn.Module, tuple]:
+def gpt2(attn: str, use_cache: bool = False, positions: int = 32) -> tuple[torch.nn.Module, tuple]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     config = GPT2Config(
         vocab_size=VOCAB,
-        n_positions=32,
+        n_positions=positions,
         n_embd=64,
         n_layer=2,
         n_head=4,

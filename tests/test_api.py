@@ -137,7 +137,8 @@ def test_new_shape_or_dtype_recompiles_and_stays_correct():
         out, _ = run_compiled(cm, x)
         torch.testing.assert_close(out, f(x))
     s = gjit.stats()
-    assert (s["compiles"], s["recompiles"], s["cache_hits"]) == (3, 2, 1)
+    # the first entry is dynamic in both dims (export decides), so only the dtype change recompiles
+    assert (s["compiles"], s["recompiles"], s["cache_hits"]) == (2, 1, 2)
 
 
 def test_specialized_python_scalar_recompiles():

@@ -1,0 +1,112 @@
+"""Recompile policy: which dims a compile asks export to keep dynamic, and when to stop compiling.
+
+gjit's default lets export decide from the first call: every dim of every tensor input is
+`Dim.AUTO`, traced size-obliviously, so export keeps a dim symbolic unless the program needs
+its value (a branch on it, a match with a weight). A later call that misses every entry
+recompiles the same way with its own sizes, so the new entry is again as general as export
+allows. Dims the example has at size 0 or 1 stay static unless marked (they are mostly
+broadcast dims). `dynamic=True` marks those too; `dynamic=False` exports every dim static,
+one entry per shape. `mark_dynamic` adds a range and makes a dim dynamic in any mode.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import torch
+
+MARKS = "_gjit_dynamic_dims"  # tensor attribute: {dim: (min, max)} set by mark_dynamic
+
+
+def mark_dynamic(
+    t: torch.Tensor, dim: int | list[int], min: int | None = None, max: int | None = None
+) -> None:
+    """Make dim(s) of `t` dynamic in the next compile that sees `t`, with an optional size range.
+
+    A later call whose size falls outside [min, max] misses the entry and recompiles (or raises,
+    with gjit.config.error_on_recompile).
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"gjit.mark_dynamic expects a Tensor, got {type(t).__name__}")
+    for d in [dim] if isinstance(dim, int) else list(dim):
+        if not -t.dim() <= d < t.dim():
+            raise IndexError(f"gjit.mark_dynamic: dim {d} out of range for a tensor of rank {t.dim()}")
+        d = d % t.dim()
+        if min is not None and max is not None and min > max:
+            raise ValueError(f"gjit.mark_dynamic: min={min} > max={max}")
+        size = t.shape[d]
+        if (min is not None and size < min) or (max is not None and size > max):
+            raise ValueError(
+                f"gjit.mark_dynamic: dim {d} has size {size}, "
+                f"outside the range [{min}, {max}] it is marked with"
+            )
+        marks = dict(getattr(t, MARKS, None) or {})
+        marks[d] = (min, max)
+        setattr(t, MARKS, marks)
+
+
+def dynamic_dims(
+    flat: list[Any], dynamic: bool | None
+) -> dict[int, dict[int, tuple[int | None, int | None]]]:
+    """flat input index -> {dim: (min, max)} to export as Dim.AUTO; every other dim is static."""
+    out: dict[int, dict[int, tuple[int | None, int | None]]] = {}
+    for i, t in enumerate(flat):
+        if not isinstance(t, torch.Tensor):
+            continue
+        marks = getattr(t, MARKS, None) or {}
+        dims = {}
+        for d in range(t.dim()):
+            if d in marks:
+                dims[d] = marks[d]
+            elif dynamic is False or (dynamic is None and t.shape[d] <= 1):
+                continue
+            else:
+                dims[d] = (None, None)
+        if dims:
+            out[i] = dims
+    return out
+
+
+@dataclasses.dataclass
+class MissHistory:
+    """What a compiled callable has seen missing its cache: shapes and the guards that failed."""
+
+    shapes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    failed: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    sizes: dict[tuple[str, int], set[int]] = dataclasses.field(default_factory=dict)  # (input, dim) -> seen
+
+    def record(self, flat: list[Any], names: list[str], failed: list[str]) -> None:
+        self.shapes[signature(flat, names)] += 1
+        for f in failed:
+            self.failed[f.split(", got ")[0]] += 1
+        for value, name in zip(flat, names):
+            if isinstance(value, torch.Tensor):
+                for d, size in enumerate(value.shape):
+                    self.sizes.setdefault((name, d), set()).add(size)
+
+    def changing_dims(self) -> list[tuple[str, int]]:
+        """(input, dim) pairs that took more than one size among the calls that missed."""
+        return [key for key, seen in self.sizes.items() if len(seen) > 1]
+
+    def histogram(self, top: int = 6) -> str:
+        lines = [f"    {count:4d} x {sig}" for sig, count in self.shapes.most_common(top)]
+        more = len(self.shapes) - top
+        if more > 0:
+            lines.append(f"    ... and {more} other input signature(s)")
+        return "\n".join(lines)
+
+    def worst_guard(self) -> str:
+        return self.failed.most_common(1)[0][0] if self.failed else "(none recorded)"
+
+
+def signature(flat: list[Any], names: list[str]) -> str:
+    parts = []
+    for value, name in zip(flat, names):
+        if isinstance(value, torch.Tensor):
+            dtype = str(value.dtype).removeprefix("torch.")
+            parts.append(f"{name}: {dtype}{list(value.shape)}")
+        else:
+            parts.append(f"{name}={value!r}")
+    return ", ".join(parts)

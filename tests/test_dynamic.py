@@ -1,0 +1,363 @@
+"""Dynamic shapes and guards: symbolic sizes from export, one guard function per entry,
+automatic dynamic, mark_dynamic ranges, the recompile limit, data-dependent sizes, torch.cond."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import gjit
+from gjit.guards import build_guards
+from helpers import assert_same, run_compiled
+from model_zoo import gpt2, max_rel_err
+
+
+def compiles() -> int:
+    return gjit.stats()["compiles"]
+
+
+def check_call(cm: gjit.CompiledFunction, *args):
+    out, _ = run_compiled(cm, *args)
+    expected = cm.model(*args)
+    for a, e in zip(
+        out if isinstance(out, tuple) else (out,), expected if isinstance(expected, tuple) else (expected,)
+    ):
+        assert_same(a, e)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The torch.export documentation's examples
+# ----------------------------------------------------------------------------------------------
+
+
+class TwoBranches(torch.nn.Module):
+    """torch.export docs: a batch dim shared by two inputs, two Linear+ReLU branches, a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.branch1 = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU())
+        self.branch2 = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.ReLU())
+        self.buffer = torch.nn.Buffer(torch.randn(32))
+
+    def forward(self, x1, x2):
+        return self.branch1(x1) + self.buffer, self.branch2(x2)
+
+
+def test_export_docs_shared_batch_two_branches_and_buffer():
+    cm = gjit.compile(TwoBranches().eval())
+    with torch.no_grad():
+        for batch in (32, 16, 64, 7):
+            check_call(cm, torch.randn(batch, 64), torch.randn(batch, 128))
+        assert compiles() == 1
+        guards = cm.entries[0].guards
+        # each input's batch is its own symbol (export does not tie sizes that merely happened to be
+        # equal), the feature dims are specialized: they must match the weights
+        s1, s2 = guards.symbols
+        assert guards.dynamic_dims == [f"x1.size(0) = {s1}", f"x2.size(0) = {s2}"]
+        assert "x1.size(1) == 64" in guards.format() and "x2.size(1) == 128" in guards.format()
+        check_call(cm, torch.randn(8, 64), torch.randn(12, 128))
+        assert compiles() == 1
+        with pytest.raises(RuntimeError):  # wrong features: eager's error, not a wrong answer
+            cm(torch.randn(8, 32), torch.randn(8, 128))
+
+
+def test_export_docs_derived_dim_with_a_range():
+    """x + y[1:] with dimy = dimx + 1 and dimx in [3, 6]: a size outside the range recompiles."""
+
+    def f(x, y):
+        return x + y[1:]
+
+    cm = gjit.compile(f)
+    x, y = torch.randn(5, 4), torch.randn(6, 4)
+    gjit.mark_dynamic(x, 0, min=3, max=6)
+    check_call(cm, x, y)
+    text = cm.entries[0].guards.format()
+    sym = cm.entries[0].guards.symbols[0]
+    assert f"y.size(0) == {sym} + 1" in text and f"{sym} <= 6" in text and f"{sym} >= 3" in text, text
+    for n in (3, 4, 6):
+        check_call(cm, torch.randn(n, 4), torch.randn(n + 1, 4))
+    assert compiles() == 1
+    check_call(cm, torch.randn(8, 4), torch.randn(9, 4))  # outside [3, 6]
+    assert compiles() == 2
+    with pytest.raises(RuntimeError):  # eager raises on mismatched sizes; so does the compiled call
+        cm(torch.randn(4, 4), torch.randn(4, 4))
+
+
+def test_mark_dynamic_validates_its_arguments():
+    x = torch.randn(4, 3)
+    with pytest.raises(IndexError):
+        gjit.mark_dynamic(x, 2)
+    with pytest.raises(ValueError, match="outside the range"):
+        gjit.mark_dynamic(x, 0, min=5)
+    with pytest.raises(TypeError):
+        gjit.mark_dynamic([1, 2], 0)
+
+
+def test_error_on_recompile_raises_for_a_size_outside_the_range():
+    cm = gjit.compile(lambda x: x * 2)
+    x = torch.randn(4)
+    gjit.mark_dynamic(x, 0, min=2, max=8)
+    check_call(cm, x)
+    with gjit.config.scope(error_on_recompile=True):
+        with pytest.raises(gjit.RecompileError, match=r"<= 8"):
+            cm(torch.randn(9))
+
+
+# ----------------------------------------------------------------------------------------------
+# Policy: automatic dynamic, dynamic=True/False, sizes 0 and 1
+# ----------------------------------------------------------------------------------------------
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).eval()
+
+
+BATCHES = [1, 17, 3, 64, 5, 2, 33, 8, 100, 9, 4, 250, 6, 12, 7, 31, 10, 48, 11, 13]
+
+
+# default: the first call has batch 1, a dim gjit keeps static (size-1 dims are mostly broadcast
+# dims); the second call makes it dynamic, and that entry serves every later size, 1 included
+@pytest.mark.parametrize("dynamic, expected", [(None, 2), (True, 1), (False, len(BATCHES))])
+def test_mlp_over_20_batch_sizes(dynamic, expected):
+    model = mlp()
+    cm = gjit.compile(model, dynamic=dynamic)
+    with torch.no_grad(), gjit.config.scope(recompile_limit=64):
+        for b in BATCHES:
+            check_call(cm, torch.randn(b, 16))
+    assert compiles() == expected, [e.guards.format() for e in cm.entries]
+    assert len(cm.entries) == compiles()
+
+
+def test_sizes_zero_and_one_are_correct():
+    model = mlp()
+    cm = gjit.compile(model)
+    with torch.no_grad():
+        for b in (4, 1, 0, 1, 6, 0):
+            check_call(cm, torch.randn(b, 16))
+    assert compiles() == 2  # sizes >= 1 share an entry; size 0 gets its own
+
+
+def test_gpt2_sweep_over_sequence_and_batch_in_mixed_order():
+    """seq 8..64 and batch 1..4 changing at different calls: two entries in total (GPT-2 branches
+    on batch == 1, so batch 1 gets its own entry; torch.compile needs 4 on such a sweep)."""
+    model, _ = gpt2("sdpa", positions=64)
+    cm = gjit.compile(model)
+    shapes = [(2, 8), (2, 24), (4, 8), (1, 16), (3, 64), (1, 40), (4, 33), (1, 8)]
+    with torch.no_grad():
+        for batch, seq in shapes:
+            ids = torch.randint(0, 128, (batch, seq))
+            with gjit.config.scope(interpret=True, debug=True):
+                out = cm(ids)
+            assert max_rel_err(out.logits, model(ids).logits) < 1e-5, (batch, seq)
+    assert compiles() == 2, gjit.stats()
+
+
+def test_transposed_and_sliced_inputs_after_a_contiguous_call():
+    cm = gjit.compile(lambda x, y: x * y + 1)
+    base = torch.randn(6, 8)
+    check_call(cm, base, torch.randn(6, 8))
+    check_call(cm, base[:, :6].t(), torch.randn(6, 6))  # strides change: guard fails, recompile
+    check_call(cm, base[::2], torch.randn(3, 8))
+    check_call(cm, torch.randn(5, 8), torch.randn(5, 8))  # a contiguous call hits the first entry
+    assert gjit.stats()["cache_hits"] >= 1
+
+
+def test_dtype_change_recompiles_and_device_change_fails_the_guard():
+    cm = gjit.compile(lambda x: x.exp())
+    check_call(cm, torch.randn(5))
+    check_call(cm, torch.randn(5).double())
+    assert compiles() == 2
+    guards = cm.entries[0].guards
+    meta = torch.empty(5, device="meta")
+    assert guards.check([meta]) is None
+    assert any("device == cpu" in f for f in guards.failures([meta])), guards.failures([meta])
+
+
+def test_specialized_python_scalar_recompiles():
+    cm = gjit.compile(lambda x, k: x * k)
+    x = torch.randn(4)
+    for k in (2.0, 2.0, 3.0):
+        check_call(cm, x, k)
+    assert compiles() == 2
+    assert "k == 2.0 (specialized)" in cm.entries[0].guards.format()
+
+
+# ----------------------------------------------------------------------------------------------
+# Guards: binding, relations, export's guards, kernel assumptions, explaining a miss
+# ----------------------------------------------------------------------------------------------
+
+
+def test_guard_binds_sizes_and_hands_them_to_the_wrapper():
+    cm = gjit.compile(lambda x, y: x + y.sum(1, keepdim=True))
+    check_call(cm, torch.randn(5, 3), torch.randn(5, 7))
+    entry = cm.entries[0]
+    x, y = torch.randn(9, 3), torch.randn(9, 11)
+    assert entry.guards.check([x, y]) == (9, 3, 11)
+    wrapper = open(entry.program.graph.wrapper_path).read()
+    assert "= sizes  # bound by the guard" in wrapper
+    assert ".shape[" not in wrapper  # no size is read again
+
+
+def test_branch_on_a_size_becomes_a_guard_with_its_source_line():
+    def f(x):
+        if x.shape[0] > 4:
+            return x.relu()
+        return x.sigmoid()
+
+    cm = gjit.compile(f)
+    check_call(cm, torch.randn(6, 3))
+    text = cm.entries[0].guards.format()
+    assert "test_dynamic.py" in text and "> 4" in text, text
+    check_call(cm, torch.randn(9, 3))
+    assert compiles() == 1
+    check_call(cm, torch.randn(2, 3))  # the other branch: a new entry, never the wrong one
+    assert compiles() == 2
+
+
+def test_a_miss_is_explained_with_the_nearest_entry_and_every_failed_guard(caplog):
+    cm = gjit.compile(lambda x, y: x + y)
+    check_call(cm, torch.randn(4, 3), torch.randn(4, 3))
+    with caplog.at_level(logging.INFO, logger="gjit.recompiles"):
+        check_call(cm, torch.randn(4, 3).double(), torch.randn(4, 3).t().contiguous().t().double()[:, :3])
+    text = caplog.text
+    assert "nearest, entry 0" in text
+    assert "x.dtype == torch.float32, got torch.float64" in text
+    assert "y.dtype == torch.float32, got torch.float64" in text
+    assert "decision: compile entry 1" in text
+
+
+def test_int32_offsets_are_an_assumption_the_guard_checks():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cm = gjit.compile(lambda x: x * 2)
+    check_call(cm, torch.randn(8, 8))
+    guards = cm.entries[0].guards
+    assert any(g.kind == "kernel" and "int32" in g.description for g in guards.guards)
+    with FakeTensorMode():  # a huge tensor without memory: its offsets overflow int32
+        huge = torch.empty(2**16, 2**16)
+    assert guards.check([huge]) is None
+    assert any("int32 offsets" in f for f in guards.failures([huge]))
+
+
+def test_persistent_reduction_with_a_dynamic_row_sizes_its_block_at_launch():
+    cm = gjit.compile(lambda x: torch.softmax(x, -1))
+    for n in (8, 100, 300, 1000):
+        check_call(cm, torch.randn(3, n))
+    assert compiles() == 1
+    kernel = cm.entries[0].program.kernels[0]
+    assert kernel.persistent and kernel.launch_blocks["RBLOCK"]
+    check_call(cm, torch.randn(3, 3000))  # past persistent_max: the guard fails, a looped kernel
+    assert compiles() == 2
+    assert not cm.entries[1].program.kernels[0].persistent
+
+
+def test_identical_kernels_are_shared_between_entries():
+    from gjit import runtime
+
+    def f(x, mode):
+        return x.sin() * 2 if mode == "a" else x.sin() * 2
+
+    cm = gjit.compile(f)
+    x = torch.randn(4, 9)
+    check_call(cm, x, "a")
+    check_call(cm, x, "b")  # a specialized string: a recompile; the kernel has the same source
+    first, second = (e.program.graph for e in cm.entries)
+    assert compiles() == 2
+    assert list(first.kernel_paths.values()) == list(second.kernel_paths.values())
+    assert first.call_fn(True).__closure__ is not None
+    path = next(iter(first.kernel_paths.values()))
+    assert sum(key[0] == path for key in runtime._KERNELS) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# The recompile limit
+# ----------------------------------------------------------------------------------------------
+
+
+def test_recompile_limit_warns_once_then_runs_eagerly(caplog):
+    cm = gjit.compile(lambda x: x.cos() + 1, dynamic=False)
+    with gjit.config.scope(recompile_limit=3), caplog.at_level(logging.WARNING, logger="gjit"):
+        for n in (2, 3, 4, 5, 6, 5, 7):
+            check_call(cm, torch.randn(n))
+    assert compiles() == 3
+    warnings = [r for r in caplog.records if "recompile limit" in r.getMessage()]
+    assert len(warnings) == 1
+    message = warnings[0].getMessage()
+    assert "x.shape == " in message  # the guard that keeps failing
+    assert "1 x x: float32[4]" in message and "1 x x: float32[5]" in message  # shapes that missed
+    assert "gjit.mark_dynamic(x, 0)" in message
+    assert gjit.stats()["eager_runs"] == 4
+
+
+def test_recompile_limit_can_raise():
+    cm = gjit.compile(lambda x: x + 1, dynamic=False)
+    with gjit.config.scope(recompile_limit=1, fail_on_recompile_limit=True):
+        check_call(cm, torch.randn(2))
+        with pytest.raises(gjit.RecompileError, match="recompile limit"):
+            cm(torch.randn(3))
+
+
+# ----------------------------------------------------------------------------------------------
+# Data-dependent sizes and torch.cond
+# ----------------------------------------------------------------------------------------------
+
+DATA_DEPENDENT = {
+    "boolean_mask": lambda x: (x[x > 0] * 2).sum() + x.sin(),
+    "nonzero": lambda x: torch.nonzero(x > 0).float() + 1,
+    "item_scalar": lambda x: x * (x > 0).sum().item(),
+    "unique": lambda x: torch.unique(x.round()) * 2,
+    "mask_rows": lambda x: x[x[:, 0] > 0].relu() + 1,
+}
+
+
+@pytest.mark.parametrize("name", list(DATA_DEPENDENT))
+def test_data_dependent_sizes_run_as_externs_and_continue_with_the_runtime_size(name):
+    fn = DATA_DEPENDENT[name]
+    cm = gjit.compile(fn)
+    for rows in (6, 9, 6):
+        check_call(cm, torch.randn(rows, 4))
+    assert compiles() == 1 and gjit.stats()["eager_runs"] == 0
+    assert gjit.explain(cm, torch.randn(6, 4)).externs  # the data-dependent op is an extern
+
+
+def test_a_size_export_cannot_trace_runs_eagerly_with_the_reason(caplog):
+    def f(x):
+        return torch.ones(int((x > 0).sum().item())) * 3
+
+    cm = gjit.compile(f)
+    with caplog.at_level(logging.WARNING, logger="gjit"):
+        x = torch.randn(10)
+        torch.testing.assert_close(cm(x), f(x))
+    assert "data-dependent" in cm.eager_reason and "running it eagerly" in caplog.text
+
+
+class Cond(torch.nn.Module):
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, lambda x: (x.sin() + 1).relu(), lambda x: x.cos() * 2, (x,))
+
+
+def test_torch_cond_compiles_both_branches_and_picks_one_at_run_time():
+    cm = gjit.compile(Cond())
+    for x in (torch.randn(4, 3).abs(), -torch.randn(4, 3).abs(), torch.randn(7, 5).abs() + 0.1):
+        check_call(cm, x)
+    assert compiles() == 1
+    graph = cm.entries[0].program.graph
+    assert set(graph.subgraphs) == {"true_graph_0", "false_graph_0"}
+    assert all(len(sub.kernels) == 1 for sub in graph.subgraphs.values())
+
+
+def test_guard_set_of_a_static_entry_is_exact():
+    x = torch.randn(3, 4)
+    guards = build_guards([x, 2], ["x", "n"])
+    assert guards.check([torch.randn(3, 4), 2]) == ()
+    assert guards.check([torch.randn(3, 5), 2]) is None
+    assert guards.check([torch.randn(3, 4), 3]) is None
+    assert guards.failures([torch.randn(3, 5), 3]) == [
+        "x.shape == (3, 4), got (3, 5)",
+        "n == 2 (specialized), got 3",
+        "x.stride() == (4, 1), got (5, 1)",
+    ]
