@@ -275,8 +275,8 @@ def build_guards(
     env = shape_env_of(user_vals)
     if env is not None:
         _shape_env_guards(b, env)
-    for cond, why in assumptions:
-        b.condition(sympy.sympify(cond), why, "kernel")
+    for cond, why in _strongest(assumptions):
+        b.condition(cond, why, "kernel")
     steps = b.steps + b.late_binds + b.later
     returned = ", ".join(s.name for s in symbols) + ("," if len(symbols) == 1 else "")
     source = _function_source(steps, f"({returned})")
@@ -311,6 +311,22 @@ def _shape_env_guards(b: _Builder, env) -> None:
             raise GuardBuildError(f"export recorded an unsatisfiable guard {g.expr}")
         seen.add(cond)
         b.condition(cond, f"{cond} (from {str(g.sloc).strip('()')})", "shape")
+
+
+def _strongest(assumptions: Sequence[tuple[sympy.Basic, str]]) -> list[tuple[sympy.Basic, str]]:
+    """Kernel assumptions without repeats: of `c * m < bound` over one monomial m, only the
+    largest c is kept (it implies the others)."""
+    best: dict[tuple, tuple[sympy.Integer, sympy.Basic, str]] = {}
+    for cond, why in assumptions:
+        cond = sympy.sympify(cond)
+        key: tuple = (cond,)
+        coeff = sympy.Integer(1)
+        if isinstance(cond, (sympy.StrictLessThan, sympy.LessThan)) and cond.rhs.is_number:
+            coeff, monomial = sympy.expand(cond.lhs).as_coeff_Mul()
+            key = (type(cond), monomial, cond.rhs)
+        if key not in best or coeff > best[key][0]:
+            best[key] = (coeff, cond, why)
+    return [(cond, why) for _, cond, why in best.values()]
 
 
 def _function_source(steps: list[Guard | Bind], returned: str) -> str:
