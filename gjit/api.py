@@ -61,22 +61,6 @@ def _mark_dynamic_hint(changing: list[tuple[str, int]], dynamic: bool | None) ->
     return "keep the inputs' types, dtypes, devices and specialized Python values fixed between calls"
 
 
-def _min_sizes(flat: list, dims: dict, user_vals: list) -> dict[sympy.Symbol, int]:
-    """The least size each dynamic dim's symbol admits: the user's mark_dynamic min, else 1
-    (a size-0 call gets its own entry), else 0 when the example itself had size 0."""
-    out: dict[sympy.Symbol, int] = {}
-    for i, ranges in dims.items():
-        val = user_vals[i] if i < len(user_vals) else None
-        if not isinstance(val, torch.Tensor):
-            continue
-        for d, (lo, _) in ranges.items():
-            size = val.shape[d]
-            if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
-                default = 1 if flat[i].shape[d] >= 1 else 0
-                out[size.node.expr] = lo if lo is not None else default
-    return out
-
-
 VARARGS = -2  # _fast_arity of `def f(*args)`: any positional call is already normalized
 
 
@@ -167,6 +151,11 @@ class CompiledFunction:
             for f in failed:
                 stats.COUNTERS[f"recompile_reason:{f.split(', got ')[0]}"] += 1
             recompiles_log.info("%s\n  decision: compile entry %d", explanation, len(self.entries))
+        lazy = [n for t, n in zip(flat, names) if isinstance(t, torch.Tensor) and (t.is_neg() or t.is_conj())]
+        if lazy:  # export would trace the bit away while kernels read the raw storage
+            log.info("%s: %s carry a lazy neg/conj bit; this call runs eagerly", self._name(), lazy)
+            stats.COUNTERS["eager_runs"] += 1
+            return self.model(*args, **kwargs)
         entry = self._compile(args, kwargs, flat, spec, names)
         if entry is None:
             return self._run_eager(args, kwargs)
@@ -271,7 +260,8 @@ class CompiledFunction:
                     captured.user_vals,
                     captured.program.range_constraints,
                     [a for k in program.kernels for a in k.assumptions],
-                    _min_sizes(flat, dims, captured.user_vals),
+                    captured.state_sources(),
+                    [key for kind, key in captured.mutations.values() if kind == "user"],
                 )
         except GuardBuildError as e:
             self._capture_failed = f"cannot guard the exported program: {e}"

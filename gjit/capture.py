@@ -19,7 +19,6 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export import Dim, ExportedProgram, ShapesCollection
 from torch.export.graph_signature import InputKind, OutputKind
-from torch.fx.experimental import _config as fx_config
 
 log = logging.getLogger("gjit.capture")
 
@@ -76,9 +75,9 @@ DimRanges = dict[int, dict[int, tuple[int | None, int | None]]]  # flat input ->
 def export_model(module: torch.nn.Module, args: tuple, kwargs: dict, dims: DimRanges) -> ExportedProgram:
     """torch.export with the chosen dims as Dim.AUTO (export specializes what it must), the rest static.
 
-    Dynamic dims are traced size-obliviously: export does not assume a size is at least 2, so a
-    program is kept general for sizes 0 and 1 unless it branches on them, and then the branch
-    shows up as a guard (e.g. `Ne(s0, 1)`) that the entry checks.
+    Not size-oblivious: export assumes a dynamic size is at least 2 (its range says so) and
+    specializes an example size of 0 or 1, so a program that treats 1 specially (squeeze,
+    broadcasting) is never reused for it; a call with size 1 gets its own entry.
     """
     shapes = None
     if dims:
@@ -88,9 +87,8 @@ def export_model(module: torch.nn.Module, args: tuple, kwargs: dict, dims: DimRa
             leaf = leaves[i]
             if id(leaf) not in shapes._shapes:
                 shapes[leaf] = {d: Dim.AUTO(min=lo, max=hi) for d, (lo, hi) in ranges.items()}
-    with fx_config.patch(backed_size_oblivious=bool(dims)):
-        program = torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
-        return program.run_decompositions(decomposition_table())
+    program = torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
+    return program.run_decompositions(decomposition_table())
 
 
 @dataclasses.dataclass
@@ -125,6 +123,19 @@ class CapturedProgram:
         if self._getters is None:
             self._getters = [self._getter(kind, key) for kind, key in self.input_sources]
         return [get(flat_user) for get in self._getters]
+
+    def state_sources(self) -> list[tuple[torch.nn.Module, str, Any]]:
+        """(owning module, attribute, export's value) of every parameter and buffer read live:
+        the entry's guards check that what is there now still fits the kernels."""
+        if self.module is None:
+            return []
+        vals = [n.meta.get("val") for n in self.graph_module.graph.nodes if n.op == "placeholder"]
+        out = []
+        for (kind, key), val in zip(self.input_sources, vals):
+            if kind in ("param", "buffer") and isinstance(val, torch.Tensor):
+                owner_name, _, attr = key.rpartition(".")
+                out.append((self.module.get_submodule(owner_name), attr, val))
+        return out
 
     def _getter(self, kind: str, key: Any):
         """A per-call reader of one graph input. Parameters and buffers are read from their

@@ -71,7 +71,7 @@ class WrapperWriter:
         if isinstance(a, torch.fx.Node):
             val = a.meta.get("val")
             if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)) and a.name not in self.defined:
-                return self.sym(to_sympy(val))
+                return self.sym(val.node.expr)
             name = self.graph.aliases.get(a.name, a.name)
             self.ensure(name)
             return name

@@ -16,6 +16,7 @@ values.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -151,7 +152,7 @@ class _Builder:
         self.late_binds: list[Bind] = []  # stride reads and symbols, after every size is bound
         self.later: list[Guard] = []  # checks that may use symbols bound by later inputs or strides
         self.bound: dict[sympy.Symbol, str] = {}  # symbol -> user-readable source
-        self.namespace: dict[str, Any] = {"torch": torch, "Tensor": torch.Tensor}
+        self.namespace: dict[str, Any] = {"torch": torch, "Tensor": torch.Tensor, "math": math}
 
     def guard(self, code: str, description: str, actual: str, i: int | None, kind: str, later=False) -> None:
         (self.later if later else self.steps).append(Guard(code, description, actual, i, kind))
@@ -160,7 +161,15 @@ class _Builder:
         v, name = f"in{i}", self.names[i]
         val = value if val is None else val
         self.guard(f"isinstance({v}, Tensor)", f"{name} is a Tensor", f"type({v}).__name__", i, "type")
-        self.guard(f"{v}.dtype is {val.dtype}", f"{name}.dtype == {val.dtype}", f"{v}.dtype", i, "dtype")
+        dtype = str(val.dtype).replace(".", "_")  # a namespace constant: no attribute lookup per call
+        self.namespace[dtype] = val.dtype
+        self.guard(f"{v}.dtype is {dtype}", f"{name}.dtype == {val.dtype}", f"{v}.dtype", i, "dtype")
+        # a lazily negated (or, for complex, conjugated) view reads raw storage kernels would not fix up
+        if val.dtype.is_complex:
+            code, bits = f"not ({v}.is_neg() or {v}.is_conj())", f"({v}.is_neg(), {v}.is_conj())"
+            self.guard(code, f"{name} has no neg/conj bit", bits, i, "dtype")
+        else:
+            self.guard(f"not {v}.is_neg()", f"{name} has no neg bit", f"{v}.is_neg()", i, "dtype")
         self.guard(
             *_device_check(v, value.device), f"{name}.device == {value.device}", f"{v}.device", i, "device"
         )
@@ -216,6 +225,10 @@ class _Builder:
         self.guard(f"type({v}) is type{i}", f"{name} is a {kind.__name__}", f"type({v}).__name__", i, "type")
         if isinstance(value, float) and math.isnan(value):
             self.guard(f"{v} != {v}", f"{name} is nan (specialized)", v, i, "scalar")
+        elif isinstance(value, float) and value == 0.0:  # 0.0 == -0.0, but 1 / -0.0 is -inf
+            sign = math.copysign(1.0, value)
+            code = f"{v} == 0.0 and math.copysign(1.0, {v}) == {sign}"
+            self.guard(code, f"{name} == {value!r} (specialized)", v, i, "scalar")
         elif isinstance(value, (bool, int, float, str)) and not (
             isinstance(value, float) and math.isinf(value)
         ):
@@ -253,11 +266,13 @@ def build_guards(
     user_vals: Sequence[Any] | None = None,
     range_constraints: dict | None = None,
     assumptions: Sequence[tuple[sympy.Basic, str]] = (),
-    min_sizes: dict[sympy.Symbol, int] | None = None,
+    state: Sequence[tuple[Any, str, torch.Tensor]] = (),
+    mutated: Sequence[int] = (),
 ) -> GuardSet:
     """The guard set of one entry. `user_vals`: export's placeholder value per flat input (None:
     static, from the example); `assumptions`: (condition, why) the kernels rely on;
-    `min_sizes`: the least size admitted per symbol (default 1: size 0 gets its own entry)."""
+    `state`: (owner module, attribute, export's value) of each parameter / buffer the program
+    reads live; `mutated`: flat indices of user inputs the program writes to."""
     n = len(flat_inputs)
     user_vals = list(user_vals) if user_vals is not None else [None] * n
     b = _Builder(names)
@@ -271,7 +286,9 @@ def build_guards(
             b.scalar(i, value)
     symbols = input_symbols(user_vals)
     assert set(symbols) == set(b.bound), (symbols, list(b.bound))
-    _ranges(b, range_constraints or {}, min_sizes or {})
+    _aliasing(b, flat_inputs, set(mutated))
+    _state(b, state)
+    _ranges(b, range_constraints or {})
     env = shape_env_of(user_vals)
     if env is not None:
         _shape_env_guards(b, env)
@@ -284,15 +301,64 @@ def build_guards(
     return GuardSet(steps, symbols, dict(b.bound), source, b.namespace["guard"], b.namespace)
 
 
-def _ranges(b: _Builder, ranges: dict, min_sizes: dict[sympy.Symbol, int]) -> None:
+def _aliasing(b: _Builder, flat: Sequence[Any], mutated: set[int]) -> None:
+    """Export traced the example's aliasing: one tensor passed twice became one graph input, and
+    inputs the program writes were assumed not to share memory with any other input."""
+    first: dict[int, int] = {}
+    tensors = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor)]
+    for i in tensors:
+        j = first.setdefault(id(flat[i]), i)
+        if j != i:
+            b.guard(f"in{i} is in{j}", f"{b.names[i]} is {b.names[j]}", f"in{i} is in{j}", i, "alias", True)
+    for i in sorted(mutated):
+        for j in tensors:
+            if j != i and first[id(flat[j])] == j and first[id(flat[i])] == i:
+                code = f"in{i}.untyped_storage().data_ptr() != in{j}.untyped_storage().data_ptr()"
+                desc = f"{b.names[i]} (written) shares no memory with {b.names[j]}"
+                b.guard(code, desc, f"in{i}.untyped_storage().data_ptr()", None, "alias", True)
+
+
+def _state(b: _Builder, state: Sequence[tuple[Any, str, torch.Tensor]]) -> None:
+    """Parameters and buffers are read live: one that was replaced must still fit the kernels.
+    The hot path compares identities; a new tensor is checked once, then remembered."""
+    if not state:
+        return
+    b.namespace["state_ids"] = [id(getattr(owner, attr)) for owner, attr, _ in state]
+    b.namespace["state_fits"] = functools.partial(_state_fits, b.namespace["state_ids"], state)
+    for k, (owner, attr, _) in enumerate(state):
+        b.namespace[f"owner{k}"] = owner
+        where = f"{type(owner).__name__}.{attr}"
+        code = f"id(owner{k}.{attr}) == state_ids[{k}] or state_fits({k})"
+        actual = f"(tuple(owner{k}.{attr}.shape), owner{k}.{attr}.stride(), owner{k}.{attr}.dtype)"
+        b.guard(code, f"{where} keeps its shape, strides, dtype and device", actual, None, "state", True)
+
+
+def _state_fits(ids: list[int], state: Sequence[tuple[Any, str, torch.Tensor]], k: int) -> bool:
+    owner, attr, val = state[k]
+    t = getattr(owner, attr)
+    ok = (
+        isinstance(t, torch.Tensor)
+        and t.dtype == val.dtype
+        and t.device == val.device
+        and tuple(t.shape) == tuple(int(s) for s in val.shape)
+        and all(n == 1 or st == int(e) for n, st, e in zip(t.shape, t.stride(), val.stride()))
+        and not (t.is_neg() or t.is_conj())
+    )
+    if ok:
+        ids[k] = id(t)
+    return ok
+
+
+def _ranges(b: _Builder, ranges: dict) -> None:
     for expr, vr in ranges.items():
         expr = sympy.sympify(expr)
         if not expr.free_symbols or not expr.free_symbols <= set(b.bound):
             continue
         lower = int(vr.lower) if vr.lower not in (-int_oo, -sympy.oo) else None
         if isinstance(expr, sympy.Symbol):
-            # export traces 0 and 1 size-obliviously; gjit gives size 0 its own entry unless asked
-            lower = max(lower or 0, min_sizes.get(expr, 1))
+            # export traced the program assuming the size is at least 2 (a user range may say
+            # less): sizes 0 and 1 get entries of their own, where export specializes them
+            lower = max(lower or 0, 2)
         if lower is not None and lower > 0:
             b.condition(expr, f"{expr} >= {lower}", "range", code=f"{pyexpr(expr)} >= {lower}")
         if vr.upper not in (int_oo, sympy.oo):
@@ -330,12 +396,23 @@ def _strongest(assumptions: Sequence[tuple[sympy.Basic, str]]) -> list[tuple[sym
 
 
 def _function_source(steps: list[Guard | Bind], returned: str) -> str:
+    """Consecutive checks share one `if not (a and b and ...)`: fewer statements on the hot path."""
     lines = ["def guard(inputs):"]
+    pending: list[str] = []
+
+    def flush() -> None:
+        if pending:
+            joined = " and\n            ".join(f"({code})" for code in pending)
+            lines.append(f"    if not (\n            {joined}\n    ):")
+            lines.append("        return None")
+            pending.clear()
+
     for step in steps:
         if isinstance(step, Bind):
+            flush()
             lines.append(f"    {step.name} = {step.code}")
         else:
-            lines.append(f"    if not ({step.code}):")
-            lines.append("        return None")
+            pending.append(step.code)
+    flush()
     lines.append(f"    return {returned}")
     return "\n".join(lines) + "\n"

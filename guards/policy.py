@@ -1,12 +1,14 @@
 """Recompile policy: which dims a compile asks export to keep dynamic, and when to stop compiling.
 
 gjit's default lets export decide from the first call: every dim of every tensor input is
-`Dim.AUTO`, traced size-obliviously, so export keeps a dim symbolic unless the program needs
-its value (a branch on it, a match with a weight). A later call that misses every entry
-recompiles the same way with its own sizes, so the new entry is again as general as export
-allows. Dims the example has at size 0 or 1 stay static unless marked (they are mostly
-broadcast dims). `dynamic=True` marks those too; `dynamic=False` exports every dim static,
-one entry per shape. `mark_dynamic` adds a range and makes a dim dynamic in any mode.
+`Dim.AUTO`, so export keeps a dim symbolic unless the program needs its value (a branch on it,
+a match with a weight). A later call that misses every entry recompiles the same way with its
+own sizes, so the new entry is again as general as export allows. Export specializes example
+sizes 0 and 1 and assumes dynamic sizes are at least 2, so sizes 0 and 1 get entries of their
+own: a program that treats 1 specially (squeeze, broadcasting) is never reused for it.
+`dynamic=True` is the same (accepted for torch.compile compatibility: gjit's default is already
+dynamic from the first call); `dynamic=False` exports every dim static, one entry per shape.
+`mark_dynamic` adds a range and makes a dim dynamic in any mode.
 """
 
 from __future__ import annotations
@@ -60,8 +62,8 @@ def dynamic_dims(
         for d in range(t.dim()):
             if d in marks:
                 dims[d] = marks[d]
-            elif dynamic is False or (dynamic is None and t.shape[d] <= 1):
-                continue
+            elif dynamic is False or t.shape[d] <= 1:
+                continue  # static; export would specialize an example size of 0 or 1 anyway
             else:
                 dims[d] = (None, None)
         if dims:
