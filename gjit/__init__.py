@@ -8,10 +8,13 @@ gjit.stats(); gjit.reset()
 """
 
 from gjit import api as _api
+from gjit import logs as _logs
 from gjit import stats as _stats
-from gjit.api import CompiledFunction, RecompileError, Report, compile, explain
+from gjit.api import CompiledFunction, RecompileError, compile, explain
 from gjit.config import config
 from gjit.guards import mark_dynamic
+from gjit.logs import set_logs
+from gjit.report import Report
 
 __version__ = "0.1.0"
 
@@ -37,5 +40,8 @@ __all__ = [
     "explain",
     "mark_dynamic",
     "reset",
+    "set_logs",
     "stats",
 ]
+
+_logs.init_from_env()

@@ -8,21 +8,23 @@ import logging
 import weakref
 from typing import Any
 
-import sympy
 import torch
 import torch.utils._pytree as pytree
 
-from gjit import stats
-from gjit.capture import CaptureError, bind_call, capture, forward_signature
-from gjit.compiler import CompiledProgram, compile_program, run_program, size_hints, timed
+from gjit import dump, logs, stats
+from gjit.capture import CaptureError, bind_call, capture, forward_signature, readable
+from gjit.compiler import CompiledProgram, compile_program, run_program
 from gjit.config import config
 from gjit.guards import GuardBuildError, GuardSet, MissHistory, build_guards, dynamic_dims
-from gjit.ir import ExternNode
-from gjit.perf_model import Traffic, traffic
+from gjit.guards.policy import specialized_dims
+from gjit.report import Report, build_report
+from gjit.stats import timed
 
-log = logging.getLogger("gjit.capture")
-recompiles_log = logging.getLogger("gjit.recompiles")
-guards_log = logging.getLogger("gjit.guards")
+log = logs.logger("capture")
+recompiles_log = logs.logger("recompiles")
+guards_log = logs.logger("guards")
+cache_log = logs.logger("cache")
+perf_log = logs.logger("perf_hints")
 
 
 @dataclasses.dataclass
@@ -32,6 +34,7 @@ class Entry:
     guards: GuardSet
     spec: pytree.TreeSpec
     program: CompiledProgram
+    specialized: list[str] = dataclasses.field(default_factory=list)  # dims export made static, and why
 
 
 def _input_names(args: tuple, kwargs: dict, signature) -> list[str]:
@@ -83,9 +86,18 @@ LIVE: weakref.WeakSet = weakref.WeakSet()  # every CompiledFunction, so gjit.res
 class CompiledFunction:
     """What `gjit.compile(model)` returns: call it like the model."""
 
-    def __init__(self, model: Any, *, dynamic: bool | None = None):
+    def __init__(
+        self,
+        model: Any,
+        *,
+        dynamic: bool | None = None,
+        check: bool | None = None,
+        dump_dir: str | None = None,
+    ):
         self.model = model
         self.dynamic = dynamic
+        self.check = check  # None: gjit.config.check
+        self.dump_dir = dump_dir  # None: gjit.config.dump_dir
         self.signature = forward_signature(model)
         self.entries: list[Entry] = []
         self.eager_reason: str | None = None
@@ -153,7 +165,9 @@ class CompiledFunction:
             recompiles_log.info("%s\n  decision: compile entry %d", explanation, len(self.entries))
         lazy = [n for t, n in zip(flat, names) if isinstance(t, torch.Tensor) and (t.is_neg() or t.is_conj())]
         if lazy:  # export would trace the bit away while kernels read the raw storage
-            log.info("%s: %s carry a lazy neg/conj bit; this call runs eagerly", self._name(), lazy)
+            recompiles_log.info(
+                "%s: %s carry a lazy neg/conj bit; this call runs eagerly", self._name(), lazy
+            )
             stats.COUNTERS["eager_runs"] += 1
             return self.model(*args, **kwargs)
         entry = self._compile(args, kwargs, flat, spec, names)
@@ -242,16 +256,17 @@ class CompiledFunction:
     ) -> Entry | None:
         timings: dict[str, float] = {}
         dims = dynamic_dims(flat, self.dynamic)
+        cache_log.info("%s: no entry admits the call (in-memory cache miss); compiling", self._name())
         try:
-            with timed("capture", timings):
-                captured = capture(self.model, args, kwargs, dims)
+            captured = capture(self.model, args, kwargs, dims, timings)
         except CaptureError as e:
             self._capture_failed = str(e)
             log.warning(
                 "gjit could not capture %s, running it eagerly: %s", self._name(), str(e).splitlines()[0]
             )
             return None
-        program = compile_program(captured, timings)
+        check = config.check if self.check is None else self.check
+        program = compile_program(captured, timings, check=check)
         try:
             with timed("guards", timings):
                 guards = build_guards(
@@ -275,12 +290,53 @@ class CompiledFunction:
             index,
             ", ".join(guards.dynamic_dims) or "none (every dim static)",
         )
-        guards_log.debug("guards of entry %d of %s:\n%s", index, self._name(), guards.format())
-        entry = Entry(guards, spec, program)
+        guards_log.info("guards of entry %d of %s:\n%s", index, self._name(), guards.format())
+        entry = Entry(guards, spec, program, specialized_dims(dims, captured.user_vals, names))
         self.entries.append(entry)
+        sizes = guards.check(flat) or ()
+        if perf_log.isEnabledFor(logging.INFO) or self._dump_root():
+            report = build_report(entry, sizes)
+            for hint in report.perf_hints:
+                perf_log.info("%s entry %d: %s", self._name(), index, hint)
+            if self._dump_root():
+                self._dump(entry, index, report)
         return entry
 
+    def _dump_root(self) -> str | None:
+        return self.dump_dir if self.dump_dir is not None else config.dump_dir
+
+    def _dump(self, entry: Entry, index: int, report: Report) -> None:
+        """Write every compile stage of this entry under the dump folder (see gjit/dump.py)."""
+        program, captured, t = entry.program, entry.program.captured, entry.program.timings
+        path = dump.folder_for(self._dump_root(), self._name(), index)
+        files = {
+            "01_core_aten.txt": dump.stage_header("run_decompositions (core ATen)", t.get("decompose"))
+            + readable(captured.graph_module),
+            "02_loop_ir.txt": dump.stage_header("lower (gjit/lowering.py)", t.get("lower"))
+            + program.loop_graph.format(),
+            "03_regions.txt": dump.stage_header("fuse (gjit/fusion.py)", t.get("fuse"))
+            + dump.regions_text(program.steps),
+            "03_regions.dot": dump.regions_dot(captured.graph_module, program.steps),
+            "wrapper.py": program.graph.wrapper_source,
+            "guards.txt": dump.stage_header("guards (guards/builder.py)", t.get("guards"))
+            + entry.guards.format()
+            + "\n\n"
+            + entry.guards.source,
+            "report.json": dump.report_json(report),
+        }
+        if captured.exported is not None:
+            files["00_exported.txt"] = dump.stage_header(
+                "torch.export.export (non-strict)", t.get("export")
+            ) + readable(captured.exported.graph_module)
+        for k in program.kernels:
+            files[f"kernels/{k.name}.py"] = k.source
+        dump.write(path, files)
+        log.info("%s entry %d: compile stages written to %s", self._name(), index, path)
+
     def _run_eager(self, args: tuple, kwargs: dict) -> Any:
+        recompiles_log.info(
+            "%s: eager fallback from now on: %s", self._name(), getattr(self, "_capture_failed", "")
+        )
         stats.COUNTERS["eager_runs"] += 1
         result = self.model(*args, **kwargs)
         # the model ran fine eagerly, so capture itself is the problem: stop retrying it
@@ -293,110 +349,32 @@ class CompiledFunction:
         return getattr(self.model, "__qualname__", type(self.model).__name__)
 
 
-def compile(model: Any = None, *, dynamic: bool | None = None) -> Any:
+def compile(
+    model: Any = None, *, dynamic: bool | None = None, check: bool | None = None, dump_dir: str | None = None
+) -> Any:
     """Compile `model` (nn.Module, function, ExportedProgram or .pt2 path); usable as a decorator.
 
-    dynamic=None: export decides from the first call which dims stay dynamic (dims of size 0 or
-    1 in the example stay static); a call no entry admits compiles a new entry the same way.
-    dynamic=True: every dim starts dynamic, size-1 dims included. dynamic=False: every dim
-    static, one entry per distinct shape. gjit.mark_dynamic(t, dim, min, max) adds ranges.
+    dynamic=None (and True): export decides from the first call which dims stay dynamic (sizes 0
+    and 1 are specialized, so they get entries of their own); a call no entry admits compiles a
+    new entry the same way. dynamic=False: every dim static, one entry per distinct shape.
+    gjit.mark_dynamic(t, dim, min, max) makes a dim dynamic within a range.
+    check=True (or GJIT_CHECK=1): compare every kernel with the eager fallback on each call (slow).
+    dump_dir (or GJIT_DUMP_DIR): write every compile stage of each entry there.
     """
     if model is None:
-        return lambda m: CompiledFunction(m, dynamic=dynamic)
-    return CompiledFunction(model, dynamic=dynamic)
-
-
-# ----------------------------------------------------------------------------------------------
-# explain
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class KernelInfo:
-    name: str
-    source: str
-    aten_nodes: list[str]
-    source_lines: list[str]
-    path: str
-    bytes_read: int = 0  # modeled, at the example sizes
-    bytes_written: int = 0
-
-
-@dataclasses.dataclass
-class ExternInfo:
-    node: str
-    op: str
-    reason: str
-
-
-@dataclasses.dataclass
-class Report:
-    kernels: list[KernelInfo]
-    externs: list[ExternInfo]
-    guards: str
-    loop_ir: str
-    timings: dict[str, float]
-    traffic: Traffic  # modeled bytes: gjit vs eager vs ideal, at the example sizes
-
-    def __str__(self) -> str:
-        out = [f"gjit: {len(self.kernels)} kernel(s), {len(self.externs)} extern(s)"]
-        for k in self.kernels:
-            out.append(f"  kernel {k.name}: {', '.join(n.split(':')[0] for n in k.aten_nodes)}")
-        for e in self.externs:
-            out.append(f"  extern {e.node} = {e.op}: {e.reason}")
-        out.append(f"  {self.traffic}")
-        out.append("  compile time: " + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in self.timings.items()))
-        return "\n".join(out)
-
-
-UNBACKED_HINT = 8192  # a data-dependent size has no example value; the byte model assumes this
-
-
-def _explain_hints(program: CompiledProgram, entry: Entry, cm: CompiledFunction, args, kwargs) -> dict:
-    """Size symbol values for the byte model: this call's sizes, else export's example values, else
-    UNBACKED_HINT for data-dependent sizes."""
-    hints = size_hints(program.captured.graph_module)
-    args, kwargs = cm._normalize(args, kwargs)
-    sizes = entry.guards.check(pytree.tree_flatten((args, kwargs))[0]) or ()
-    hints.update(zip(entry.guards.symbols, sizes))
-    for node in program.captured.graph_module.graph.nodes:
-        val = node.meta.get("val")
-        for size in getattr(val, "shape", ()):
-            if isinstance(size, torch.SymInt):
-                for sym in size.node.expr.free_symbols:
-                    hints.setdefault(sym, UNBACKED_HINT)
-    return hints
+        return lambda m: CompiledFunction(m, dynamic=dynamic, check=check, dump_dir=dump_dir)
+    return CompiledFunction(model, dynamic=dynamic, check=check, dump_dir=dump_dir)
 
 
 def explain(model: Any, *args: Any, **kwargs: Any) -> Report:
-    """What gjit compiles for this call: kernels (with sources), externs and why, guards."""
+    """What gjit compiles for this call: kernels (with sources), externs and why, guards, dynamic
+    and specialized dims, perf hints, modeled bytes at this call's sizes."""
     cm = model if isinstance(model, CompiledFunction) else CompiledFunction(model)
     if cm.eager_reason is not None:
         raise CaptureError(f"gjit could not capture {cm._name()}: {cm.eager_reason}")
     entry = cm.entry_for(args, kwargs)
     if entry is None:
         raise CaptureError(f"gjit could not capture {cm._name()}: {getattr(cm, '_capture_failed', '')}")
-    program = entry.program
-    hints = _explain_hints(program, entry, cm, args, kwargs)
-    kernels = [
-        KernelInfo(
-            k.name,
-            k.source,
-            k.aten_nodes,
-            k.source_lines,
-            program.graph.kernel_paths.get(k.name, ""),
-            int(sympy.sympify(k.bytes_read).subs(hints)),
-            int(sympy.sympify(k.bytes_written).subs(hints)),
-        )
-        for k in program.kernels
-    ]
-    externs = [
-        ExternInfo(s.name, str(s.fx_node.target), s.reason)
-        for s in program.steps
-        if isinstance(s, ExternNode) and s.reason != "element of an extern's result"
-    ]
-    by_name = {k.name: k for k in program.kernels}
-    moved = traffic(program.loop_graph, program.steps, by_name, hints)
-    return Report(
-        kernels, externs, entry.guards.format(), program.loop_graph.format(), dict(program.timings), moved
-    )
+    norm_args, norm_kwargs = cm._normalize(args, kwargs)
+    sizes = entry.guards.check(pytree.tree_flatten((norm_args, norm_kwargs))[0]) or ()
+    return build_report(entry, sizes)

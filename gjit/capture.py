@@ -20,7 +20,11 @@ import torch.utils._pytree as pytree
 from torch.export import Dim, ExportedProgram, ShapesCollection
 from torch.export.graph_signature import InputKind, OutputKind
 
-log = logging.getLogger("gjit.capture")
+from gjit import logs
+from gjit.stats import timed
+
+log = logs.logger("capture")
+graph_log = logs.logger("graph")
 
 
 class CaptureError(RuntimeError):
@@ -72,7 +76,9 @@ def decomposition_table() -> dict:
 DimRanges = dict[int, dict[int, tuple[int | None, int | None]]]  # flat input -> dim -> (min, max)
 
 
-def export_model(module: torch.nn.Module, args: tuple, kwargs: dict, dims: DimRanges) -> ExportedProgram:
+def export_model(
+    module: torch.nn.Module, args: tuple, kwargs: dict, dims: DimRanges, timings: dict[str, float]
+) -> tuple[ExportedProgram, ExportedProgram]:
     """torch.export with the chosen dims as Dim.AUTO (export specializes what it must), the rest static.
 
     Not size-oblivious: export assumes a dynamic size is at least 2 (its range says so) and
@@ -87,8 +93,10 @@ def export_model(module: torch.nn.Module, args: tuple, kwargs: dict, dims: DimRa
             leaf = leaves[i]
             if id(leaf) not in shapes._shapes:
                 shapes[leaf] = {d: Dim.AUTO(min=lo, max=hi) for d, (lo, hi) in ranges.items()}
-    program = torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
-    return program.run_decompositions(decomposition_table())
+    with timed("export", timings), logs.torch_dynamic_logs():
+        exported = torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
+    with timed("decompose", timings):
+        return exported, exported.run_decompositions(decomposition_table())
 
 
 @dataclasses.dataclass
@@ -105,6 +113,7 @@ class CapturedProgram:
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
     user_vals: list[Any]  # export's placeholder value per flat user input (FakeTensor with SymInt sizes)
+    exported: ExportedProgram | None = None  # before decomposition (for the dump folder and logs)
     _getters: list | None = None
 
     @property
@@ -158,18 +167,23 @@ class CapturedProgram:
         return pytree.tree_unflatten([flat_out[i] for i in self.user_output_indices], self.out_spec)
 
 
-def capture(model: Any, args: tuple, kwargs: dict, dims: DimRanges) -> CapturedProgram:
+def capture(
+    model: Any, args: tuple, kwargs: dict, dims: DimRanges, timings: dict[str, float] | None = None
+) -> CapturedProgram:
     """Export (unless given a program), decompose to core ATen, and record the calling convention.
 
     `dims`: which input dims to export as dynamic; if export fails with them, gjit retries with
-    static shapes (a failure about types is not retried).
+    static shapes (a failure about types is not retried). `timings` gets "export" and "decompose".
     """
+    timings = {} if timings is None else timings
     program = load_program(model)
     if program is not None:
-        return describe(program.run_decompositions(decomposition_table()), None)
+        with timed("decompose", timings):
+            decomposed = program.run_decompositions(decomposition_table())
+        return _logged(describe(decomposed, None, program))
     module = as_module(model)
     try:
-        program = export_model(module, args, kwargs, dims)
+        exported, program = export_model(module, args, kwargs, dims, timings)
     except Exception as e:
         if not dims or _not_about_shapes(e):
             raise CaptureError(_explain_failure(e)) from e
@@ -180,10 +194,22 @@ def capture(model: Any, args: tuple, kwargs: dict, dims: DimRanges) -> CapturedP
             str(e).splitlines()[0] if str(e) else "",
         )
         try:
-            program = export_model(module, args, kwargs, {})
+            exported, program = export_model(module, args, kwargs, {}, timings)
         except Exception as e2:
             raise CaptureError(_explain_failure(e2)) from e2
-    return describe(program, module)
+    return _logged(describe(program, module, exported))
+
+
+def _logged(captured: CapturedProgram) -> CapturedProgram:
+    if graph_log.isEnabledFor(logging.DEBUG) and captured.exported is not None:
+        graph_log.debug("exported graph, before decomposition:\n%s", readable(captured.exported.graph_module))
+    graph_log.info("ATen graph gjit compiles (core ATen):\n%s", readable(captured.graph_module))
+    return captured
+
+
+def readable(gm: torch.fx.GraphModule) -> str:
+    """The graph as code with shapes (`f32[s0, 64]`) and the user line of every node."""
+    return gm.print_readable(print_output=False, include_stride=False, colored=False)
 
 
 def _not_about_shapes(e: Exception) -> bool:
@@ -202,7 +228,9 @@ def _explain_failure(e: Exception) -> str:
     return text
 
 
-def describe(program: ExportedProgram, module: torch.nn.Module | None) -> CapturedProgram:
+def describe(
+    program: ExportedProgram, module: torch.nn.Module | None, exported: ExportedProgram | None = None
+) -> CapturedProgram:
     sig = program.graph_signature
     vals = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
     user_names = [s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
@@ -242,6 +270,7 @@ def describe(program: ExportedProgram, module: torch.nn.Module | None) -> Captur
         in_spec=program.call_spec.in_spec,
         out_spec=program.call_spec.out_spec,
         user_vals=[vals.get(s.arg.name) for s in sig.input_specs if s.kind == InputKind.USER_INPUT],
+        exported=exported,
     )
 
 

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import time
-from collections.abc import Iterator
 from typing import Any
 
 import sympy
@@ -14,6 +11,7 @@ import torch
 
 from gjit import stats
 from gjit.capture import CapturedProgram
+from gjit.check import RegionChecker
 from gjit.codegen.triton import KernelSource, generate_kernel
 from gjit.config import config
 from gjit.fusion import Region, Step, fuse
@@ -21,6 +19,7 @@ from gjit.guards.builder import input_symbols
 from gjit.ir import LoopGraph
 from gjit.lowering import lower_graph
 from gjit.runtime import CompiledGraph
+from gjit.stats import timed
 from gjit.wrapper import generate_wrapper
 
 log = logging.getLogger("gjit.compiler")
@@ -42,17 +41,6 @@ class CompiledProgram:
         return self.graph.kernels
 
 
-@contextlib.contextmanager
-def timed(name: str, timings: dict[str, float]) -> Iterator[None]:
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        elapsed = time.perf_counter() - start
-        timings[name] = timings.get(name, 0.0) + elapsed
-        stats.STAGE_SECONDS[name] += elapsed
-
-
 def size_hints(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, int]:
     """The example value of every size symbol (used only for choices, never baked in)."""
     for node in gm.graph.nodes:
@@ -66,14 +54,16 @@ def size_hints(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, int]:
     return {}
 
 
-def compile_program(captured: CapturedProgram, timings: dict[str, float]) -> CompiledProgram:
+def compile_program(
+    captured: CapturedProgram, timings: dict[str, float], check: bool = False
+) -> CompiledProgram:
     gm = captured.graph_module
-    loop_graph, steps, graph = compile_graph(gm, timings, input_symbols(captured.user_vals))
+    loop_graph, steps, graph = compile_graph(gm, timings, input_symbols(captured.user_vals), check)
     return CompiledProgram(captured, loop_graph, steps, graph, timings)
 
 
 def compile_graph(
-    gm: torch.fx.GraphModule, timings: dict[str, float], symbols: list[sympy.Symbol]
+    gm: torch.fx.GraphModule, timings: dict[str, float], symbols: list[sympy.Symbol], check: bool = False
 ) -> tuple[LoopGraph, list[Step], CompiledGraph]:
     """One FX graph -> kernels + wrapper; `symbols` are the sizes the caller passes in bound.
     The branches of a torch.cond are compiled the same way (binding their sizes themselves)."""
@@ -91,19 +81,36 @@ def compile_graph(
     # wrapper: the schedule -> one Python call function
     with timed("wrapper", timings):
         by_name = {k.name: k for k in kernels}
-        wrapper = generate_wrapper(loop_graph, steps, by_name, poison=config.debug, input_symbols=symbols)
+        wrapper = generate_wrapper(
+            loop_graph, steps, by_name, poison=config.debug, input_symbols=symbols, check=check
+        )
     # write: sources to the cache dir (content-addressed)
     with timed("write", timings):
         graph = CompiledGraph(gm, kernels, wrapper)
         graph.write()
+    if check:
+        graph.checker = region_checker(gm, loop_graph, steps)
     stats.COUNTERS["kernels"] += len(kernels)
     for k in kernels:
-        output_code_log.debug("kernel %s written to %s\n%s", k.name, graph.kernel_paths[k.name], k.source)
-    output_code_log.debug("wrapper written to %s\n%s", graph.wrapper_path, wrapper)
+        output_code_log.info("kernel %s written to %s\n%s", k.name, graph.kernel_paths[k.name], k.source)
+    output_code_log.info("wrapper written to %s\n%s", graph.wrapper_path, wrapper)
     for node in gm.graph.nodes:
         if node.op == "get_attr" and isinstance(getattr(gm, node.target), torch.fx.GraphModule):
-            graph.subgraphs[node.target] = compile_graph(getattr(gm, node.target), timings, [])[2]
+            graph.subgraphs[node.target] = compile_graph(getattr(gm, node.target), timings, [], check)[2]
     return loop_graph, steps, graph
+
+
+def region_checker(gm: torch.fx.GraphModule, graph: LoopGraph, steps: list[Step]) -> RegionChecker:
+    """What GJIT_CHECK compares per kernel: FX nodes it computes, and (FX name, wrapper name) it stores."""
+    fx_names: dict[str, list[str]] = {}
+    for n in gm.graph.nodes:
+        fx_names.setdefault(graph.aliases.get(n.name, n.name), []).append(n.name)
+    members, stores = {}, {}
+    for r in steps:
+        if isinstance(r, Region):
+            members[r.name] = [f for n in r.inlined + r.nodes for f in fx_names.get(n.name, [n.name])]
+            stores[r.name] = [(f, s) for s in r.stores for f in fx_names.get(s, [])]
+    return RegionChecker(gm, members, stores)
 
 
 def run_program(program: CompiledProgram, flat_user: list[Any], sizes: tuple) -> Any:

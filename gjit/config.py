@@ -14,6 +14,9 @@
                                                          miss past it run eagerly (one warning)
     gjit.config.fail_on_recompile_limit  GJIT_FAIL_ON_RECOMPILE_LIMIT  raise instead of running eagerly
     gjit.config.error_on_recompile    GJIT_ERROR_ON_RECOMPILE  raise on any recompile (strict ranges)
+    gjit.config.check                 GJIT_CHECK=1       run every kernel and the eager fallback on the
+                                                         same inputs, report the error per kernel
+    gjit.config.dump_dir              GJIT_DUMP_DIR      write every compile stage of each entry here
 
 Tests override knobs with ``with gjit.config.scope(interpret=True): ...``.
 """
@@ -126,6 +129,17 @@ class Config:
         "raise gjit.RecompileError whenever a call misses every entry (e.g. a size outside a range)",
     )
 
+    check = _Knob(
+        "GJIT_CHECK",
+        _env_bool("GJIT_CHECK", False),
+        "compare each kernel's outputs with the eager fallback on the same inputs (per-kernel error table)",
+    )
+    dump_dir = _Knob(
+        "GJIT_DUMP_DIR",
+        lambda: os.environ.get("GJIT_DUMP_DIR") or None,
+        "write every compile stage of each entry under this folder",
+    )
+
     def __init__(self) -> None:
         self._overrides: dict[str, Any] = {}
 
@@ -147,7 +161,7 @@ class Config:
 
     def snapshot(self) -> dict[str, Any]:
         """The knob values that change generated code or how it runs (part of a cache key)."""
-        names = ("interpret", "debug", "xblock", "reduction", "persistent_max", "rblock")
+        names = ("interpret", "debug", "xblock", "reduction", "persistent_max", "rblock", "check")
         return {name: getattr(self, name) for name in names}
 
 

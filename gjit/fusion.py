@@ -290,7 +290,7 @@ class Fusion:
                 if reason is None:
                     self.merge(a, b)
                 else:
-                    log.debug("cannot fuse %s with %s: %s", dep, name, reason)
+                    log.info("cannot fuse %s with %s: %s", dep, name, reason)
 
     def fuse_horizontal(self) -> None:
         groups = sorted({self.group[n] for n in self.bodies}, key=self.order.get)
@@ -304,10 +304,10 @@ class Fusion:
                     continue
                 reason = self.why_not(a, b)
                 if reason is None:
-                    log.debug("fuse %s with %s horizontally: they read %s", a, b, sorted(reads_a & reads_b))
+                    log.info("fuse %s with %s horizontally: they read %s", a, b, sorted(reads_a & reads_b))
                     self.merge(a, b)
                 else:
-                    log.debug("cannot fuse %s with %s: %s", a, b, reason)
+                    log.info("cannot fuse %s with %s: %s", a, b, reason)
 
     # -- ordering --------------------------------------------------------------------------------
 

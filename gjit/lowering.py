@@ -283,7 +283,7 @@ class Lowering:
 
         torch.fx.node.map_arg((node.args, node.kwargs), visit)
         self.nodes.append(ir.ExternNode(node.name, node, reason, tensor_args))
-        log.debug("extern %s: %s", node.format_node(), reason)
+        log.info("extern %s = %s: %s", node.name, node.target, reason)
         val = node.meta.get("val")
         self.know(val)
         if isinstance(val, torch.Tensor):

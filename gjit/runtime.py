@@ -22,9 +22,12 @@ from typing import Any
 import torch
 import triton
 
+from gjit import logs
 from gjit.codegen import interpret as interpret_libdevice
 from gjit.codegen.triton import KERNEL_PRELUDE, KernelSource
 from gjit.config import config
+
+cache_log = logs.logger("cache")
 
 # ----------------------------------------------------------------------------------------------
 # Sources on disk
@@ -37,7 +40,9 @@ def write_source(kind: str, name: str, source: str) -> str:
     folder = os.path.join(config.cache_dir, kind, digest[:2])
     path = os.path.join(folder, f"{name}_{digest}.py")
     if os.path.exists(path):
+        cache_log.info("on-disk hit: %s %s is already at %s", kind, name, path)
         return path
+    cache_log.info("on-disk miss: writing %s %s to %s", kind, name, path)
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
@@ -120,7 +125,9 @@ _KERNELS: dict[tuple[str, bool], Any] = {}
 
 def load_kernel(path: str, name: str, interpret: bool) -> Any:
     key = (path, interpret)
-    if key not in _KERNELS:
+    if key in _KERNELS:
+        cache_log.info("in-memory hit: kernel %s already loaded (shared with another entry or model)", name)
+    else:
         _KERNELS[key] = getattr(load_module(path, interpret=interpret), name)
     return _KERNELS[key]
 
@@ -138,6 +145,8 @@ class CompiledGraph:
     kernel_paths: dict[str, str] = dataclasses.field(default_factory=dict)
     wrapper_path: str = ""
     subgraphs: dict[str, CompiledGraph] = dataclasses.field(default_factory=dict)  # torch.cond branches
+    checker: Any = None  # GJIT_CHECK: a gjit.check.RegionChecker the wrapper reports to
+    last_check: list = dataclasses.field(default_factory=list)  # its rows for the latest call
     _calls: dict[str, Callable] = dataclasses.field(default_factory=dict)
 
     def write(self) -> None:
@@ -153,6 +162,8 @@ class CompiledGraph:
             }
             extra = {"gjit_alloc": gjit_alloc, "gjit_alloc_poisoned": gjit_alloc_poisoned, **kernels}
             extra |= {name: sub.run_branch for name, sub in self.subgraphs.items()}
+            if self.checker is not None:
+                extra["gjit_check"] = self.checker.check_region
             call = load_module(self.wrapper_path, extra).call
             self._calls[key] = _interpreted(call) if interpret else call
         return self._calls[key]
@@ -171,8 +182,9 @@ class CompiledGraph:
         return tuple(self.run(list(operands), ()))
 
     def run(self, graph_inputs: list[Any], sizes: tuple) -> list[Any]:
-        if self.on_cuda:
-            return list(self.call_fn(interpret=False)(graph_inputs, sizes))
-        if config.interpret:
-            return list(self.call_fn(interpret=True)(graph_inputs, sizes))
+        if self.on_cuda or config.interpret:
+            out = list(self.call_fn(interpret=not self.on_cuda)(graph_inputs, sizes))
+            if self.checker is not None:
+                self.last_check = self.checker.finish(os.path.basename(self.wrapper_path))
+            return out
         return list(FallbackInterpreter(self.graph_module).run(*graph_inputs))

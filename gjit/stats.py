@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import collections
+import contextlib
+import time
+from collections.abc import Iterator
 
 COUNTERS: collections.Counter[str] = collections.Counter()
 STAGE_SECONDS: collections.Counter[str] = collections.Counter()
@@ -18,3 +21,15 @@ def snapshot() -> dict:
 def clear() -> None:
     COUNTERS.clear()
     STAGE_SECONDS.clear()
+
+
+@contextlib.contextmanager
+def timed(name: str, timings: dict[str, float]) -> Iterator[None]:
+    """Time a compile stage into `timings` (this compile) and STAGE_SECONDS (the process)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        elapsed = time.perf_counter() - start
+        timings[name] = timings.get(name, 0.0) + elapsed
+        STAGE_SECONDS[name] += elapsed

@@ -34,8 +34,10 @@ class WrapperWriter:
         kernels: dict[str, KernelSource],
         poison: bool,
         input_symbols: list[sympy.Symbol],
+        check: bool = False,
     ):
         self.input_symbols = input_symbols
+        self.check = check
         self.graph = graph
         self.steps = steps
         self.kernels = kernels
@@ -157,6 +159,8 @@ class WrapperWriter:
         launch = ", ".join(f"{k}={v}" for k, v in blocks.items())
         self.lines.append("if xnumel > 0:")
         self.lines.append(f"    {kernel.name}[{grid}]({', '.join(args + sizes)}, {launch})")
+        if self.check:
+            self.lines.append(f"gjit_check({kernel.name!r}, locals())")
 
     def flush_asserts(self) -> None:
         """export's runtime assertions on sizes (e.g. a data-dependent size is >= 0), emitted as soon
@@ -245,6 +249,8 @@ def generate_wrapper(
     kernels: dict[str, KernelSource],
     poison: bool,
     input_symbols: list[sympy.Symbol],
+    check: bool = False,
 ) -> str:
-    """`input_symbols`: the size symbols the entry's guard binds and passes in as `sizes`."""
-    return WrapperWriter(graph, steps, kernels, poison, input_symbols).generate()
+    """`input_symbols`: the size symbols the entry's guard binds and passes in as `sizes`;
+    `check`: call gjit_check after each kernel (GJIT_CHECK)."""
+    return WrapperWriter(graph, steps, kernels, poison, input_symbols, check).generate()

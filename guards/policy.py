@@ -17,6 +17,7 @@ import collections
 import dataclasses
 from typing import Any
 
+import sympy
 import torch
 
 MARKS = "_gjit_dynamic_dims"  # tensor attribute: {dim: (min, max)} set by mark_dynamic
@@ -112,3 +113,27 @@ def signature(flat: list[Any], names: list[str]) -> str:
         else:
             parts.append(f"{name}={value!r}")
     return ", ".join(parts)
+
+
+def specialized_dims(dims: dict[int, dict], user_vals: list[Any], names: list[str]) -> list[str]:
+    """Dims the policy asked export to keep dynamic that export made static, each with the guard
+    and source line that forced it (from the shape environment), e.g.
+    "x.size(1) = 64: Eq(s27, 64) at model.py:12 in forward"."""
+    env = next((v.fake_mode.shape_env for v in user_vals if hasattr(v, "fake_mode")), None)
+    reasons: dict[str, str] = {}
+    for g in getattr(env, "guards", ()):
+        if isinstance(g.expr, sympy.Eq):  # the equalities that pin a symbol to a value
+            for sym in g.expr.free_symbols:
+                for source in env.var_to_sources.get(sym, []):
+                    reasons.setdefault(source.name, f"{g.expr} at {str(g.sloc).strip('()')}")
+    out = []
+    for i, ranges in dims.items():
+        val = user_vals[i] if i < len(user_vals) else None
+        if not isinstance(val, torch.Tensor):
+            continue
+        for d in ranges:
+            size = val.shape[d]
+            if not isinstance(size, torch.SymInt) or size.node.expr.is_number:
+                why = reasons.get(f"L['{names[i]}'].size()[{d}]", "export specialized it")
+                out.append(f"{names[i]}.size({d}) = {int(size)}: {why}")
+    return out

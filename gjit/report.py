@@ -1,0 +1,150 @@
+"""The report of what gjit compiled for a call (gjit.explain returns it): kernels, externs,
+guards, dynamic and specialized dims, perf hints, modeled bytes, compile time per stage.
+
+The same report feeds the dump folder's report.json and the `perf_hints` log artifact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import sympy
+import torch
+
+from gjit.compiler import CompiledProgram, size_hints
+from gjit.fusion import Region
+from gjit.ir import ExternNode
+from gjit.perf_model import Traffic, traffic
+
+UNBACKED_HINT = 8192  # a data-dependent size has no example value; the byte model assumes this
+
+
+@dataclasses.dataclass
+class KernelInfo:
+    name: str
+    source: str
+    aten_nodes: list[str]
+    source_lines: list[str]
+    path: str
+    bytes_read: int = 0  # modeled, at this call's sizes
+    bytes_written: int = 0
+
+
+@dataclasses.dataclass
+class ExternInfo:
+    node: str
+    op: str
+    reason: str
+
+
+@dataclasses.dataclass
+class Report:
+    kernels: list[KernelInfo]
+    externs: list[ExternInfo]
+    guards: str
+    loop_ir: str
+    timings: dict[str, float]
+    traffic: Traffic  # modeled bytes: gjit vs eager vs ideal, at this call's sizes
+    dynamic_dims: list[str] = dataclasses.field(default_factory=list)  # "x.size(0) = s0"
+    specialized_dims: list[str] = dataclasses.field(default_factory=list)  # "x.size(1) = 64: <line>"
+    perf_hints: list[str] = dataclasses.field(default_factory=list)
+
+    def __str__(self) -> str:
+        out = [f"gjit: {len(self.kernels)} kernel(s), {len(self.externs)} extern(s)"]
+        for k in self.kernels:
+            out.append(f"  kernel {k.name}: {', '.join(n.split(':')[0] for n in k.aten_nodes)}")
+        for e in self.externs:
+            out.append(f"  extern {e.node} = {e.op}: {e.reason}")
+        out.append(f"  dynamic dims: {', '.join(self.dynamic_dims) or 'none'}")
+        for s in self.specialized_dims:
+            out.append(f"  specialized: {s}")
+        for h in self.perf_hints:
+            out.append(f"  perf hint: {h}")
+        out.append(f"  {self.traffic}")
+        out.append("  compile time: " + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in self.timings.items()))
+        return "\n".join(out)
+
+
+def hints_for(program: CompiledProgram, symbols: list[sympy.Symbol], sizes: tuple) -> dict:
+    """Size symbol values for the byte model: this call's sizes, else export's example values,
+    else UNBACKED_HINT for data-dependent sizes."""
+    hints = size_hints(program.captured.graph_module)
+    hints.update(zip(symbols, sizes))
+    for node in program.captured.graph_module.graph.nodes:
+        for size in getattr(node.meta.get("val"), "shape", ()):
+            if isinstance(size, torch.SymInt):
+                for sym in size.node.expr.free_symbols:
+                    hints.setdefault(sym, UNBACKED_HINT)
+    return hints
+
+
+def build_report(entry: Any, sizes: tuple = ()) -> Report:
+    program: CompiledProgram = entry.program
+    hints = hints_for(program, entry.guards.symbols, sizes)
+    kernels = [
+        KernelInfo(
+            k.name,
+            k.source,
+            k.aten_nodes,
+            k.source_lines,
+            program.graph.kernel_paths.get(k.name, ""),
+            int(sympy.sympify(k.bytes_read).subs(hints)),
+            int(sympy.sympify(k.bytes_written).subs(hints)),
+        )
+        for k in program.kernels
+    ]
+    externs = [
+        ExternInfo(s.name, str(s.fx_node.target), s.reason)
+        for s in program.steps
+        if isinstance(s, ExternNode) and s.reason != "element of an extern's result"
+    ]
+    by_name = {k.name: k for k in program.kernels}
+    moved = traffic(program.loop_graph, program.steps, by_name, hints)
+    return Report(
+        kernels,
+        externs,
+        entry.guards.format(),
+        program.loop_graph.format(),
+        dict(program.timings),
+        moved,
+        entry.guards.dynamic_dims,
+        list(entry.specialized),
+        perf_hints(program, entry.specialized),
+    )
+
+
+def perf_hints(program: CompiledProgram, specialized: list[str]) -> list[str]:
+    """What costs performance in this program, in the order a user would fix it."""
+    hints = []
+    steps = program.steps
+    kernels = {k.name: k for k in program.kernels}
+    for i, step in enumerate(steps):
+        if isinstance(step, ExternNode) and step.reason != "element of an extern's result":
+            before = any(isinstance(s, Region) for s in steps[:i])
+            after = any(isinstance(s, Region) for s in steps[i + 1 :])
+            if before and after and step.tensor_args:
+                hints.append(
+                    f"extern {step.name} ({step.fx_node.target}) runs between kernels: its inputs and "
+                    f"outputs round-trip through memory ({step.reason})"
+                )
+    for name, k in kernels.items():
+        if k.rnumel is not None and not k.persistent:
+            hints.append(
+                f"{name} is a looped reduction (rows of {k.rnumel}): it reads its input once per pass"
+            )
+        if k.index_dtype == "tl.int64":
+            hints.append(f"{name} uses int64 offsets (sizes can reach 2**31, or a size is data-dependent)")
+    for step in steps:
+        if isinstance(step, Region):
+            for n in step.nodes + step.inlined:
+                for arg in n.fx_node.all_input_nodes:
+                    val = arg.meta.get("val")
+                    if arg.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() > 1:
+                        if val.shape[-1] != 1 and val.stride()[-1] != 1:
+                            hints.append(
+                                f"{step.name} reads {arg.name} with stride {val.stride()[-1]} along its "
+                                "last dim (uncoalesced loads)"
+                            )
+    hints += [f"{s} (a dim export could not keep dynamic)" for s in specialized]
+    return list(dict.fromkeys(hints))
