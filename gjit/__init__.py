@@ -10,6 +10,7 @@ gjit.stats(); gjit.reset()
 from gjit import api as _api
 from gjit import logs as _logs
 from gjit import stats as _stats
+from gjit.aot import aot
 from gjit.api import CompiledFunction, RecompileError, compile, explain
 from gjit.config import config
 from gjit.guards import mark_dynamic
@@ -35,6 +36,7 @@ __all__ = [
     "CompiledFunction",
     "RecompileError",
     "Report",
+    "aot",
     "compile",
     "config",
     "explain",

@@ -1,0 +1,109 @@
+"""Ahead-of-time: every kernel of a compiled program built for a real GPU target, no GPU needed.
+
+    report = gjit.aot(model, x, arch="sm_90")    # PTX + cubin per kernel, written to disk
+    print(report)                                # registers, spills, shared memory, vector loads
+
+Triton compiles each kernel for the target through its whole NVIDIA pipeline (ptxas ships
+with Triton); the resource usage comes from the cubin itself, read with the `cuobjdump` that
+ships with Triton. A kernel with local memory or stack use spills registers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+from typing import Any
+
+import triton
+
+from gjit.codegen.compile_only import compile_kernel
+from gjit.config import config
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+@dataclasses.dataclass
+class KernelBinary:
+    name: str
+    ptx_path: str
+    cubin_path: str
+    registers: int
+    stack: int  # bytes per thread
+    local: int  # bytes per thread of local memory (register spills)
+    shared: int  # bytes per block
+    vector_loads: int  # ld.global.v2/.v4 instructions in the PTX
+    scalar_loads: int  # ld.global without a vector width
+
+    @property
+    def spills(self) -> bool:
+        return self.local > 0 or self.stack > 0
+
+
+@dataclasses.dataclass
+class AotReport:
+    arch: str
+    kernels: list[KernelBinary]
+
+    def __str__(self) -> str:
+        lines = [f"gjit.aot: {len(self.kernels)} kernel(s) for {self.arch}"]
+        width = max([6] + [len(k.name) for k in self.kernels])
+        head = f"{'regs':>5} {'local':>6} {'shared':>7} {'v-loads':>8} {'loads':>6}"
+        lines.append(f"  {'kernel':<{width}} {head}")
+        for k in self.kernels:
+            flag = "  SPILLS" if k.spills else ""
+            lines.append(
+                f"  {k.name:<{width}} {k.registers:>5} {k.local:>6} {k.shared:>7} {k.vector_loads:>8} "
+                f"{k.scalar_loads:>6}{flag}"
+            )
+        return "\n".join(lines)
+
+
+def resource_usage(cubin_path: str) -> dict[str, int]:
+    """REG / STACK / SHARED / LOCAL of the (single) function in a cubin, from cuobjdump."""
+    out = subprocess.run(
+        [CUOBJDUMP, "--dump-resource-usage", cubin_path], capture_output=True, text=True, check=True
+    ).stdout
+    match = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    if match is None:
+        raise RuntimeError(f"cuobjdump reported no resource usage for {cubin_path}:\n{out}")
+    reg, stack, shared, local = map(int, match.groups())
+    return {"registers": reg, "stack": stack, "shared": shared, "local": local}
+
+
+def build(kernel: Any, path: str, arch: int, out_dir: str) -> KernelBinary:
+    binary = compile_kernel(kernel, path, arch=arch)
+    os.makedirs(out_dir, exist_ok=True)
+    ptx_path = os.path.join(out_dir, f"{kernel.name}.ptx")
+    cubin_path = os.path.join(out_dir, f"{kernel.name}.cubin")
+    with open(ptx_path, "w") as f:
+        f.write(binary.asm["ptx"])
+    with open(cubin_path, "wb") as f:
+        f.write(binary.asm["cubin"])
+    ptx = binary.asm["ptx"]
+    loads = re.findall(r"\bld\.global[\w.]*", ptx)
+    vector = sum(1 for op in loads if ".v2." in op or ".v4." in op)
+    scalar = len(loads) - vector
+    return KernelBinary(kernel.name, ptx_path, cubin_path, **resource_usage(cubin_path),
+                        vector_loads=vector, scalar_loads=scalar)  # fmt: skip
+
+
+def aot(model: Any, *args: Any, arch: str = "sm_90", out_dir: str | None = None, **kwargs: Any) -> AotReport:
+    """Compile `model` for this call (capture, lower, fuse, codegen; nothing runs) and build every
+    kernel, torch.cond branches included, for `arch`; PTX and cubins go to `out_dir`."""
+    from gjit.api import CompiledFunction
+
+    number = int(arch.removeprefix("sm_"))
+    cm = model if isinstance(model, CompiledFunction) else CompiledFunction(model)
+    entry = cm.entry_for(args, kwargs)
+    if entry is None:
+        raise RuntimeError(f"gjit could not capture {cm._name()}: {getattr(cm, '_capture_failed', '')}")
+    out_dir = out_dir or os.path.join(config.cache_dir, "aot", arch)
+    kernels = []
+    graphs = [entry.program.graph]
+    while graphs:
+        graph = graphs.pop(0)
+        kernels += [build(k, graph.kernel_paths[k.name], number, out_dir) for k in graph.kernels]
+        graphs += list(graph.subgraphs.values())
+    return AotReport(arch, kernels)
