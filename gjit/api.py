@@ -331,7 +331,9 @@ class CompiledFunction:
         for k in program.kernels:
             files[f"kernels/{k.name}.py"] = k.source
         dump.write(path, files)
-        log.info("%s entry %d: compile stages written to %s", self._name(), index, path)
+        logs.logger("output_code").info(
+            "%s entry %d: compile stages written to %s", self._name(), index, path
+        )
 
     def _run_eager(self, args: tuple, kwargs: dict) -> Any:
         recompiles_log.info(

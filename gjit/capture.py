@@ -133,8 +133,8 @@ class CapturedProgram:
             self._getters = [self._getter(kind, key) for kind, key in self.input_sources]
         return [get(flat_user) for get in self._getters]
 
-    def state_sources(self) -> list[tuple[torch.nn.Module, str, Any]]:
-        """(owning module, attribute, export's value) of every parameter and buffer read live:
+    def state_sources(self) -> list[tuple[torch.nn.Module, str, Any, str]]:
+        """(owning module, attribute, export's value, qualified name) of every parameter and buffer read live:
         the entry's guards check that what is there now still fits the kernels."""
         if self.module is None:
             return []
@@ -143,7 +143,7 @@ class CapturedProgram:
         for (kind, key), val in zip(self.input_sources, vals):
             if kind in ("param", "buffer") and isinstance(val, torch.Tensor):
                 owner_name, _, attr = key.rpartition(".")
-                out.append((self.module.get_submodule(owner_name), attr, val))
+                out.append((self.module.get_submodule(owner_name), attr, val, key))
         return out
 
     def _getter(self, kind: str, key: Any):
@@ -197,6 +197,13 @@ def capture(
             exported, program = export_model(module, args, kwargs, {}, timings)
         except Exception as e2:
             raise CaptureError(_explain_failure(e2)) from e2
+    log.info(
+        "exported %s: %d ATen nodes after decomposition",
+        type(model).__name__
+        if isinstance(model, torch.nn.Module)
+        else getattr(model, "__name__", "function"),
+        len(program.graph.nodes),
+    )
     return _logged(describe(program, module, exported))
 
 

@@ -59,7 +59,9 @@ class RegionChecker:
         def value(node: torch.fx.Node) -> Any:
             if node.name in memo:
                 return memo[node.name]
-            if node.name not in inside and node.name in env:
+            # a multi-output node's wrapper variable holds one element, never the tuple: recompute it
+            single = not isinstance(node.meta.get("val"), (tuple, list))
+            if single and node.name not in inside and node.name in env:
                 result = env[node.name]
             elif node.op == "placeholder":
                 result = env[node.name]
@@ -73,6 +75,8 @@ class RegionChecker:
         for name, held in self.stores.get(kernel, ()):
             if name not in self.nodes or held not in env:
                 continue
+            if not isinstance(self.nodes[name].meta.get("val"), torch.Tensor):
+                continue  # a tuple-valued node: its elements are checked at their getitem nodes
             expected = value(self.nodes[name])
             self.rows.append(compare(kernel, name, env[held], expected))
 

@@ -24,6 +24,7 @@ from gjit.wrapper import generate_wrapper
 
 log = logging.getLogger("gjit.compiler")
 output_code_log = logging.getLogger("gjit.output_code")
+fusion_log = logging.getLogger("gjit.fusion")
 
 
 @dataclasses.dataclass
@@ -73,6 +74,11 @@ def compile_graph(
     # fuse: loop IR -> regions (one kernel each) and externs, in execution order
     with timed("fuse", timings):
         steps = fuse(loop_graph)
+    for step in steps:
+        if isinstance(step, Region):
+            fusion_log.info(
+                "region: %s (stores %s)", ", ".join(n.name for n in step.inlined + step.nodes), step.stores
+            )
     # codegen: each region -> one Triton kernel, sizes as arguments
     with timed("codegen", timings):
         hints = size_hints(gm)

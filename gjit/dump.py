@@ -61,7 +61,7 @@ def regions_dot(gm: torch.fx.GraphModule, steps: list[Step]) -> str:
     clusters = []
     for k, step in enumerate(steps):
         if isinstance(step, Region):
-            members = [n.name for n in step.inlined + step.nodes]
+            members = list(dict.fromkeys(n.fx_node.name for n in step.inlined + step.nodes))
             owner.update({m: step.name for m in members})
             body = "\n".join(f'    "{m}";' for m in members)
             clusters.append(

@@ -35,6 +35,8 @@ ARTIFACTS: dict[str, str] = {
 }
 
 _HANDLER: logging.Handler | None = None
+# artifacts not enabled stay quiet even when the application logs at INFO: only warnings pass
+logging.getLogger("gjit").setLevel(logging.WARNING)
 
 
 def logger(name: str) -> logging.Logger:
@@ -94,15 +96,15 @@ class _Formatter(logging.Formatter):
 
 
 def _install_handler(on: bool) -> None:
-    """One stderr handler on the `gjit` logger while artifacts are enabled (records still reach
-    the root logger when the application configured one)."""
+    """One stderr handler on the `gjit` logger while artifacts are enabled; records do not also
+    propagate to the application's handlers meanwhile (no line printed twice)."""
     global _HANDLER
     root = logging.getLogger("gjit")
     if on and _HANDLER is None:
         _HANDLER = logging.StreamHandler(sys.stderr)
         _HANDLER.setFormatter(_Formatter("%(message)s"))
         root.addHandler(_HANDLER)
-        root.propagate = bool(logging.getLogger().handlers)
+        root.propagate = False
     elif not on and _HANDLER is not None:
         root.removeHandler(_HANDLER)
         root.propagate = True

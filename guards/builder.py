@@ -266,13 +266,13 @@ def build_guards(
     user_vals: Sequence[Any] | None = None,
     range_constraints: dict | None = None,
     assumptions: Sequence[tuple[sympy.Basic, str]] = (),
-    state: Sequence[tuple[Any, str, torch.Tensor]] = (),
+    state: Sequence[tuple[Any, str, torch.Tensor, str]] = (),
     mutated: Sequence[int] = (),
 ) -> GuardSet:
     """The guard set of one entry. `user_vals`: export's placeholder value per flat input (None:
     static, from the example); `assumptions`: (condition, why) the kernels rely on;
-    `state`: (owner module, attribute, export's value) of each parameter / buffer the program
-    reads live; `mutated`: flat indices of user inputs the program writes to."""
+    `state`: (owner module, attribute, export's value, qualified name) of each parameter /
+    buffer the program reads live; `mutated`: flat indices of user inputs the program writes to."""
     n = len(flat_inputs)
     user_vals = list(user_vals) if user_vals is not None else [None] * n
     b = _Builder(names)
@@ -318,23 +318,22 @@ def _aliasing(b: _Builder, flat: Sequence[Any], mutated: set[int]) -> None:
                 b.guard(code, desc, f"in{i}.untyped_storage().data_ptr()", None, "alias", True)
 
 
-def _state(b: _Builder, state: Sequence[tuple[Any, str, torch.Tensor]]) -> None:
+def _state(b: _Builder, state: Sequence[tuple[Any, str, torch.Tensor, str]]) -> None:
     """Parameters and buffers are read live: one that was replaced must still fit the kernels.
     The hot path compares identities; a new tensor is checked once, then remembered."""
     if not state:
         return
-    b.namespace["state_ids"] = [id(getattr(owner, attr)) for owner, attr, _ in state]
+    b.namespace["state_ids"] = [id(getattr(owner, attr)) for owner, attr, _, _ in state]
     b.namespace["state_fits"] = functools.partial(_state_fits, b.namespace["state_ids"], state)
-    for k, (owner, attr, _) in enumerate(state):
+    for k, (owner, attr, _, fqn) in enumerate(state):
         b.namespace[f"owner{k}"] = owner
-        where = f"{type(owner).__name__}.{attr}"
         code = f"id(owner{k}.{attr}) == state_ids[{k}] or state_fits({k})"
         actual = f"(tuple(owner{k}.{attr}.shape), owner{k}.{attr}.stride(), owner{k}.{attr}.dtype)"
-        b.guard(code, f"{where} keeps its shape, strides, dtype and device", actual, None, "state", True)
+        b.guard(code, f"{fqn} keeps its shape, strides, dtype and device", actual, None, "state", True)
 
 
-def _state_fits(ids: list[int], state: Sequence[tuple[Any, str, torch.Tensor]], k: int) -> bool:
-    owner, attr, val = state[k]
+def _state_fits(ids: list[int], state: Sequence[tuple[Any, str, torch.Tensor, str]], k: int) -> bool:
+    owner, attr, val, _ = state[k]
     t = getattr(owner, attr)
     ok = (
         isinstance(t, torch.Tensor)
@@ -376,7 +375,7 @@ def _shape_env_guards(b: _Builder, env) -> None:
         if cond == sympy.false:
             raise GuardBuildError(f"export recorded an unsatisfiable guard {g.expr}")
         seen.add(cond)
-        b.condition(cond, f"{cond} (from {str(g.sloc).strip('()')})", "shape")
+        b.condition(cond, f"{cond} (from {where(g.sloc)})", "shape")
 
 
 def _strongest(assumptions: Sequence[tuple[sympy.Basic, str]]) -> list[tuple[sympy.Basic, str]]:
@@ -393,6 +392,12 @@ def _strongest(assumptions: Sequence[tuple[sympy.Basic, str]]) -> list[tuple[sym
         if key not in best or coeff > best[key][0]:
             best[key] = (coeff, cond, why)
     return [(cond, why) for _, cond, why in best.values()]
+
+
+def where(sloc: Any) -> str:
+    """A shape guard's source location: the user's line when torch found one, else torch's frame."""
+    user = getattr(sloc, "maybe_user_loc", None)
+    return user if user else str(sloc).strip("()")
 
 
 def _function_source(steps: list[Guard | Bind], returned: str) -> str:

@@ -20,6 +20,8 @@ from typing import Any
 import sympy
 import torch
 
+from gjit.guards.builder import where
+
 MARKS = "_gjit_dynamic_dims"  # tensor attribute: {dim: (min, max)} set by mark_dynamic
 
 
@@ -121,11 +123,18 @@ def specialized_dims(dims: dict[int, dict], user_vals: list[Any], names: list[st
     "x.size(1) = 64: Eq(s27, 64) at model.py:12 in forward"."""
     env = next((v.fake_mode.shape_env for v in user_vals if hasattr(v, "fake_mode")), None)
     reasons: dict[str, str] = {}
+    # what pinned a symbol to a number: the replacement export made (with its line), else the
+    # first equality guard that mentions it
+    for sym, value in getattr(env, "replacements", {}).items():
+        sloc = env.replacements_slocs.get(sym)
+        if value.is_number and sloc is not None:
+            for source in env.var_to_sources.get(sym, []):
+                reasons.setdefault(source.name, f"{sym} == {value} at {where(sloc)}")
     for g in getattr(env, "guards", ()):
-        if isinstance(g.expr, sympy.Eq):  # the equalities that pin a symbol to a value
+        if isinstance(g.expr, sympy.Eq):
             for sym in g.expr.free_symbols:
                 for source in env.var_to_sources.get(sym, []):
-                    reasons.setdefault(source.name, f"{g.expr} at {str(g.sloc).strip('()')}")
+                    reasons.setdefault(source.name, f"{g.expr} at {where(g.sloc)}")
     out = []
     for i, ranges in dims.items():
         val = user_vals[i] if i < len(user_vals) else None
