@@ -156,7 +156,7 @@ class CapturedProgram:
             return lambda flat: value
         owner_name, _, attr = key.rpartition(".")
         owner = self.module.get_submodule(owner_name)
-        return lambda flat: getattr(owner, attr)
+        return state_reader(owner, attr)
 
     def finish(self, flat_user: list[Any], flat_out: list[Any]) -> Any:
         """Apply recorded mutations, then rebuild the user's output pytree."""
@@ -165,6 +165,15 @@ class CapturedProgram:
             with torch.no_grad():
                 target.copy_(flat_out[out_index])
         return pytree.tree_unflatten([flat_out[i] for i in self.user_output_indices], self.out_spec)
+
+
+def state_reader(owner: torch.nn.Module, attr: str):
+    """Read a parameter or buffer from its module's own dict (nn.Module.__getattr__ is slow on the
+    hot path); anything else, e.g. a plain tensor attribute, through getattr."""
+    for table in (owner._parameters, owner._buffers):
+        if attr in table:
+            return lambda flat: table[attr] if attr in table else getattr(owner, attr)
+    return lambda flat: getattr(owner, attr)
 
 
 def capture(

@@ -26,6 +26,7 @@ import sympy
 import torch
 from torch.utils._sympy.numbers import int_oo
 
+from gjit.capture import state_reader
 from gjit.codegen.printer import pyexpr
 
 log = logging.getLogger("gjit.guards")
@@ -327,7 +328,8 @@ def _state(b: _Builder, state: Sequence[tuple[Any, str, torch.Tensor, str]]) -> 
     b.namespace["state_fits"] = functools.partial(_state_fits, b.namespace["state_ids"], state)
     for k, (owner, attr, _, fqn) in enumerate(state):
         b.namespace[f"owner{k}"] = owner
-        code = f"id(owner{k}.{attr}) == state_ids[{k}] or state_fits({k})"
+        b.namespace[f"read{k}"] = state_reader(owner, attr)
+        code = f"id(read{k}(None)) == state_ids[{k}] or state_fits({k})"
         actual = f"(tuple(owner{k}.{attr}.shape), owner{k}.{attr}.stride(), owner{k}.{attr}.dtype)"
         b.guard(code, f"{fqn} keeps its shape, strides, dtype and device", actual, None, "state", True)
 

@@ -442,7 +442,7 @@ def test_replaced_parameters_are_guarded():
         model.weight = torch.nn.Parameter(torch.randn(3, 4, dtype=torch.float64))
         model.bias = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
         check_call(cm, x.double())
-    assert any("Linear.weight keeps its shape" in g.description for g in cm.entries[0].guards.guards)
+    assert any(g.description.startswith("weight keeps its shape") for g in cm.entries[0].guards.guards)
 
 
 def test_torch_cond_on_a_size():
