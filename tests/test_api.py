@@ -229,3 +229,33 @@ def test_autograd_calls_run_eagerly_with_gradients(caplog):
     with torch.no_grad():
         run_compiled(cm, x)
     assert gjit.stats()["compiles"] == 1
+
+
+def test_saved_pt2_file(tmp_path):
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return (x * 3).tanh()
+
+    x = torch.randn(4, 5)
+    path = str(tmp_path / "model.pt2")
+    torch.export.save(torch.export.export(M(), (x,)), path)
+    for compiled in (gjit.compile(path), gjit.compile(torch.export.load(path))):
+        out, _ = run_compiled(compiled, x)
+        torch.testing.assert_close(out, M()(x))
+
+
+def test_torch_compile_backend_entry_point():
+    """torch.compile(backend="gjit") finds gjit through the torch_dynamo_backends entry point;
+    each graph Dynamo captures (two here, around a graph break) is compiled by gjit."""
+
+    def f(x, y):
+        z = (x * y).relu()
+        torch._dynamo.graph_break()
+        return z.sum(-1) + 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="gjit")
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    with gjit.config.scope(interpret=True, debug=True):
+        torch.testing.assert_close(compiled(x, y), f(x, y))
+    assert gjit.stats()["compiles"] == 2 and gjit.stats()["eager_runs"] == 0
