@@ -64,20 +64,23 @@ def _mark_dynamic_hint(changing: list[tuple[str, int]], dynamic: bool | None) ->
     return "keep the inputs' types, dtypes, devices and specialized Python values fixed between calls"
 
 
-VARARGS = -2  # _fast_arity of `def f(*args)`: any positional call is already normalized
-
-
-def _fast_arity(signature) -> int:
-    """How many positional arguments make a call that needs no binding (-1: always bind)."""
+def _fast_arity(signature) -> tuple[int, int]:
+    """(least, most) positional arguments of a call that needs no binding: bind() would return
+    the same args and no kwargs. (1, 0): always bind."""
     if signature is None:
-        return -1
+        return 1, 0
     params = list(signature.parameters.values())
     if len(params) == 1 and params[0].kind == params[0].VAR_POSITIONAL:
-        return VARARGS
+        return 0, 2**31
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) == len(params) and all(p.default is p.empty for p in positional):
-        return len(positional)
-    return -1
+    rest = params[len(positional) :]
+    if any(p.kind != p.VAR_KEYWORD and (p.kind != p.KEYWORD_ONLY or p.default is p.empty) for p in rest):
+        return 1, 0
+    required = [p.default is p.empty for p in positional]
+    least = required.index(False) if False in required else len(required)
+    if any(required[least:]):  # a required parameter after an optional one
+        return 1, 0
+    return least, len(positional)
 
 
 LIVE: weakref.WeakSet = weakref.WeakSet()  # every CompiledFunction, so gjit.reset() reaches them
@@ -124,7 +127,8 @@ class CompiledFunction:
         )
 
     def _normalize(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if not kwargs and (len(args) == self._fast_arity or self._fast_arity == VARARGS):
+        least, most = self._fast_arity
+        if not kwargs and least <= len(args) <= most:
             return args, kwargs
         return bind_call(self.signature, args, kwargs, self._name())
 
