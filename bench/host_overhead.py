@@ -19,27 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
 import gjit
+from gjit.bench import host_overhead_us, median_us
 
 SIZES = (1, 4, 16)
-
-
-def median_us(fn: Callable[[], object], repeat: int = 7, number: int = 2000) -> float:
-    """Median over `repeat` rounds of the mean time of `number` calls, in microseconds."""
-    fn()
-    rounds = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        for _ in range(number):
-            fn()
-        rounds.append((time.perf_counter() - start) / number * 1e6)
-    return statistics.median(rounds)
+REPEAT = 7
 
 
 def program(n: int) -> Callable:
@@ -68,30 +56,22 @@ def measure(n: int, dynamic: bool) -> dict[str, float]:
             gjit.mark_dynamic(x, 0)
     with torch.no_grad():
         cm(*args)
-        entry = cm.entries[0]
-        flat = list(args)
-        sizes = entry.guards.check(flat)
-        graph, captured = entry.program.graph, entry.program.captured
-        graph_inputs = captured.graph_inputs(flat)
-        end_to_end = median_us(lambda: cm(*args), number=500)
-        outputs = graph.run(graph_inputs, sizes)
-        graph.run = lambda graph_inputs, sizes: outputs  # a zero-cost wrapper for both timings
-        call = median_us(lambda: cm(*args), number=20000)
-        direct = median_us(lambda: graph.run(graph_inputs, sizes), number=20000)
-        del graph.run
-        guard = median_us(lambda: entry.guards.check(flat), number=20000)
-        eager = median_us(lambda: fn(*args), number=500)
+        entry, flat = cm.entries[0], list(args)
+        end_to_end = median_us(lambda: cm(*args), number=500, repeat=REPEAT)
+        overhead = host_overhead_us(cm, args, number=20000, repeat=REPEAT)
+        guard = median_us(lambda: entry.guards.check(flat), number=20000, repeat=REPEAT)
+        eager = median_us(lambda: fn(*args), number=500, repeat=REPEAT)
         torch._dynamo.reset()
         compiled = torch.compile(fn, dynamic=dynamic or None)
         compiled(*args)
-        inductor = median_us(lambda: compiled(*args), number=500)
+        inductor = median_us(lambda: compiled(*args), number=500, repeat=REPEAT)
     return {
         "inputs": n,
         "dynamic": dynamic,
         "symbols": len(entry.guards.symbols),
         "guards": len(entry.guards.guards),
         "guard_fn_us": guard,
-        "host_overhead_us": call - direct,
+        "host_overhead_us": overhead,
         "gjit_call_us": end_to_end,
         "eager_us": eager,
         "torch_compile_us": inductor,

@@ -96,7 +96,7 @@ def aot(model: Any, *args: Any, arch: str = "sm_90", out_dir: str | None = None,
 
     number = int(arch.removeprefix("sm_"))
     cm = model if isinstance(model, CompiledFunction) else CompiledFunction(model)
-    entry = cm.entry_for(args, kwargs)
+    entry, _ = cm.entry_for(args, kwargs)
     if entry is None:
         raise RuntimeError(f"gjit could not capture {cm._name()}: {getattr(cm, '_capture_failed', '')}")
     out_dir = out_dir or os.path.join(config.cache_dir, "aot", arch)

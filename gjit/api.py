@@ -246,14 +246,17 @@ class CompiledFunction:
             )
         return True
 
-    def entry_for(self, args: tuple, kwargs: dict) -> Entry | None:
-        """The entry that serves this call, compiling one if none does (used by explain)."""
+    def entry_for(self, args: tuple, kwargs: dict) -> tuple[Entry | None, tuple]:
+        """The entry that serves this call (compiling one if none does) and the sizes its guard
+        binds for it; used by explain and aot."""
         args, kwargs = self._normalize(args, kwargs)
         flat, spec = pytree.tree_flatten((args, kwargs))
         for entry in reversed(self.entries):
-            if entry.spec == spec and entry.guards.check(flat) is not None:
-                return entry
-        return self._compile(args, kwargs, flat, spec, _input_names(args, kwargs, self.signature))
+            sizes = entry.guards.check(flat) if entry.spec == spec else None
+            if sizes is not None:
+                return entry, sizes
+        entry = self._compile(args, kwargs, flat, spec, _input_names(args, kwargs, self.signature))
+        return entry, (entry.guards.check(flat) or () if entry is not None else ())
 
     def _compile(
         self, args: tuple, kwargs: dict, flat: list, spec: pytree.TreeSpec, names: list[str]
@@ -297,9 +300,8 @@ class CompiledFunction:
         guards_log.info("guards of entry %d of %s:\n%s", index, self._name(), guards.format())
         entry = Entry(guards, spec, program, specialized_dims(dims, captured.user_vals, names))
         self.entries.append(entry)
-        sizes = guards.check(flat) or ()
         if perf_log.isEnabledFor(logging.INFO) or self._dump_root():
-            report = build_report(entry, sizes)
+            report = build_report(entry, guards.check(flat) or ())
             for hint in report.perf_hints:
                 perf_log.info("%s entry %d: %s", self._name(), index, hint)
             if self._dump_root():
@@ -378,9 +380,7 @@ def explain(model: Any, *args: Any, **kwargs: Any) -> Report:
     cm = model if isinstance(model, CompiledFunction) else CompiledFunction(model)
     if cm.eager_reason is not None:
         raise CaptureError(f"gjit could not capture {cm._name()}: {cm.eager_reason}")
-    entry = cm.entry_for(args, kwargs)
+    entry, sizes = cm.entry_for(args, kwargs)
     if entry is None:
         raise CaptureError(f"gjit could not capture {cm._name()}: {getattr(cm, '_capture_failed', '')}")
-    norm_args, norm_kwargs = cm._normalize(args, kwargs)
-    sizes = entry.guards.check(pytree.tree_flatten((norm_args, norm_kwargs))[0]) or ()
     return build_report(entry, sizes)

@@ -121,6 +121,7 @@ QUICK = ["pointwise_10op", "softmax", "layer_norm", "sum_first", "transpose_add"
 
 
 def median_us(fn: Callable[[], Any], number: int = 200, repeat: int = 5) -> float:
+    """Median over `repeat` rounds of the mean time of `number` calls, in microseconds."""
     fn()
     rounds = []
     for _ in range(repeat):
@@ -131,7 +132,7 @@ def median_us(fn: Callable[[], Any], number: int = 200, repeat: int = 5) -> floa
     return statistics.median(rounds)
 
 
-def host_overhead_us(cm: gjit.CompiledFunction, args: tuple) -> float:
+def host_overhead_us(cm: gjit.CompiledFunction, args: tuple, number: int = 2000, repeat: int = 5) -> float:
     """cm(*args) minus a direct call of the entry's graph, with the graph's run replaced by one
     returning its outputs: what gjit adds around the wrapper (see bench/host_overhead.py)."""
     flat = list(args)
@@ -140,8 +141,8 @@ def host_overhead_us(cm: gjit.CompiledFunction, args: tuple) -> float:
     outputs = graph.run(entry.program.captured.graph_inputs(flat), sizes)
     graph.run = lambda graph_inputs, sizes: outputs
     try:
-        call = median_us(lambda: cm(*args), number=2000)
-        direct = median_us(lambda: graph.run(None, sizes), number=2000)
+        call = median_us(lambda: cm(*args), number, repeat)
+        direct = median_us(lambda: graph.run(None, sizes), number, repeat)
     finally:
         del graph.run
     return call - direct

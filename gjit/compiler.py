@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any
 
 import sympy
 import torch
 
-from gjit import stats
+from gjit import logs, stats
 from gjit.capture import CapturedProgram
 from gjit.check import RegionChecker
 from gjit.codegen.triton import KernelSource, generate_kernel
@@ -22,9 +21,8 @@ from gjit.runtime import CompiledGraph
 from gjit.stats import timed
 from gjit.wrapper import generate_wrapper
 
-log = logging.getLogger("gjit.compiler")
-output_code_log = logging.getLogger("gjit.output_code")
-fusion_log = logging.getLogger("gjit.fusion")
+output_code_log = logs.logger("output_code")
+fusion_log = logs.logger("fusion")
 
 
 @dataclasses.dataclass

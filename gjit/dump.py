@@ -1,6 +1,6 @@
 """The dump folder: every compile stage of an entry as files a person can follow.
 
-    GJIT_DUMP_DIR=/tmp/gjit_dump python model.py      # or gjit.compile(model, dump_dir=...)
+    GJIT_DUMP_DIR=gjit_dump python model.py      # or gjit.compile(model, dump_dir=...)
 
 One sub-folder per compile (`<n>_<function>_entry<k>/`) holds:
 

@@ -196,7 +196,11 @@ def var_mean(ctx: Lowering, x: TensorValue, dims=None, *, correction=None, keepd
     ]
 
 
-def _softmax_parts(ctx: Lowering, x: TensorValue, dim: int, acc: torch.dtype):
+def _softmax_parts(ctx: Lowering, x: TensorValue, dim: int, what: str):
+    """The max-subtracted input and the sum of its exponentials, shared by softmax and log_softmax."""
+    if len(x.size) == 0:
+        raise Unsupported(f"{what} of a 0-d tensor")
+    acc = acc_dtype(x.dtype)
     dims = reduced_dims(dim, len(x.size))
     if not dims:
         dims = ()
@@ -211,10 +215,7 @@ def _softmax_parts(ctx: Lowering, x: TensorValue, dim: int, acc: torch.dtype):
 
 @register_lowering(aten._softmax.default)
 def softmax(ctx: Lowering, x: TensorValue, dim: int, half_to_float: bool):
-    if len(x.size) == 0:
-        raise Unsupported("softmax of a 0-d tensor")
-    acc = acc_dtype(x.dtype)
-    dims, shifted, total = _softmax_parts(ctx, x, dim, acc)
+    dims, shifted, total = _softmax_parts(ctx, x, dim, "softmax")
     return ctx.pointwise(
         lambda idx: op("truediv", op("exp", shifted(idx)), total.load(keep_index(dims, idx)))
     )
@@ -222,10 +223,7 @@ def softmax(ctx: Lowering, x: TensorValue, dim: int, half_to_float: bool):
 
 @register_lowering(aten._log_softmax.default)
 def log_softmax(ctx: Lowering, x: TensorValue, dim: int, half_to_float: bool):
-    if len(x.size) == 0:
-        raise Unsupported("log_softmax of a 0-d tensor")
-    acc = acc_dtype(x.dtype)
-    dims, shifted, total = _softmax_parts(ctx, x, dim, acc)
+    dims, shifted, total = _softmax_parts(ctx, x, dim, "log_softmax")
     return ctx.pointwise(lambda idx: op("sub", shifted(idx), op("log", total.load(keep_index(dims, idx)))))
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,8 +27,6 @@ from torch.utils._sympy.numbers import int_oo
 
 from gjit.capture import state_reader
 from gjit.codegen.printer import pyexpr
-
-log = logging.getLogger("gjit.guards")
 
 
 class GuardBuildError(RuntimeError):
@@ -172,7 +169,7 @@ class _Builder:
         else:
             self.guard(f"not {v}.is_neg()", f"{name} has no neg bit", f"{v}.is_neg()", i, "dtype")
         self.guard(
-            *_device_check(v, value.device), f"{name}.device == {value.device}", f"{v}.device", i, "device"
+            _device_check(v, value.device), f"{name}.device == {value.device}", f"{v}.device", i, "device"
         )
         size = f"{v}_size"
         self.steps.append(Bind(size, f"{v}.shape"))
@@ -253,12 +250,12 @@ class _Builder:
         self.guard(code or pyexpr(cond), f"{description}   [{names}]", actual, None, kind, later=True)
 
 
-def _device_check(v: str, device: torch.device) -> tuple[str]:
+def _device_check(v: str, device: torch.device) -> str:
     if device.type == "cpu":
-        return (f"{v}.is_cpu",)
+        return f"{v}.is_cpu"
     if device.type == "cuda":
-        return (f"{v}.is_cuda and {v}.get_device() == {device.index or 0}",)
-    return (f"{v}.device == torch.device({str(device)!r})",)
+        return f"{v}.is_cuda and {v}.get_device() == {device.index or 0}"
+    return f"{v}.device == torch.device({str(device)!r})"
 
 
 def build_guards(
