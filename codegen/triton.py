@@ -207,7 +207,8 @@ class KernelSource:
 
 
 def source_line(node: torch.fx.Node) -> str | None:
-    """'file.py:12 in forward: code' from the node's user stack trace."""
+    """'file.py:12 in forward: code' from the node's user stack trace: its innermost frame in a real
+    file (a torch.cond branch's trace ends in FX-generated code)."""
     trace = node.meta.get("stack_trace")
     if not trace:
         return None
@@ -217,6 +218,8 @@ def source_line(node: torch.fx.Node) -> str | None:
         if ln.startswith("File "):
             parts = ln.split(",")
             path = parts[0][len("File ") :].strip().strip('"')
+            if path.startswith("<"):  # FX-generated code (<eval_with_key>.N): not the user's line
+                continue
             lineno = parts[1].strip().removeprefix("line ").strip() if len(parts) > 1 else "?"
             func = parts[2].strip().removeprefix("in ").strip() if len(parts) > 2 else "?"
             code = lines[k + 1].strip() if k + 1 < len(lines) else ""
@@ -283,8 +286,10 @@ class KernelWriter:
             return literal(e.value, e.dtype)
         if isinstance(e, IndexValue) and sympy.sympify(e.expr).is_number:
             return literal(e.expr, e.dtype)
-        if isinstance(e, Op) and e.name == "to_dtype" and _constant(e.args[0]) is not None:
-            return literal(_constant(e.args[0]), e.params[0])  # a constant (size) under a cast
+        if isinstance(e, Op) and e.name == "to_dtype" and self.constant(e.args[0]) is not None:
+            # a constant (a size, a fill value) under a cast: cast it now, rounding as ATen does
+            value = torch.tensor(self.constant(e.args[0]), dtype=e.args[0].dtype).to(e.params[0]).item()
+            return literal(value, e.params[0])
         if isinstance(e, IndexValue):
             expr = self.subst(e.expr)
             if sympy.sympify(expr).is_number:  # e.g. the index of a size-1 dim
@@ -310,6 +315,12 @@ class KernelWriter:
             self.mask = outer
             return self.tmp(("masked", mask, body), f"tl.where({mask}, {body}, {literal(e.other, e.dtype)})")
         raise TypeError(type(e))
+
+    def constant(self, e: Expr):
+        """The Python number `e` always is (looking through region members), or None."""
+        if isinstance(e, Read) and self.in_registers(e):
+            return self.constant(self.region.bodies[e.name])
+        return _constant(e)
 
     def in_registers(self, r: Read) -> bool:
         """Is this read of a region member at its own element (so the member's value is reused)?"""

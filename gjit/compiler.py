@@ -8,10 +8,10 @@ from typing import Any
 import sympy
 import torch
 
-from gjit import logs, stats
+from gjit import cache, logs, stats
 from gjit.capture import CapturedProgram
 from gjit.check import RegionChecker
-from gjit.codegen.triton import KernelSource, generate_kernel
+from gjit.codegen.triton import KernelSource, generate_kernel, kernel_name
 from gjit.config import config
 from gjit.fusion import Region, Step, fuse
 from gjit.guards.builder import input_symbols
@@ -27,17 +27,40 @@ fusion_log = logs.logger("fusion")
 
 @dataclasses.dataclass
 class CompiledProgram:
-    """Everything one compile produced, kept for running, explaining and dumping."""
+    """Everything one compile produced, kept for running, explaining and dumping.
+
+    The loop IR and the schedule are kept from a cold compile; an entry loaded from the on-disk
+    cache has only kernels and wrapper, and lowers and fuses again (no codegen) when a report,
+    dump or check asks for them."""
 
     captured: CapturedProgram
-    loop_graph: LoopGraph
-    steps: list[Step]
     graph: CompiledGraph
     timings: dict[str, float]
+    _analysis: tuple[LoopGraph, list[Step]] | None = None
 
     @property
     def kernels(self) -> list[KernelSource]:
         return self.graph.kernels
+
+    @property
+    def loop_graph(self) -> LoopGraph:
+        return self._analyze()[0]
+
+    @property
+    def steps(self) -> list[Step]:
+        return self._analyze()[1]
+
+    def _analyze(self) -> tuple[LoopGraph, list[Step]]:
+        if self._analysis is None:
+            loop_graph = lower_graph(self.captured.graph_module)
+            steps = fuse(loop_graph)
+            regions = [s for s in steps if isinstance(s, Region)]
+            for index, region in enumerate(regions):
+                region.name = kernel_name(region, index)  # as codegen named it
+            if [r.name for r in regions] != [k.name for k in self.kernels]:
+                raise RuntimeError("gjit: lowering and fusion did not reproduce the cached entry's kernels")
+            self._analysis = loop_graph, steps
+        return self._analysis
 
 
 def size_hints(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, int]:
@@ -56,9 +79,25 @@ def size_hints(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, int]:
 def compile_program(
     captured: CapturedProgram, timings: dict[str, float], check: bool = False
 ) -> CompiledProgram:
+    """Kernels + wrapper for a captured program: from the on-disk cache when an entry with the
+    same key is there (gjit/cache.py), else compiled and stored. `check` compiles fresh: the
+    per-kernel checker needs the schedule, and a check exists to test what codegen emits now."""
     gm = captured.graph_module
-    loop_graph, steps, graph = compile_graph(gm, timings, input_symbols(captured.user_vals), check)
-    return CompiledProgram(captured, loop_graph, steps, graph, timings)
+    symbols = input_symbols(captured.user_vals)
+    key = None
+    if config.cache and not check:
+        with timed("cache", timings):
+            key = cache.graph_key(gm, symbols, size_hints(gm), captured.program.range_constraints)
+            graph = cache.load(key, gm)
+        if graph is not None:
+            for k in graph.kernels:
+                output_code_log.info("kernel %s from the cache: %s", k.name, graph.kernel_paths[k.name])
+            return CompiledProgram(captured, graph, timings)
+    loop_graph, steps, graph = compile_graph(gm, timings, symbols, check)
+    if key is not None:
+        with timed("cache_store", timings):
+            cache.store(key, graph)
+    return CompiledProgram(captured, graph, timings, (loop_graph, steps))
 
 
 def compile_graph(

@@ -5,7 +5,9 @@
     gjit.config.debug                 GJIT_DEBUG=1       poison freshly allocated buffers (NaN / int
                                                          sentinel) so an element a kernel forgot to
                                                          write shows up in comparisons
-    gjit.config.cache_dir             GJIT_CACHE_DIR     where generated kernels and wrappers are written
+    gjit.config.cache_dir             GJIT_CACHE_DIR     the on-disk cache: compiled graphs, kernel and
+                                                         wrapper sources (default ~/.cache/gjit)
+    gjit.config.cache                 GJIT_CACHE=0       turn the on-disk compile cache off (on by default)
     gjit.config.xblock                GJIT_XBLOCK        block size of pointwise kernels
     gjit.config.reduction             GJIT_REDUCTION     auto | persistent | looped reduction kernels
     gjit.config.persistent_max        GJIT_PERSISTENT_MAX  auto: persistent up to this row length
@@ -99,7 +101,12 @@ class Config:
     cache_dir = _Knob(
         "GJIT_CACHE_DIR",
         _env_str("GJIT_CACHE_DIR", _default_cache_dir),
-        "directory for generated kernel and wrapper sources",
+        "directory of the on-disk cache: compiled graphs, kernel and wrapper sources",
+    )
+    cache = _Knob(
+        "GJIT_CACHE",
+        _env_bool("GJIT_CACHE", True),
+        "reuse compiled graphs (kernels + wrapper) from the on-disk cache across processes",
     )
     xblock = _Knob("GJIT_XBLOCK", _env_int("GJIT_XBLOCK", 1024), "block size of pointwise kernels")
     reduction = _Knob(

@@ -34,20 +34,41 @@ cache_log = logs.logger("cache")
 # ----------------------------------------------------------------------------------------------
 
 
+def atomic_write(path: str, text: str) -> None:
+    """Write through a temp file in the same folder, then rename: readers see all of it or nothing."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
 def write_source(kind: str, name: str, source: str) -> str:
-    """Write `source` under the cache dir, content-addressed; atomic (temp file + rename)."""
-    digest = hashlib.sha256(source.encode()).hexdigest()[:20]
-    folder = os.path.join(config.cache_dir, kind, digest[:2])
-    path = os.path.join(folder, f"{name}_{digest}.py")
-    if os.path.exists(path):
-        cache_log.info("on-disk hit: %s %s is already at %s", kind, name, path)
-        return path
-    cache_log.info("on-disk miss: writing %s %s to %s", kind, name, path)
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(source)
-    os.replace(tmp, path)
+    """Write `source` under the cache dir, content-addressed, atomically. A file already there is
+    reused only if its content still matches its name; a damaged one is logged and rewritten."""
+    digest = _digest(source)
+    path = os.path.join(config.cache_dir, kind, digest[:2], f"{name}_{digest}.py")
+    try:
+        with open(path, encoding="utf-8") as f:
+            intact = _digest(f.read()) == digest
+    except FileNotFoundError:
+        cache_log.info("on-disk miss: writing %s %s to %s", kind, name, path)
+    except (OSError, UnicodeDecodeError) as e:
+        cache_log.warning("gjit: unreadable cached %s %s (%s); rewriting it", kind, path, e)
+    else:
+        if intact:
+            cache_log.info("on-disk hit: %s %s is already at %s", kind, name, path)
+            return path
+        cache_log.warning("gjit: the cached %s %s does not match its content hash; rewriting it", kind, path)
+    atomic_write(path, source)
     return path
 
 

@@ -18,8 +18,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def _gjit_cache_dir(tmp_path_factory):
-    """Generated sources of the test session go to a temporary folder, not the user's cache."""
+    """Generated sources of the test session go to a temporary folder, not the user's cache.
+    Compiled graphs are not reused from disk (tests/test_cache.py turns that on): a test that
+    counts stages or plants a codegen bug must see its own compile, whatever ran before it."""
     gjit.config.cache_dir = str(tmp_path_factory.mktemp("gjit_cache"))
+    gjit.config.cache = False
     yield
 
 

@@ -1,0 +1,293 @@
+"""The on-disk compile cache: a second process compiling the same graph skips lowering, fusion,
+codegen and kernel compilation (what remains is capture and guards).
+
+An entry is one JSON file named by its key, the sha256 of everything that changes generated
+code: the decomposed graph (ops, arguments, every node's sizes, strides, dtype, device and
+user source line), the example sizes codegen chooses by, export's ranges, the config knobs
+that reach codegen, and the versions of gjit (a hash of its sources), torch, triton and Python.
+A changed model, config or install is a different key, never a stale hit.
+
+The entry holds the wrapper and kernel sources and the kernels' launch metadata; sympy
+expressions are stored as JSON trees rebuilt from a fixed table of classes, so loading
+evaluates and unpickles nothing. The first line is the sha256 of the rest: a truncated or
+edited entry is logged under `cache` and recompiled. Writes are atomic (temp file + rename),
+so two processes compiling one model at once both succeed and agree. Kernel files stay
+content-addressed (runtime.write_source): identical regions of two models or two entries
+share one file, which Triton's own cache then compiles once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib
+import json
+import os
+import sys
+from typing import Any
+
+import sympy
+import torch
+import torch.utils._sympy.functions as torch_sympy
+import triton
+
+from gjit import logs, stats
+from gjit.codegen.triton import KernelSource, source_line
+from gjit.config import config
+from gjit.runtime import CompiledGraph, atomic_write
+
+cache_log = logs.logger("cache")
+
+FORMAT = 1  # bump when the entry layout changes
+
+
+class CacheError(Exception):
+    """An entry that cannot be trusted or cannot be stored; the caller recompiles."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The key
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def gjit_fingerprint() -> str:
+    """sha256 of gjit's own sources: an edited gjit (a development checkout) is a new version."""
+    digest = hashlib.sha256()
+    for package in ("gjit", "gjit.codegen", "gjit.guards", "gjit.kernels"):
+        for folder in importlib.import_module(package).__path__:
+            for name in sorted(os.listdir(folder)):
+                if name.endswith(".py"):
+                    with open(os.path.join(folder, name), "rb") as f:
+                        digest.update(f"{package}/{name}\0".encode() + f.read())
+    return digest.hexdigest()
+
+
+def versions() -> dict[str, str]:
+    return {
+        "format": str(FORMAT),
+        "gjit": gjit_fingerprint(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+    }
+
+
+def _describe(val: Any) -> str:
+    """A node's example value as text: what lowering reads of it."""
+    if isinstance(val, torch.Tensor):
+        size = ", ".join(map(str, val.shape))
+        stride = ", ".join(map(str, val.stride()))
+        return f"{val.dtype} {val.device} [{size}] stride [{stride}] offset {val.storage_offset()}"
+    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return f"{type(val).__name__}({val.node.expr})"
+    if isinstance(val, (list, tuple)):
+        return "(" + ", ".join(_describe(v) for v in val) + ")"
+    return repr(val) if isinstance(val, (int, float, bool, str, type(None))) else type(val).__name__
+
+
+def _target_name(target: Any) -> str:
+    if isinstance(target, (str, torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+        return str(target)
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', target)}"
+
+
+def graph_text(gm: torch.fx.GraphModule) -> list[str]:
+    """One line per node (subgraphs of torch.cond nested), from which the key is hashed."""
+    lines = []
+    for node in gm.graph.nodes:
+        target = _target_name(node.target)
+        meta = _describe(node.meta.get("val"))
+        trace = source_line(node) or ""  # what kernel headers show of the user's code
+        lines.append(f"{node.op} {node.name} = {target}{node.args!r} {node.kwargs!r} :: {meta} :: {trace}")
+        if node.op == "get_attr":
+            attr = getattr(gm, node.target)
+            if isinstance(attr, torch.fx.GraphModule):
+                lines += [f"  {ln}" for ln in graph_text(attr)]
+            elif isinstance(attr, torch.Tensor):  # its values could reach generated code
+                data = attr.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                lines.append(f"  value sha256 {hashlib.sha256(data).hexdigest()}")
+    return lines
+
+
+def graph_key(
+    gm: torch.fx.GraphModule, symbols: list[sympy.Symbol], hints: dict, range_constraints: dict
+) -> str:
+    """`symbols`: the sizes the guard binds for the wrapper; `hints`: example sizes codegen chose by."""
+    parts = {
+        "graph": graph_text(gm),
+        "symbols": [s.name for s in symbols],
+        "hints": sorted((str(k), int(v)) for k, v in hints.items()),
+        "ranges": sorted(f"{k}: {v}" for k, v in range_constraints.items()),
+        "config": {k: repr(v) for k, v in config.snapshot().items()},
+        "versions": versions(),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------
+# sympy <-> JSON, from a fixed table of classes
+# ----------------------------------------------------------------------------------------------
+
+
+def _sympy_classes() -> dict[str, type]:
+    modules = [torch_sympy, sympy.core.add, sympy.core.mul, sympy.core.power, sympy.core.relational]
+    modules += [sympy.logic.boolalg, sympy.core.mod, sympy.functions.elementary.integers]
+    modules += [sympy.functions.elementary.miscellaneous, sympy.functions.elementary.piecewise]
+    table = {}
+    for module in modules:
+        for obj in vars(module).values():
+            if isinstance(obj, type) and issubclass(obj, sympy.Basic):
+                table[f"{obj.__module__}.{obj.__qualname__}"] = obj
+    return table
+
+
+_CLASSES = _sympy_classes()
+_SINGLETONS = {
+    "oo": sympy.oo,
+    "-oo": -sympy.oo,
+    "nan": sympy.nan,
+    "zoo": sympy.zoo,
+    "true": sympy.true,
+    "false": sympy.false,
+}
+
+
+def expr_to_json(e: sympy.Basic) -> Any:
+    if isinstance(e, sympy.Integer):
+        return int(e)
+    if isinstance(e, sympy.Rational):
+        return {"rational": [int(e.p), int(e.q)]}
+    if isinstance(e, sympy.Float):
+        return {"float": str(e)}
+    if isinstance(e, sympy.Symbol):
+        return {"symbol": e.name, "assumptions": {k: v for k, v in e.assumptions0.items() if v is not None}}
+    for name, value in _SINGLETONS.items():
+        if e is value:
+            return {"singleton": name}
+    name = f"{e.func.__module__}.{e.func.__qualname__}"
+    if _CLASSES.get(name) is not e.func:
+        raise CacheError(f"cannot store the sympy class {name}")
+    return {"func": name, "args": [expr_to_json(a) for a in e.args]}
+
+
+def expr_from_json(tree: Any) -> sympy.Basic:
+    if isinstance(tree, bool) or not isinstance(tree, (int, dict)):
+        raise CacheError(f"not a stored expression: {tree!r}")
+    if isinstance(tree, int):
+        return sympy.Integer(tree)
+    if "rational" in tree:
+        return sympy.Rational(*map(int, tree["rational"]))
+    if "float" in tree:
+        return sympy.Float(str(tree["float"]))
+    if "symbol" in tree:
+        assumptions = {str(k): bool(v) for k, v in tree["assumptions"].items()}
+        return sympy.Symbol(str(tree["symbol"]), **assumptions)
+    if "singleton" in tree:
+        return _SINGLETONS[tree["singleton"]]
+    cls = _CLASSES.get(tree["func"])
+    if cls is None:
+        raise CacheError(f"unknown sympy class {tree['func']!r}")
+    return cls(*(expr_from_json(a) for a in tree["args"]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiled graphs <-> records
+# ----------------------------------------------------------------------------------------------
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, sympy.Basic):
+        return {"sympy": expr_to_json(value)}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _encode(v) for k, v in value.items()}
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    raise CacheError(f"cannot store a {type(value).__name__}")
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"sympy"}:
+            return expr_from_json(value["sympy"])
+        return {k: _decode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    return value
+
+
+def graph_record(graph: CompiledGraph) -> dict:
+    kernels = [{f.name: _encode(getattr(k, f.name)) for f in dataclasses.fields(k)} for k in graph.kernels]
+    subgraphs = {name: graph_record(sub) for name, sub in graph.subgraphs.items()}
+    return {"wrapper": graph.wrapper_source, "kernels": kernels, "subgraphs": subgraphs}
+
+
+def graph_from_record(record: dict, gm: torch.fx.GraphModule) -> CompiledGraph:
+    kernels = []
+    for fields in record["kernels"]:
+        values = {k: _decode(v) for k, v in fields.items()}
+        values["assumptions"] = [tuple(a) for a in values.get("assumptions", [])]
+        kernels.append(KernelSource(**values))
+    graph = CompiledGraph(gm, kernels, str(record["wrapper"]))
+    for name, sub in record["subgraphs"].items():
+        graph.subgraphs[name] = graph_from_record(sub, getattr(gm, name))
+    return graph
+
+
+# ----------------------------------------------------------------------------------------------
+# Entries on disk
+# ----------------------------------------------------------------------------------------------
+
+
+def entry_path(key: str) -> str:
+    return os.path.join(config.cache_dir, "graphs", key[:2], f"{key}.json")
+
+
+def load(key: str, gm: torch.fx.GraphModule) -> CompiledGraph | None:
+    """The cached compile of `gm`, its kernel files rewritten where missing or damaged; None on
+    a miss or an entry that cannot be trusted (logged, then recompiled and overwritten)."""
+    path = entry_path(key)
+    if not os.path.exists(path):
+        cache_log.info("on-disk miss: no compiled graph %s", path)
+        stats.COUNTERS["disk_cache_misses"] += 1
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        checksum, _, body = text.partition("\n")
+        if hashlib.sha256(body.encode()).hexdigest() != checksum:
+            raise CacheError("checksum mismatch (truncated or modified)")
+        record = json.loads(body)
+        if record.get("key") != key or record.get("format") != FORMAT:
+            raise CacheError("the entry is for another key or format")
+        graph = graph_from_record(record["graph"], gm)
+        write_graph(graph)
+    except Exception as e:  # any damage means recompile, never a crash or a wrong answer
+        cache_log.warning("gjit: ignoring the damaged cache entry %s (%s); recompiling", path, e)
+        stats.COUNTERS["disk_cache_errors"] += 1
+        return None
+    cache_log.info("on-disk hit: compiled graph %s (%d kernels)", path, len(graph.kernels))
+    stats.COUNTERS["disk_cache_hits"] += 1
+    return graph
+
+
+def write_graph(graph: CompiledGraph) -> None:
+    graph.write()
+    for sub in graph.subgraphs.values():
+        write_graph(sub)
+
+
+def store(key: str, graph: CompiledGraph) -> None:
+    """Write the entry atomically; a failure is logged and costs only the next warm start."""
+    path = entry_path(key)
+    try:
+        body = json.dumps({"format": FORMAT, "key": key, "graph": graph_record(graph)}, sort_keys=True)
+        text = hashlib.sha256(body.encode()).hexdigest() + "\n" + body
+        atomic_write(path, text)
+    except (OSError, CacheError) as e:
+        cache_log.warning("gjit: could not write the cache entry %s (%s)", path, e)
+        return
+    cache_log.info("on-disk store: compiled graph written to %s", path)
