@@ -1,7 +1,8 @@
 """python -m gjit.bench: gjit next to eager and torch.compile on kernel cases and tiny models.
 
     python -m gjit.bench                      # quick subset: one table, bench_results.json, a PNG
-    python -m gjit.bench --full               # every case and size, and the dynamic-shape replay
+    python -m gjit.bench --full               # every case and size, and the dynamic-shape replay;
+                                              # on a GPU also device-filling sizes (0.5-1 GiB inputs)
     python -m gjit.bench --cases softmax gpt2 --json out.json --png out.png
 
 Per case: kernels gjit launches (and externs), ATen ops eager launches, kernels torch.compile
@@ -49,6 +50,7 @@ class Case:
     make: Callable[[int], tuple[Any, tuple]]  # size -> (model or function, example args)
     sizes: tuple[int, ...]  # quick runs the first; --full all of them
     group: str
+    device_sizes: tuple[int, ...] = ()  # --full on a GPU adds these: inputs of about 0.5-1 GiB
 
 
 def _ten_op_chain(x, b):
@@ -101,18 +103,18 @@ def _fn(fn: Callable, *shapes: tuple[int, ...]) -> Callable[[int], tuple[Any, tu
 
 N = -1  # in a shape: the case's size
 CASES = [
-    Case("pointwise_short", _fn(lambda x: x * 2 + 1, (N, N)), (256, 2048), "pointwise"),
-    Case("pointwise_10op", _fn(_ten_op_chain, (N, N), (N,)), (256, 2048), "pointwise"),
+    Case("pointwise_short", _fn(lambda x: x * 2 + 1, (N, N)), (256, 2048), "pointwise", (16384,)),
+    Case("pointwise_10op", _fn(_ten_op_chain, (N, N), (N,)), (256, 2048), "pointwise", (16384,)),
     Case("pointwise_bcast", _fn(lambda x, b, c: (x + b) * c, (N, N), (N,), (N, 1)), (256,), "pointwise"),
-    Case("softmax", _fn(lambda x: torch.softmax(x, -1), (N, 512)), (256, 4096), "reduction"),
+    Case("softmax", _fn(lambda x: torch.softmax(x, -1), (N, 512)), (256, 4096), "reduction", (2**19,)),
     Case("log_softmax", _fn(lambda x: torch.log_softmax(x, -1), (N, 512)), (256,), "reduction"),
-    Case("layer_norm", _fn(lambda x: F.layer_norm(x, (768,)), (N, 768)), (256, 4096), "reduction"),
+    Case("layer_norm", _fn(lambda x: F.layer_norm(x, (768,)), (N, 768)), (256, 4096), "reduction", (2**18,)),
     Case("rms_norm", _fn(_rms_norm, (N, 768), (768,)), (256,), "reduction"),
-    Case("sum_last", _fn(lambda x: x.sum(-1), (N, 512)), (256,), "reduction"),
-    Case("sum_first", _fn(lambda x: x.sum(0), (512, N)), (256,), "reduction"),
+    Case("sum_last", _fn(lambda x: x.sum(-1), (N, 512)), (256,), "reduction", (2**19,)),
+    Case("sum_first", _fn(lambda x: x.sum(0), (512, N)), (256,), "reduction", (2**19,)),
     Case("mean_middle", _fn(lambda x: x.mean(1), (8, N, 64)), (256,), "reduction"),
     Case("amax_last", _fn(lambda x: x.amax(-1), (N, 512)), (256,), "reduction"),
-    Case("transpose_add", _fn(lambda x, y: x.t() + y, (N, N), (N, N)), (256,), "pointwise"),
+    Case("transpose_add", _fn(lambda x, y: x.t() + y, (N, N), (N, N)), (256,), "pointwise", (8192,)),
     Case("embedding", _embedding, (64,), "indexing"),
     Case("gelu_mlp", lambda n: (_gelu_mlp(64), (_r(n, 64),)), (64,), "block"),
     Case("attention", lambda n: (_attention, _qkv(n)), (64,), "block"),
@@ -365,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.compile(lambda x: x + 1)(warm_up)
     rows = []
     for case in [c for c in CASES if c.name in names]:
-        for size in case.sizes if opts.full else case.sizes[:1]:
+        sizes = case.sizes + (case.device_sizes if gpu else ()) if opts.full else case.sizes[:1]
+        for size in sizes:
             print(f"measuring {case.name} [{size}] ...", file=sys.stderr, flush=True)
             rows.append(measure(case, size, gpu))
     device = torch.cuda.get_device_name() if gpu else "CPU (kernels built for sm_90; no kernel times)"
