@@ -4,6 +4,13 @@ Registered through the standard `torch_dynamo_backends` entry point (pyproject.t
 import of gjit is needed before torch.compile. Graph breaks are Dynamo's; each graph Dynamo
 passes (a torch-level FX GraphModule) is compiled by gjit like any module: exported,
 decomposed, fused, guarded. Dynamo's own guards decide when this backend sees a new graph.
+
+Grad mode is the caller's: a call that needs autograd (grad mode on and a parameter or input
+that requires grad) runs the graph eagerly with a logged warning, so training under
+torch.compile gets its gradients; under torch.no_grad() / inference_mode the kernels run.
+Int graph inputs are the sizes and ints Dynamo made symbolic (SymInts in `example_inputs`):
+the graph is compiled with dynamic=True, which exports them as symbols the guard binds, so a
+new batch size reuses the entry instead of recompiling.
 """
 
 from __future__ import annotations
@@ -12,16 +19,19 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 
 def gjit_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
     from gjit.api import CompiledFunction
 
-    compiled = CompiledFunction(gm)
+    # Dynamo's graphs generate their forward lazily; until then its signature is (*args, **kwargs)
+    _LazyGraphModule.force_recompile(gm)
+    symbolic = any(isinstance(x, torch.SymInt) for x in example_inputs)
+    compiled = CompiledFunction(gm, dynamic=True if symbolic else None)
 
     def run(*args: Any) -> Any:
-        with torch.no_grad():  # gjit compiles inference graphs; Dynamo keeps autograd outside
-            return compiled(*args)
+        return compiled(*args)
 
     run.gjit = compiled  # the entries, for explain / debugging
     return run

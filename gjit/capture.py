@@ -20,6 +20,11 @@ import torch.utils._pytree as pytree
 from torch.export import Dim, ExportedProgram, ShapesCollection
 from torch.export.graph_signature import InputKind, OutputKind
 
+try:  # how export marks an int input dynamic (ShapesCollection's docstring); absent before torch 2.7
+    from torch.export.dynamic_shapes import _IntWrapper
+except ImportError:
+    _IntWrapper = None
+
 from gjit import logs
 from gjit.stats import timed
 
@@ -73,7 +78,8 @@ def decomposition_table() -> dict:
     return table
 
 
-DimRanges = dict[int, dict[int, tuple[int | None, int | None]]]  # flat input -> dim -> (min, max)
+# flat input -> dim -> (min, max); an int input that maps to {} is exported as a symbol
+DimRanges = dict[int, dict[int, tuple[int | None, int | None]]]
 
 
 def export_model(
@@ -88,11 +94,16 @@ def export_model(
     shapes = None
     if dims:
         shapes = ShapesCollection()
-        leaves = pytree.tree_leaves((args, kwargs))
+        leaves, spec = pytree.tree_flatten((args, kwargs))
         for i, ranges in dims.items():
             leaf = leaves[i]
-            if id(leaf) not in shapes._shapes:
+            if isinstance(leaf, int):  # a wrapper export unwraps; without it the int stays specialized
+                if _IntWrapper is not None:
+                    leaves[i] = _IntWrapper(leaf)
+                    shapes[leaves[i]] = Dim.AUTO
+            elif id(leaf) not in shapes._shapes:
                 shapes[leaf] = {d: Dim.AUTO(min=lo, max=hi) for d, (lo, hi) in ranges.items()}
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
     with timed("export", timings), logs.torch_dynamic_logs():
         exported = torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
     with timed("decompose", timings):
@@ -159,12 +170,33 @@ class CapturedProgram:
         return state_reader(owner, attr)
 
     def finish(self, flat_user: list[Any], flat_out: list[Any]) -> Any:
-        """Apply recorded mutations, then rebuild the user's output pytree."""
+        """Apply recorded mutations, then rebuild the user's output pytree. An output that is (a
+        view of) the new value of a mutated input is returned as (that view of) the input, as in
+        eager, where `x.add_(1); return x` returns x itself."""
+        mutated = []
         for out_index, (kind, key) in self.mutations.items():
             target = flat_user[key] if kind == "user" else self.state_tensor("buffer", key)
             with torch.no_grad():
                 target.copy_(flat_out[out_index])
-        return pytree.tree_unflatten([flat_out[i] for i in self.user_output_indices], self.out_spec)
+            if kind == "user":
+                mutated.append((flat_out[out_index], target))
+        outs = [flat_out[i] for i in self.user_output_indices]
+        if mutated:
+            outs = [_as_mutated_input(o, mutated) for o in outs]
+        return pytree.tree_unflatten(outs, self.out_spec)
+
+
+def _as_mutated_input(out: Any, mutated: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    if not isinstance(out, torch.Tensor):
+        return out
+    for new, target in mutated:
+        if out is new:
+            return target
+        same_memory = out.untyped_storage().data_ptr() == new.untyped_storage().data_ptr()
+        if same_memory and new.stride() == target.stride() and out.dtype == target.dtype:
+            offset = target.storage_offset() + out.storage_offset() - new.storage_offset()
+            return target.as_strided(out.shape, out.stride(), offset)
+    return out
 
 
 def state_reader(owner: torch.nn.Module, attr: str):

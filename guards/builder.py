@@ -4,8 +4,9 @@ Built from the export result: each user input's placeholder has sizes and stride
 expressions over size symbols (the first plain-symbol occurrence binds the symbol, later ones
 check their expression, e.g. `y.size(0) == s0 + 1`), export's range constraints, the shape
 environment's own guards (a branch on a size), and the assumptions generated kernels made
-(a persistent reduction row fits its block, int32 offsets). Types, dtypes, devices and
-specialized Python scalars come from the example call.
+(a persistent reduction row fits its block, int32 offsets). An int input export kept symbolic
+binds its symbol like a size. Types, dtypes, devices and specialized Python scalars come from
+the example call.
 
 The checks compile into ONE generated function for the hot path, which returns the values of
 the size symbols it bound (handed to the wrapper, so sizes are not read twice) or None on a
@@ -115,13 +116,17 @@ class GuardSet:
 
 def input_symbols(user_vals: Sequence[Any]) -> list[sympy.Symbol]:
     """The size symbols the guard binds from the user inputs, in binding order: every plain
-    symbol among sizes (input by input), then among strides."""
+    symbol among sizes and symbolic int inputs (input by input), then among strides."""
     seen: list[sympy.Symbol] = []
     for attr in ("shape", "stride"):
         for val in user_vals:
-            if not isinstance(val, torch.Tensor):
+            if isinstance(val, torch.SymInt) and attr == "shape":
+                values = [val]
+            elif isinstance(val, torch.Tensor):
+                values = val.shape if attr == "shape" else val.stride()
+            else:
                 continue
-            for s in val.shape if attr == "shape" else val.stride():
+            for s in values:
                 e = _expr(s)
                 if isinstance(e, sympy.Symbol) and e not in seen:
                     seen.append(e)
@@ -136,6 +141,8 @@ def _expr(value: Any) -> sympy.Expr:
 
 def shape_env_of(user_vals: Sequence[Any]):
     for val in user_vals:
+        if isinstance(val, torch.SymInt):
+            return val.node.shape_env
         if isinstance(val, torch.Tensor):
             for s in (*val.shape, *val.stride()):
                 if isinstance(s, torch.SymInt):
@@ -213,6 +220,19 @@ class _Builder:
                 code = f"{v}_size[{d}] == 1 or {code}"
             self.guard(code, f"{name}.stride({d}) == {st}", here, i, "stride", True)
 
+    def symint(self, i: int, val: torch.SymInt) -> None:
+        """An int input export kept symbolic: its first occurrence binds the symbol, like a size."""
+        v, name = f"in{i}", self.names[i]
+        self.guard(f"type({v}) is int", f"{name} is an int", f"type({v}).__name__", i, "type")
+        e = _expr(val)
+        if e.is_number:
+            self.guard(f"{v} == {int(e)}", f"{name} == {int(e)} (specialized)", v, i, "scalar")
+        elif isinstance(e, sympy.Symbol) and e not in self.bound:
+            self.steps.append(Bind(e.name, v))
+            self.bound[e] = name
+        else:
+            self.guard(f"{v} == {pyexpr(e)}", f"{name} == {e}", v, i, "scalar", later=True)
+
     def scalar(self, i: int, value: Any) -> None:
         v, name = f"in{i}", self.names[i]
         if value is None:
@@ -280,6 +300,8 @@ def build_guards(
     for i, value in enumerate(flat_inputs):
         if isinstance(value, torch.Tensor):
             b.tensor(i, value, user_vals[i] if isinstance(user_vals[i], torch.Tensor) else None)
+        elif isinstance(user_vals[i], torch.SymInt):
+            b.symint(i, user_vals[i])
         else:
             b.scalar(i, value)
     symbols = input_symbols(user_vals)
@@ -356,6 +378,7 @@ def _ranges(b: _Builder, ranges: dict) -> None:
         if isinstance(expr, sympy.Symbol):
             # export traced the program assuming the size is at least 2 (a user range may say
             # less): sizes 0 and 1 get entries of their own, where export specializes them
+            # (gjit.guards.policy exports only int inputs >= 2 as symbols, so the same holds)
             lower = max(lower or 0, 2)
         if lower is not None and lower > 0:
             b.condition(expr, f"{expr} >= {lower}", "range", code=f"{pyexpr(expr)} >= {lower}")

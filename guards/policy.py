@@ -6,9 +6,12 @@ a match with a weight). A later call that misses every entry recompiles the same
 own sizes, so the new entry is again as general as export allows. Export specializes example
 sizes 0 and 1 and assumes dynamic sizes are at least 2, so sizes 0 and 1 get entries of their
 own: a program that treats 1 specially (squeeze, broadcasting) is never reused for it.
-`dynamic=True` is the same (accepted for torch.compile compatibility: gjit's default is already
-dynamic from the first call); `dynamic=False` exports every dim static, one entry per shape.
-`mark_dynamic` adds a range and makes a dim dynamic in any mode.
+`dynamic=True` is the same for tensors (gjit's default is already dynamic from the first call)
+and, as in torch.compile, also exports Python int inputs as symbols (`Dim.AUTO`: export may
+still specialize one the program needs); ints below 2 stay specialized, like sizes 0 and 1.
+torch.compile(backend="gjit") passes it for graphs whose int inputs Dynamo made SymInts.
+`dynamic=False` exports every dim static, one entry per shape. `mark_dynamic` adds a range and
+makes a dim dynamic in any mode.
 """
 
 from __future__ import annotations
@@ -55,10 +58,13 @@ def mark_dynamic(
 def dynamic_dims(
     flat: list[Any], dynamic: bool | None
 ) -> dict[int, dict[int, tuple[int | None, int | None]]]:
-    """flat input index -> {dim: (min, max)} to export as Dim.AUTO; every other dim is static."""
+    """flat input index -> {dim: (min, max)} to export as Dim.AUTO; every other dim is static.
+    With dynamic=True a Python int input of at least 2 maps to {} (export it as a symbol)."""
     out: dict[int, dict[int, tuple[int | None, int | None]]] = {}
     for i, t in enumerate(flat):
         if not isinstance(t, torch.Tensor):
+            if dynamic is True and type(t) is int and t >= 2:
+                out[i] = {}
             continue
         marks = getattr(t, MARKS, None) or {}
         dims = {}

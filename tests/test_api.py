@@ -1,6 +1,7 @@
 """The public API: compile (module, function, decorator, ExportedProgram), pytree in/out,
 live parameters, mutations, capture failure, bad calls, stats/reset, explain."""
 
+import copy
 import logging
 
 import pytest
@@ -259,3 +260,47 @@ def test_torch_compile_backend_entry_point():
     with gjit.config.scope(interpret=True, debug=True):
         torch.testing.assert_close(compiled(x, y), f(x, y))
     assert gjit.stats()["compiles"] == 2 and gjit.stats()["eager_runs"] == 0
+
+
+def test_torch_compile_training_gets_eager_gradients(caplog):
+    """The backend keeps the caller's grad mode: a training call runs the graph eagerly (logged)
+    and backward gives eager's gradients; under no_grad the same model runs gjit's kernels."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4), nn.LayerNorm(4))
+    reference = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="gjit")
+    x = torch.randn(5, 8)
+    with gjit.config.scope(interpret=True, debug=True), caplog.at_level(logging.WARNING, logger="gjit"):
+        out = compiled(x)
+    out.square().mean().backward()
+    reference(x).square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad)
+    assert "compiles inference graphs" in caplog.text
+    assert gjit.stats()["compiles"] == 0 and gjit.stats()["eager_runs"] == 1
+    with torch.no_grad(), gjit.config.scope(interpret=True, debug=True):
+        out = compiled(x)
+        torch.testing.assert_close(out, reference(x))
+    assert not out.requires_grad
+    assert gjit.stats()["compiles"] == 1 and gjit.stats()["eager_runs"] == 1
+
+
+@pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "automatic_dynamic"])
+def test_torch_compile_dynamic_sizes_reuse_one_gjit_entry(dynamic):
+    """Dynamo passes the sizes it made symbolic as int graph inputs (SymInts in example_inputs);
+    gjit binds them as symbols, so new batch sizes reuse the entry instead of recompiling."""
+
+    def f(x):
+        return (x.sin() * 2).reshape(x.shape[0], -1).sum(1) + x.shape[0]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="gjit", dynamic=dynamic)
+    with torch.no_grad(), gjit.config.scope(interpret=True, debug=True):
+        for batch in (3, 5, 7, 9, 11, 4, 30):
+            x = torch.randn(batch, 4, 2)
+            torch.testing.assert_close(compiled(x), f(x))
+    # automatic dynamic: Dynamo's static graph for the first size, then its dynamic graph
+    assert gjit.stats()["compiles"] == (1 if dynamic else 2), gjit.stats()
+    assert gjit.stats()["eager_runs"] == 0

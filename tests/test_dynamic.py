@@ -186,6 +186,30 @@ def test_specialized_python_scalar_recompiles():
     assert "k == 2.0 (specialized)" in cm.entries[0].guards.format()
 
 
+def test_dynamic_true_exports_int_inputs_as_symbols():
+    """dynamic=True (what torch.compile's backend passes for SymInt graph inputs) binds an int
+    input >= 2 as a symbol; ints below 2, other types and the default mode specialize."""
+
+    def f(x, n):
+        return (x * n).sum(-1) + n
+
+    cm = gjit.compile(f, dynamic=True)
+    x = torch.randn(4, 6)
+    for n in (3, 5, 3, 40):
+        check_call(cm, x, n)
+    assert compiles() == 1
+    guards = cm.entries[0].guards
+    assert "n is an int" in guards.format() and any(d.startswith("n = ") for d in guards.dynamic_dims)
+    for n in (1, -7, 2.5, True):  # below 2 and other types: entries of their own
+        check_call(cm, x, n)
+    assert compiles() == 5
+    gjit.reset()
+    default = gjit.compile(f)
+    for n in (3, 5):
+        check_call(default, x, n)
+    assert compiles() == 2
+
+
 # ----------------------------------------------------------------------------------------------
 # Guards: binding, relations, export's guards, kernel assumptions, explaining a miss
 # ----------------------------------------------------------------------------------------------
