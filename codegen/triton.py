@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import re
 from collections.abc import Callable
 
 import sympy
@@ -200,6 +201,7 @@ class KernelSource:
     # (condition over size symbols, why): what this kernel relies on beyond its example sizes;
     # the entry's guards check them (a call that breaks one recompiles)
     assumptions: list[tuple[sympy.Basic, str]] = dataclasses.field(default_factory=list)
+    backend: str = "triton"  # or "cuda": CUDA C for NVRTC / CuPy (codegen/cuda.py)
 
     @property
     def cache_key(self) -> str:
@@ -286,10 +288,8 @@ class KernelWriter:
             return literal(e.value, e.dtype)
         if isinstance(e, IndexValue) and sympy.sympify(e.expr).is_number:
             return literal(e.expr, e.dtype)
-        if isinstance(e, Op) and e.name == "to_dtype" and self.constant(e.args[0]) is not None:
-            # a constant (a size, a fill value) under a cast: cast it now, rounding as ATen does
-            value = torch.tensor(self.constant(e.args[0]), dtype=e.args[0].dtype).to(e.params[0]).item()
-            return literal(value, e.params[0])
+        if isinstance(e, Op) and e.name == "to_dtype" and _constant(e.args[0]) is not None:
+            return literal(_constant(e.args[0]), e.params[0])  # a constant (size) under a cast
         if isinstance(e, IndexValue):
             expr = self.subst(e.expr)
             if sympy.sympify(expr).is_number:  # e.g. the index of a size-1 dim
@@ -302,6 +302,11 @@ class KernelWriter:
             return self.read(e)
         if isinstance(e, Op):
             args = [self.emit(a) for a in e.args]
+            if e.name == "to_dtype" and _number(args[0]) is not None:
+                # a member that is a Python number here (a fill value, an index of a size-1 dim)
+                # has no .to(): cast it now, rounding as ATen does
+                value = torch.tensor(_number(args[0]), dtype=e.args[0].dtype).to(e.params[0]).item()
+                return literal(value, e.params[0])
             if e.name == "to_dtype":
                 text = to_dtype(args[0], e.args[0].dtype, e.params[0])
             else:
@@ -316,12 +321,6 @@ class KernelWriter:
             return self.tmp(("masked", mask, body), f"tl.where({mask}, {body}, {literal(e.other, e.dtype)})")
         raise TypeError(type(e))
 
-    def constant(self, e: Expr):
-        """The Python number `e` always is (looking through region members), or None."""
-        if isinstance(e, Read) and self.in_registers(e):
-            return self.constant(self.region.bodies[e.name])
-        return _constant(e)
-
     def in_registers(self, r: Read) -> bool:
         """Is this read of a region member at its own element (so the member's value is reused)?"""
         return r.name in self.region.bodies and r.index == ir.index_vars(len(self.region.size))
@@ -334,10 +333,12 @@ class KernelWriter:
         arg = self.in_args.setdefault(r.name, f"in_ptr{len(self.in_args)}")
         offset = self.subst(self.layout(r.name).offset_of(r.index))
         text = self.index(offset, names)
-        if offset.free_symbols & (set(self.vars) | set(names)):
+        if offset.free_symbols & set(self.vars):
             load = f"tl.load({arg} + ({text}), {self.mask})"
-        elif self.mask in self.base_masks:
+        elif self.mask in self.base_masks and not names:
             load = f"tl.load({arg} + ({text}))"
+        elif names:  # indices loaded at a var-free offset may be scalars: broadcast to the mask
+            load = f"tl.load({arg} + ({text}) + tl.zeros({self.mask}.shape, tl.int32), {self.mask})"
         else:
             load = f"tl.load({arg} + ({text}) + {self.block_zeros}, {self.mask})"
         return self.tmp(("load", arg, text, self.mask), load)
@@ -522,6 +523,21 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 """
+
+
+def _number(text: str) -> bool | int | float | None:
+    """The value of an emitted Python number literal (see `literal`), or None for anything else."""
+    if text in ("True", "False"):
+        return text == "True"
+    special = re.fullmatch(r"float\('(-?inf|nan)'\)", text)
+    if special:
+        return float(special.group(1))
+    for parse in (int, float):
+        try:
+            return parse(text)
+        except ValueError:
+            pass
+    return None
 
 
 def _constant(e: Expr):

@@ -4,8 +4,9 @@
     print(report)                                # registers, spills, shared memory, vector loads
 
 Triton compiles each kernel for the target through its whole NVIDIA pipeline (ptxas ships
-with Triton); the resource usage comes from the cubin itself, read with the `cuobjdump` that
-ships with Triton. A kernel with local memory or stack use spills registers.
+with Triton), and NVRTC each CUDA C kernel of the cupy backend; the resource usage comes from
+the cubin itself, read with the `cuobjdump` that ships with Triton. A kernel with local memory
+or stack use spills registers.
 """
 
 from __future__ import annotations
@@ -73,20 +74,34 @@ def resource_usage(cubin_path: str) -> dict[str, int]:
 
 
 def build(kernel: Any, path: str, arch: int, out_dir: str) -> KernelBinary:
-    binary = compile_kernel(kernel, path, arch=arch)
+    """PTX and cubin of one kernel: Triton's pipeline, or NVRTC for a CUDA C kernel."""
+    if kernel.backend == "cuda":  # CuPy's NVRTC binding, needed for this backend only
+        from gjit.codegen import nvrtc
+
+        with open(path, encoding="utf-8") as f:
+            binary = nvrtc.compile_cuda(f.read(), kernel.name, arch)
+        ptx, cubin = binary.ptx, binary.cubin
+        # Triton's cuobjdump cannot read NVRTC 13.5 cubins: ptxas's own report of the same build
+        ptxas = nvrtc.resource_usage(binary)
+        local = ptxas["spill_stores"] + ptxas["spill_loads"]
+        usage = {"registers": ptxas["registers"], "stack": ptxas["stack"], "shared": ptxas["shared"]}
+        usage["local"] = local
+    else:
+        binary = compile_kernel(kernel, path, arch=arch)
+        ptx, cubin = binary.asm["ptx"], binary.asm["cubin"]
+        usage = None
     os.makedirs(out_dir, exist_ok=True)
     ptx_path = os.path.join(out_dir, f"{kernel.name}.ptx")
     cubin_path = os.path.join(out_dir, f"{kernel.name}.cubin")
     with open(ptx_path, "w") as f:
-        f.write(binary.asm["ptx"])
+        f.write(ptx)
     with open(cubin_path, "wb") as f:
-        f.write(binary.asm["cubin"])
-    ptx = binary.asm["ptx"]
+        f.write(cubin)
     loads = re.findall(r"\bld\.global[\w.]*", ptx)
     vector = sum(1 for op in loads if ".v2." in op or ".v4." in op)
     scalar = len(loads) - vector
-    return KernelBinary(kernel.name, ptx_path, cubin_path, **resource_usage(cubin_path),
-                        vector_loads=vector, scalar_loads=scalar)  # fmt: skip
+    usage = usage or resource_usage(cubin_path)
+    return KernelBinary(kernel.name, ptx_path, cubin_path, **usage, vector_loads=vector, scalar_loads=scalar)
 
 
 def aot(model: Any, *args: Any, arch: str = "sm_90", out_dir: str | None = None, **kwargs: Any) -> AotReport:

@@ -13,7 +13,7 @@ import torch.utils._pytree as pytree
 
 from gjit import dump, logs, stats
 from gjit.capture import CaptureError, bind_call, capture, forward_signature, readable
-from gjit.compiler import CompiledProgram, compile_program, run_program
+from gjit.compiler import BACKENDS, CompiledProgram, compile_program, run_program
 from gjit.config import config
 from gjit.guards import GuardBuildError, GuardSet, MissHistory, build_guards, dynamic_dims
 from gjit.guards.policy import specialized_dims
@@ -96,8 +96,12 @@ class CompiledFunction:
         dynamic: bool | None = None,
         check: bool | None = None,
         dump_dir: str | None = None,
+        backend: str | None = None,
     ):
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"gjit.compile: unknown backend {backend!r}, expected one of {BACKENDS}")
         self.model = model
+        self.backend = backend  # None: gjit.config.backend
         self.dynamic = dynamic
         self.check = check  # None: gjit.config.check
         self.dump_dir = dump_dir  # None: gjit.config.dump_dir
@@ -266,14 +270,12 @@ class CompiledFunction:
         cache_log.info("%s: no entry admits the call (in-memory cache miss); compiling", self._name())
         try:
             captured = capture(self.model, args, kwargs, dims, timings)
-        except CaptureError as e:
+        except CaptureError as e:  # warned about in _run_eager, once the model ran fine eagerly
             self._capture_failed = str(e)
-            log.warning(
-                "gjit could not capture %s, running it eagerly: %s", self._name(), str(e).splitlines()[0]
-            )
             return None
         check = config.check if self.check is None else self.check
-        program = compile_program(captured, timings, check=check)
+        with config.scope(backend=self.backend or config.backend):
+            program = compile_program(captured, timings, check=check)
         try:
             with timed("guards", timings):
                 guards = build_guards(
@@ -287,7 +289,6 @@ class CompiledFunction:
                 )
         except GuardBuildError as e:
             self._capture_failed = f"cannot guard the exported program: {e}"
-            log.warning("gjit cannot guard %s, running it eagerly: %s", self._name(), e)
             return None
         stats.COUNTERS["compiles"] += 1
         index = len(self.entries)
@@ -335,7 +336,7 @@ class CompiledFunction:
                 "torch.export.export (non-strict)", t.get("export")
             ) + readable(captured.exported.graph_module)
         for k in program.kernels:
-            files[f"kernels/{k.name}.py"] = k.source
+            files[f"kernels/{k.name}{'.cu' if k.backend == 'cuda' else '.py'}"] = k.source
         dump.write(path, files)
         logs.logger("output_code").info(
             "%s entry %d: compile stages written to %s", self._name(), index, path
@@ -346,9 +347,13 @@ class CompiledFunction:
             "%s: eager fallback from now on: %s", self._name(), getattr(self, "_capture_failed", "")
         )
         stats.COUNTERS["eager_runs"] += 1
-        result = self.model(*args, **kwargs)
-        # the model ran fine eagerly, so capture itself is the problem: stop retrying it
-        self.eager_reason = getattr(self, "_capture_failed", "capture failed")
+        result = self.model(*args, **kwargs)  # a forward that raises raises its own error, unwarned
+        reason = getattr(self, "_capture_failed", "capture failed")
+        log.warning("gjit could not capture %s, running it eagerly: %s", self._name(), reason.splitlines()[0])
+        # the model ran fine eagerly, so capture itself is the problem: stop retrying it, unless
+        # entries exist (then only this kind of call fails to export; the others keep their kernels)
+        if not self.entries:
+            self.eager_reason = reason
         return result
 
     def _name(self) -> str:
@@ -358,20 +363,29 @@ class CompiledFunction:
 
 
 def compile(
-    model: Any = None, *, dynamic: bool | None = None, check: bool | None = None, dump_dir: str | None = None
+    model: Any = None,
+    *,
+    dynamic: bool | None = None,
+    check: bool | None = None,
+    dump_dir: str | None = None,
+    backend: str | None = None,
 ) -> Any:
     """Compile `model` (nn.Module, function, ExportedProgram or .pt2 path); usable as a decorator.
 
     dynamic=None (and True): export decides from the first call which dims stay dynamic (sizes 0
     and 1 are specialized, so they get entries of their own); a call no entry admits compiles a
-    new entry the same way. dynamic=False: every dim static, one entry per distinct shape.
+    new entry the same way. dynamic=True also exports Python int inputs (>= 2) as symbols, as
+    torch.compile does. dynamic=False: every dim static, one entry per distinct shape.
     gjit.mark_dynamic(t, dim, min, max) makes a dim dynamic within a range.
     check=True (or GJIT_CHECK=1): compare every kernel with the eager fallback on each call (slow).
     dump_dir (or GJIT_DUMP_DIR): write every compile stage of each entry there.
+    backend="triton" (default, or GJIT_BACKEND) or "cupy": CUDA C kernels compiled with NVRTC and
+    launched through CuPy (on CPU tensors with gjit.config.interpret, a host emulation runs them).
     """
+    options = dict(dynamic=dynamic, check=check, dump_dir=dump_dir, backend=backend)
     if model is None:
-        return lambda m: CompiledFunction(m, dynamic=dynamic, check=check, dump_dir=dump_dir)
-    return CompiledFunction(model, dynamic=dynamic, check=check, dump_dir=dump_dir)
+        return lambda m: CompiledFunction(m, **options)
+    return CompiledFunction(model, **options)
 
 
 def explain(model: Any, *args: Any, **kwargs: Any) -> Report:

@@ -11,6 +11,7 @@ import torch
 from gjit import cache, logs, stats
 from gjit.capture import CapturedProgram
 from gjit.check import RegionChecker
+from gjit.codegen.cuda import generate_cuda_kernel
 from gjit.codegen.triton import KernelSource, generate_kernel, kernel_name
 from gjit.config import config
 from gjit.fusion import Region, Step, fuse
@@ -61,6 +62,16 @@ class CompiledProgram:
                 raise RuntimeError("gjit: lowering and fusion did not reproduce the cached entry's kernels")
             self._analysis = loop_graph, steps
         return self._analysis
+
+
+BACKENDS = ("triton", "cupy")
+
+
+def backend() -> str:
+    name = config.backend
+    if name not in BACKENDS:
+        raise ValueError(f"gjit: unknown backend {name!r} (GJIT_BACKEND): expected one of {BACKENDS}")
+    return name
 
 
 def size_hints(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, int]:
@@ -116,11 +127,12 @@ def compile_graph(
             fusion_log.info(
                 "region: %s (stores %s)", ", ".join(n.name for n in step.inlined + step.nodes), step.stores
             )
-    # codegen: each region -> one Triton kernel, sizes as arguments
+    # codegen: each region -> one Triton (or CUDA C) kernel, sizes as arguments
     with timed("codegen", timings):
         hints = size_hints(gm)
         regions = [s for s in steps if isinstance(s, Region)]
-        kernels = [generate_kernel(r, loop_graph, hints, k) for k, r in enumerate(regions)]
+        generate = generate_cuda_kernel if backend() == "cupy" else generate_kernel
+        kernels = [generate(r, loop_graph, hints, k) for k, r in enumerate(regions)]
     # wrapper: the schedule -> one Python call function
     with timed("wrapper", timings):
         by_name = {k.name: k for k in kernels}

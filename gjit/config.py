@@ -8,6 +8,7 @@
     gjit.config.cache_dir             GJIT_CACHE_DIR     the on-disk cache: compiled graphs, kernel and
                                                          wrapper sources (default ~/.cache/gjit)
     gjit.config.cache                 GJIT_CACHE=0       turn the on-disk compile cache off (on by default)
+    gjit.config.backend               GJIT_BACKEND       triton (default) | cupy: CUDA C kernels (NVRTC, CuPy)
     gjit.config.xblock                GJIT_XBLOCK        block size of pointwise kernels
     gjit.config.reduction             GJIT_REDUCTION     auto | persistent | looped reduction kernels
     gjit.config.persistent_max        GJIT_PERSISTENT_MAX  auto: persistent up to this row length
@@ -108,6 +109,11 @@ class Config:
         _env_bool("GJIT_CACHE", True),
         "reuse compiled graphs (kernels + wrapper) from the on-disk cache across processes",
     )
+    backend = _Knob(
+        "GJIT_BACKEND",
+        _env_str("GJIT_BACKEND", lambda: "triton"),
+        "kernel language: triton, or cupy (CUDA C compiled with NVRTC, launched through CuPy)",
+    )
     xblock = _Knob("GJIT_XBLOCK", _env_int("GJIT_XBLOCK", 1024), "block size of pointwise kernels")
     reduction = _Knob(
         "GJIT_REDUCTION",
@@ -168,7 +174,7 @@ class Config:
 
     def snapshot(self) -> dict[str, Any]:
         """The knob values that change generated code or how it runs (part of a cache key)."""
-        names = ("interpret", "debug", "xblock", "reduction", "persistent_max", "rblock", "check")
+        names = ("backend", "interpret", "debug", "xblock", "reduction", "persistent_max", "rblock", "check")
         return {name: getattr(self, name) for name in names}
 
 

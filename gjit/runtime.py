@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import triton
 
-from gjit import logs
+from gjit import logs, runtime_cuda
 from gjit.codegen import interpret as interpret_libdevice
 from gjit.codegen.triton import KERNEL_PRELUDE, KernelSource
 from gjit.config import config
@@ -47,15 +47,27 @@ def atomic_write(path: str, text: str) -> None:
         raise
 
 
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-def write_source(kind: str, name: str, source: str) -> str:
+def write_source(kind: str, name: str, source: str, ext: str = ".py") -> str:
     """Write `source` under the cache dir, content-addressed, atomically. A file already there is
     reused only if its content still matches its name; a damaged one is logged and rewritten."""
     digest = _digest(source)
-    path = os.path.join(config.cache_dir, kind, digest[:2], f"{name}_{digest}.py")
+    path = os.path.join(config.cache_dir, kind, digest[:2], f"{name}_{digest}{ext}")
     try:
         with open(path, encoding="utf-8") as f:
             intact = _digest(f.read()) == digest
@@ -172,14 +184,23 @@ class CompiledGraph:
 
     def write(self) -> None:
         for k in self.kernels:
-            self.kernel_paths[k.name] = write_source("kernels", k.name, KERNEL_PRELUDE + k.source)
+            if k.backend == "cuda":
+                path = write_source("kernels", k.name, runtime_cuda.kernel_file_text(k), ".cu")
+            else:
+                path = write_source("kernels", k.name, KERNEL_PRELUDE + k.source)
+            self.kernel_paths[k.name] = path
         self.wrapper_path = write_source("wrappers", "wrapper", self.wrapper_source)
 
     def call_fn(self, interpret: bool) -> Callable:
         key = "interpret" if interpret else "device"
         if key not in self._calls:
             kernels = {
-                k.name: load_kernel(self.kernel_paths[k.name], k.name, interpret) for k in self.kernels
+                k.name: (
+                    runtime_cuda.CudaKernel(k, self.kernel_paths[k.name], interpret)
+                    if k.backend == "cuda"
+                    else load_kernel(self.kernel_paths[k.name], k.name, interpret)
+                )
+                for k in self.kernels
             }
             extra = {"gjit_alloc": gjit_alloc, "gjit_alloc_poisoned": gjit_alloc_poisoned, **kernels}
             extra |= {name: sub.run_branch for name, sub in self.subgraphs.items()}

@@ -1,0 +1,448 @@
+"""CUDA C codegen: one fused region -> one readable `extern "C" __global__` kernel.
+
+The same region IR as the Triton backend, printed per element instead of per block: each thread
+walks the iteration space with a grid-stride loop, so any grid is correct (the launcher caps
+it), sizes are kernel arguments, and masked reads (cat, pad) become `if` blocks so nothing is
+loaded out of bounds. fp16/bf16 are storage types; math runs in float, as in eager. The
+analysis (index plan, int32/int64 offsets and their guards, modeled bytes, the header) is the
+Triton writer's: only the printing differs. Reductions are in codegen/cuda_reduction.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import sympy
+import torch
+
+from gjit import ir
+from gjit.codegen.indexing import XINDEX, coalesce
+from gjit.codegen.printer import ExprPrinter
+from gjit.codegen.triton import (
+    KernelSource,
+    KernelWriter,
+    _constant,
+    _unique,
+    hint,
+    kernel_name,
+    next_power_of_2,
+    source_line,
+)
+from gjit.fusion import Region
+from gjit.ir import Const, Expr, IndexValue, Masked, Op, Read
+
+C_TYPES = {
+    torch.float32: "float",
+    torch.float64: "double",
+    torch.float16: "__half",
+    torch.bfloat16: "__nv_bfloat16",
+    torch.int64: "long long",
+    torch.int32: "int",
+    torch.int16: "short",
+    torch.int8: "signed char",
+    torch.uint8: "unsigned char",
+    torch.bool: "bool",
+}
+HALF_TYPES = {  # storage type -> (to float, from float)
+    torch.float16: ("__half2float", "__float2half_rn"),
+    torch.bfloat16: ("__bfloat162float", "__float2bfloat16_rn"),
+}
+THREADS = 256  # threads per block of pointwise kernels (fewer for small sizes, never below a warp)
+
+
+class CPrinter(ExprPrinter):
+    """Index math in CUDA C: non-negative, so `/` and `%` are floor division and modulo."""
+
+    min_fn = "gjit_imin"
+    max_fn = "gjit_imax"
+    and_op = " && "
+    or_op = " || "
+
+    def doprint(self, expr: sympy.Basic) -> str:
+        if expr is sympy.true or expr is sympy.false:
+            return "true" if expr is sympy.true else "false"
+        if isinstance(expr, sympy.Integer) and not -(2**31) <= int(expr) < 2**31:
+            return f"{int(expr)}LL"
+        return super().doprint(expr).replace(" // ", " / ")
+
+
+def literal(value, dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "true" if value else "false"
+    if dtype.is_floating_point:
+        v = float(value)
+        suffix = "" if dtype == torch.float64 else "f"
+        if math.isnan(v):
+            text = "GJIT_NAN" + suffix.upper()
+        elif math.isinf(v):
+            text = ("-" if v < 0 else "") + "GJIT_INF" + suffix.upper()
+        else:
+            text = repr(v) + suffix
+        if dtype in HALF_TYPES:  # a half constant: the float rounded once to half
+            return f"{HALF_TYPES[dtype][1]}({text})"
+        return text
+    v = int(value)
+    if v == -(2**63):  # -9223372036854775808LL would negate a literal that does not fit
+        return "(-9223372036854775807LL - 1)"
+    if v == -(2**31) and dtype != torch.int64:  # -2147483648 is a long in C++
+        return "(-2147483647 - 1)"
+    return f"{v}LL" if dtype == torch.int64 or not -(2**31) <= v < 2**31 else str(v)
+
+
+def _math(name: str) -> Callable[..., str]:
+    """A CUDA math function: `sinf` for float, `sin` for double."""
+
+    def emit(*args) -> str:
+        *operands, dtype = args
+        fn = name if dtype == torch.float64 else f"{name}f"
+        return f"{fn}({', '.join(operands)})"
+
+    return emit
+
+
+def _floordiv(a: str, b: str, t: torch.dtype) -> str:
+    if t.is_floating_point:
+        return _math("floor")(f"{a} / {b}", t)
+    return f"gjit_floordiv({a}, {b})"
+
+
+def _remainder(a: str, b: str, t: torch.dtype) -> str:
+    if t.is_floating_point:
+        return f"gjit_fremainder({a}, {b})"
+    return f"gjit_remainder({a}, {b})"
+
+
+def _shift(op: str) -> Callable[[str, str, torch.dtype], str]:
+    """ATen's shifts by a negative amount or by at least the bit width: 0 for <<, the sign for >>."""
+
+    def emit(a: str, b: str, t: torch.dtype) -> str:
+        bits = torch.iinfo(t).bits
+        outside = "0" if op == "<<" else f"({a} < 0 ? -1 : 0)"
+        return f"(({b}) >= 0 && ({b}) < {bits} ? ({a} {op} {b}) : {outside})"
+
+    return emit
+
+
+def _minmax(which: str) -> Callable[[str, str, torch.dtype], str]:
+    def emit(a: str, b: str, t: torch.dtype) -> str:
+        if t.is_floating_point:
+            return f"gjit_{which}_nan({a}, {b})"
+        return f"({a} {'>' if which == 'max' else '<'} {b} ? {a} : {b})"
+
+    return emit
+
+
+def _abs(a: str, t: torch.dtype) -> str:
+    return _math("fabs")(a, t) if t.is_floating_point else f"({a} < 0 ? -{a} : {a})"
+
+
+def _bitwise_not(a: str, t: torch.dtype) -> str:
+    return f"(!{a})" if t == torch.bool else f"(~{a})"
+
+
+# Per-op emitters: IR op name -> C expression. Arguments are printed operands; the last one is
+# the dtype of the result (the compute dtype). The Triton table is codegen/triton.py's.
+CudaOverrides: dict[str, Callable[..., str]] = {
+    "add": lambda a, b, t: f"({a} + {b})",
+    "sub": lambda a, b, t: f"({a} - {b})",
+    "mul": lambda a, b, t: f"({a} * {b})",
+    "truediv": lambda a, b, t: f"({a} / {b})",
+    "truncdiv": lambda a, b, t: f"({a} / {b})",
+    "floordiv": _floordiv,
+    "remainder": _remainder,
+    "fmod": lambda a, b, t: _math("fmod")(a, b, t) if t.is_floating_point else f"({a} % {b})",
+    "neg": lambda a, t: f"(-{a})",
+    "abs": _abs,
+    "maximum": _minmax("max"),
+    "minimum": _minmax("min"),
+    "fmax": _math("fmax"),
+    "fmin": _math("fmin"),
+    "pow": _math("pow"),
+    "atan2": _math("atan2"),
+    "copysign": _math("copysign"),
+    "sqrt": _math("sqrt"),
+    "rsqrt": _math("rsqrt"),
+    "sigmoid": lambda a, t: f"(1 / (1 + {_math('exp')(f'-{a}', t)}))",
+    "round": _math("rint"),
+    "frac": lambda a, t: f"({a} - {_math('trunc')(a, t)})",
+    "isnan": lambda a, t: f"({a} != {a})",
+    "isinf": lambda a, t: f"isinf({a})",
+    "isfinite": lambda a, t: f"isfinite({a})",
+    "signbit": lambda a, t: f"signbit({a})",
+    "eq": lambda a, b, t: f"({a} == {b})",
+    "ne": lambda a, b, t: f"({a} != {b})",
+    "lt": lambda a, b, t: f"({a} < {b})",
+    "le": lambda a, b, t: f"({a} <= {b})",
+    "gt": lambda a, b, t: f"({a} > {b})",
+    "ge": lambda a, b, t: f"({a} >= {b})",
+    "logical_and": lambda a, b, t: f"(({a} != 0) && ({b} != 0))",
+    "logical_or": lambda a, b, t: f"(({a} != 0) || ({b} != 0))",
+    "logical_xor": lambda a, b, t: f"(({a} != 0) != ({b} != 0))",
+    "logical_not": lambda a, t: f"({a} == 0)",
+    "bitwise_and": lambda a, b, t: f"({a} & {b})",
+    "bitwise_or": lambda a, b, t: f"({a} | {b})",
+    "bitwise_xor": lambda a, b, t: f"({a} ^ {b})",
+    "bitwise_not": _bitwise_not,
+    "lshift": _shift("<<"),
+    "rshift": _shift(">>"),
+    "where": lambda c, a, b, t: f"({c} ? {a} : {b})",
+}
+for _name in (
+    "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sin", "cos", "tan", "tanh", "sinh", "cosh",
+    "asin", "acos", "atan", "asinh", "acosh", "atanh", "erf", "erfinv", "floor", "ceil", "trunc",
+):  # fmt: skip
+    CudaOverrides[_name] = _math(_name)
+
+
+def to_dtype(a: str, src: torch.dtype, dst: torch.dtype) -> str:
+    """A C conversion with ATen's rounding: 16-bit floats convert through float (so int64 or
+    double -> half rounds twice, as c10::Half does)."""
+    if src == dst:
+        return a
+    if src in HALF_TYPES:
+        a, src = f"{HALF_TYPES[src][0]}({a})", torch.float32
+        if dst == torch.float32:
+            return a
+    if dst == torch.bool:
+        return f"({a} != 0)"
+    if dst in HALF_TYPES:
+        return f"{HALF_TYPES[dst][1]}({a if src == torch.float32 else f'(float)({a})'})"
+    return f"({C_TYPES[dst]})({a})"
+
+
+class CudaEmitter:
+    """The per-element printing both CUDA writers share (mixed in before a Triton writer, whose
+    analysis they keep). Values are typed C locals; a masked read is an `if` block."""
+
+    def index(self, expr: sympy.Expr, names: dict[sympy.Symbol, str] | None = None) -> str:
+        self.symbols |= sympy.sympify(expr).free_symbols - set(names or ())
+        return CPrinter(names)(expr)
+
+    def declare(self, key: tuple, text: str, dtype: torch.dtype) -> str:
+        if key in self.cse:
+            return self.cse[key]
+        var = f"tmp{self.counter}"
+        self.counter += 1
+        self.cse[key] = var
+        self.lines.append(f"{C_TYPES[dtype]} {var} = {text};")
+        return var
+
+    def emit(self, e: Expr) -> str:
+        if isinstance(e, Const):
+            return literal(e.value, e.dtype)
+        if isinstance(e, Op) and e.name == "to_dtype" and _constant(e.args[0]) is not None:
+            # a constant (a size, a fill value) under a cast: cast it now, rounding as ATen does
+            value = torch.tensor(_constant(e.args[0]), dtype=e.args[0].dtype).to(e.params[0]).item()
+            return literal(value, e.params[0])
+        if isinstance(e, IndexValue):
+            expr = self.subst(e.expr)
+            if sympy.sympify(expr).is_number:
+                return literal(expr, e.dtype)
+            text = self.index(expr)
+            value = to_dtype(f"({text})", torch.int64, e.dtype)
+            return self.declare(("index", text, e.dtype), value, e.dtype)
+        if isinstance(e, Read):
+            return self.read(e)
+        if isinstance(e, Op):
+            args = [self.emit(a) for a in e.args]
+            if e.name == "to_dtype":
+                text = to_dtype(args[0], e.args[0].dtype, e.params[0])
+            else:
+                text = CudaOverrides[e.name](*args, e.dtype)
+            return self.declare(("op", e.name, *args, e.params), text, e.dtype)
+        if isinstance(e, Masked):
+            return self.masked(e)
+        raise TypeError(type(e))
+
+    def masked(self, e: Masked) -> str:
+        """`body` only where the mask holds (its reads may be out of bounds elsewhere)."""
+        key = ("masked", e)
+        if key in self.cse:
+            return self.cse[key]
+        cond = self.index(self.subst(e.mask))
+        var = self.declare(key, literal(e.other, e.dtype), e.dtype)
+        outer = (self.lines, self.cse, self.values)
+        self.lines, self.cse, self.values = [], dict(self.cse), dict(self.values)
+        body = self.emit(e.body)
+        inner = self.lines
+        self.lines, self.cse, self.values = outer
+        self.lines.append(f"if ({cond}) {{")
+        self.lines += [f"    {ln}" for ln in inner] + [f"    {var} = {body};", "}"]
+        return var
+
+    def read(self, r: Read) -> str:
+        if self.in_registers(r):
+            return self.node_value(r.name)
+        names = {sym: self.emit(value) for sym, value, _ in r.indirect}
+        self.loaded.add((r.name, self.pass_id, bool(names)))
+        arg = self.in_args.setdefault(r.name, f"in_ptr{len(self.in_args)}")
+        text = self.index(self.subst(self.layout(r.name).offset_of(r.index)), names)
+        return self.load(arg, text, self.layout(r.name).dtype)
+
+    def load(self, arg: str, offset: str, dtype: torch.dtype) -> str:
+        return self.declare(("load", arg, offset), f"{arg}[{offset}]", dtype)
+
+    def store_line(self, arg: str, offset: str, value: str, src: torch.dtype, dst: torch.dtype) -> str:
+        return f"{arg}[{offset}] = {to_dtype(value, src, dst)};"
+
+    def params(self, index_type: str, sizes: list[str]) -> tuple[list[str], dict[str, str]]:
+        """The kernel's parameter declarations and its signature (parameter -> C type)."""
+        symbols = sorted(self.symbols - set(self.vars) - {XINDEX}, key=lambda s: s.name)
+        signature = {arg: f"const {C_TYPES[self.layout(n).dtype]}*" for n, arg in self.in_args.items()}
+        signature |= {arg: f"{C_TYPES[self.layout(n).dtype]}*" for n, arg in self.out_args.items()}
+        decls = [f"{t} __restrict__ {p}" for p, t in signature.items()]
+        for p in [s.name for s in symbols] + sizes:
+            signature[p] = index_type
+            decls.append(f"{index_type} {p}")
+        self.size_symbols = symbols
+        return decls, signature
+
+    def cuda_source(
+        self,
+        name: str,
+        header: list[str],
+        body: list[str],
+        sizes: dict[str, sympy.Expr],
+        threads: int,
+        index_dtype: str,
+        blocks: dict[str, int],
+        **extra,
+    ) -> KernelSource:
+        index_type = "int" if index_dtype == "tl.int32" else "long long"
+        decls, signature = self.params(index_type, list(sizes))
+        lines = [ln.replace("# ", "// ", 1) if ln.startswith("#") else ln for ln in header]
+        lines.append(f'extern "C" __global__ void __launch_bounds__({threads}) {name}(')
+        lines.append("    " + ",\n    ".join(decls) + ") {")
+        lines += [f"    {ln}" for ln in body] + ["}"]
+        nodes = self.region.inlined + self.region.nodes
+        read, written = self.traffic(sympy.Mul(*sizes.values()))
+        return KernelSource(
+            name=name,
+            source="\n".join(lines) + "\n",
+            in_args=list(self.in_args),
+            out_args=list(self.out_args),
+            size_args=self.size_symbols,
+            numel=sizes["xnumel"],
+            index_dtype=index_dtype,
+            aten_nodes=[f"{n.name}: {n.fx_node.target}" for n in nodes],
+            source_lines=_unique(source_line(n.fx_node) for n in nodes),
+            signature=signature,
+            blocks=blocks,
+            bytes_read=read,
+            bytes_written=written,
+            assumptions=list(self.assumptions),
+            backend="cuda",
+            **extra,
+        )
+
+
+def threads_for(numel: int) -> int:
+    return max(32, min(THREADS, next_power_of_2(numel)))
+
+
+class CudaKernelWriter(CudaEmitter, KernelWriter):
+    """A pointwise region: a grid-stride loop over its (coalesced) iteration space.
+
+    A kernel that walks float32 buffers contiguously (one flat index) also gets a vector path:
+    when the size is a multiple of 4 and those pointers are 16-byte aligned (checked in the
+    kernel), each thread moves 4 elements with one 128-bit load or store per buffer."""
+
+    lane: str | None = None  # x / y / z / w while the vector path's lanes are emitted
+
+    def generate(self, name: str) -> KernelSource:
+        size = self.region.size
+        numel = sympy.Mul(*size) if size else sympy.Integer(1)
+        idx = ir.index_vars(len(size))
+        primary = self.layout(self.region.stores[0]).offset_of(idx) if self.region.stores else None
+        plan = coalesce(list(size), idx, self.accesses(), primary, self.hints)
+        self.subst = plan.substitute
+        self.vars = plan.vars
+        index_dtype = self.pick_index_dtype(numel)
+        it = "int" if index_dtype == "tl.int32" else "long long"
+        self.store_all(idx)
+        setup = [f"{it} {v.name} = {self.index(e)};" for v, e in zip(plan.vars, plan.var_exprs)]
+        loop = (
+            f"for ({it} xindex = ({it})blockIdx.x * blockDim.x + threadIdx.x; "
+            f"xindex < xnumel; xindex += ({it})blockDim.x * gridDim.x) {{"
+        )
+        body = [loop] + [f"    {ln}" for ln in setup + self.lines] + ["}"]
+        vector = self.vector_path(plan.vars, idx, it) if len(plan.vars) == 1 else []
+        threads = threads_for(hint(numel, self.hints))
+        nodes = self.region.inlined + self.region.nodes
+        return self.cuda_source(
+            name,
+            header=self.header(name, nodes, numel),
+            body=vector + body,
+            sizes={"xnumel": numel},
+            threads=threads,
+            index_dtype=index_dtype,
+            blocks={"XBLOCK": threads},
+        )
+
+    def store_all(self, idx: tuple, vector: set[str] = frozenset()) -> None:
+        """Store every region output; those in `vector` go to this lane of their float4."""
+        for node in self.region.stores:
+            value = self.node_value(node)
+            arg = self.out_args.setdefault(node, f"out_ptr{len(self.out_args)}")
+            offset = self.index(self.subst(self.layout(node).offset_of(idx)))
+            src, dst = self.region.bodies[node].dtype, self.layout(node).dtype
+            if node in vector:
+                self.lines.append(f"v_{arg}.{self.lane} = {to_dtype(value, src, dst)};")
+            else:
+                self.lines.append(self.store_line(arg, offset, value, src, dst))
+
+    def load(self, arg: str, offset: str, dtype: torch.dtype) -> str:
+        if self.lane is not None and offset == self.flat and dtype == torch.float32:
+            self.vector_loads.setdefault(arg, None)
+            return f"v_{arg}.{self.lane}"
+        return super().load(arg, offset, dtype)
+
+    def vector_path(self, plan_vars: list, idx: tuple, it: str) -> list[str]:
+        """The 4-wide path, or [] when no float32 output is stored at the flat index."""
+        self.flat = plan_vars[0].name
+        vector = {
+            n
+            for n in self.region.stores
+            if self.layout(n).dtype == torch.float32
+            and self.index(self.subst(self.layout(n).offset_of(idx))) == self.flat
+        }
+        if not vector:
+            return []
+        self.vector_loads: dict[str, None] = {}
+        lanes = []
+        for k, self.lane in enumerate("xyzw"):
+            self.lines, self.cse, self.values = [], {}, {}
+            self.store_all(idx, vector)
+            lane = [f"{it} {self.flat} = 4 * xvec + {k};", *self.lines]
+            lanes += ["{", *(f"    {ln}" for ln in lane), "}"]
+        self.lane = None
+        outs = [self.out_args[n] for n in self.region.stores if n in vector]
+        pointers = " | ".join(f"(unsigned long long){p}" for p in [*self.vector_loads, *outs])
+        loop = (
+            f"for ({it} xvec = ({it})blockIdx.x * blockDim.x + threadIdx.x; "
+            f"xvec < xnumel / 4; xvec += ({it})blockDim.x * gridDim.x) {{"
+        )
+        body = [
+            f"const float4 v_{a} = reinterpret_cast<const float4*>({a})[xvec];" for a in self.vector_loads
+        ]
+        body += [f"float4 v_{a};" for a in outs] + lanes
+        body += [f"reinterpret_cast<float4*>({a})[xvec] = v_{a};" for a in outs]
+        return (
+            ["// 4 elements per thread, 128-bit loads and stores, when sizes and pointers allow",
+             f"if (xnumel % 4 == 0 && (({pointers}) & 15) == 0) {{", f"    {loop}"]
+            + [f"        {ln}" for ln in body]
+            + ["    }", "    return;", "}"]
+        )  # fmt: skip
+
+
+def generate_cuda_kernel(
+    region: Region, graph: ir.LoopGraph, hints: dict[sympy.Symbol, int], index: int
+) -> KernelSource:
+    name = kernel_name(region, index)
+    region.name = name
+    if region.reduction is not None:
+        from gjit.codegen.cuda_reduction import CudaReductionWriter
+
+        return CudaReductionWriter(region, graph, hints).generate(name)
+    return CudaKernelWriter(region, graph, hints).generate(name)

@@ -1,0 +1,146 @@
+"""The text every generated CUDA C kernel starts with: types, NaN-propagating min/max, and the
+block-level reductions (warp shuffles, then one partial per warp in shared memory).
+
+Written against a small set of CUDA names so that the same kernel source also compiles as
+host C++ (codegen/cuda_host.py defines GJIT_HOST and those names, and runs each block's
+threads as fibers that meet at barriers): shared memory is declared only through GJIT_SHARED, threads meet
+only at __syncthreads(), and lanes exchange values only through __shfl_down_sync with a full
+mask, every lane of every warp taking part (blocks are a multiple of 32 threads).
+"""
+
+CUDA_PRELUDE = r"""// ---- gjit CUDA C prelude ----
+#ifndef GJIT_HOST
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#define GJIT_SHARED(T, name, n) __shared__ T name[n]
+#define GJIT_INFF __int_as_float(0x7f800000)
+#define GJIT_NANF __int_as_float(0x7fc00000)
+#define GJIT_INF __longlong_as_double(0x7ff0000000000000LL)
+#define GJIT_NAN __longlong_as_double(0x7ff8000000000000LL)
+#else
+#include <cmath>
+#include <limits>
+#define GJIT_INFF std::numeric_limits<float>::infinity()
+#define GJIT_NANF std::numeric_limits<float>::quiet_NaN()
+#define GJIT_INF std::numeric_limits<double>::infinity()
+#define GJIT_NAN std::numeric_limits<double>::quiet_NaN()
+struct alignas(16) float4 { float x, y, z, w; };
+#endif
+
+template <typename T>
+__device__ __forceinline__ T gjit_imin(T a, T b) { return a < b ? a : b; }
+template <typename T>
+__device__ __forceinline__ T gjit_imax(T a, T b) { return a > b ? a : b; }
+
+// Python's // and % on integers (round toward -inf; the remainder takes the divisor's sign)
+template <typename T>
+__device__ __forceinline__ T gjit_floordiv(T a, T b) {
+    T q = a / b;
+    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+template <typename T>
+__device__ __forceinline__ T gjit_remainder(T a, T b) {
+    T r = a % b;
+    return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+__device__ __forceinline__ float gjit_fremainder(float a, float b) {
+    float r = fmodf(a, b);
+    return (r != 0.0f && ((r < 0.0f) != (b < 0.0f))) ? r + b : r;
+}
+__device__ __forceinline__ double gjit_fremainder(double a, double b) {
+    double r = fmod(a, b);
+    return (r != 0.0 && ((r < 0.0) != (b < 0.0))) ? r + b : r;
+}
+
+template <typename T>
+__device__ __forceinline__ T gjit_max_nan(T a, T b) {
+    return (a != a) ? a : ((b != b) ? b : (a > b ? a : b));
+}
+
+template <typename T>
+__device__ __forceinline__ T gjit_min_nan(T a, T b) {
+    return (a != a) ? a : ((b != b) ? b : (a < b ? a : b));
+}
+
+struct GjitSum {
+    template <typename T>
+    __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+};
+struct GjitProd {
+    template <typename T>
+    __device__ __forceinline__ T operator()(T a, T b) const { return a * b; }
+};
+struct GjitMax {
+    template <typename T>
+    __device__ __forceinline__ T operator()(T a, T b) const { return gjit_max_nan(a, b); }
+};
+struct GjitMin {
+    template <typename T>
+    __device__ __forceinline__ T operator()(T a, T b) const { return gjit_min_nan(a, b); }
+};
+
+// One value per thread in, the block's reduction out (in every thread). Lane 0 of each warp
+// holds its warp's result after the shuffles; warp 0 reduces those partials.
+template <typename T, typename Op>
+__device__ __forceinline__ T gjit_block_reduce(T v, Op op, T identity) {
+    GJIT_SHARED(T, gjit_partials, 32);
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = (blockDim.x + 31) >> 5;
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_down_sync(0xffffffffu, v, o));
+    if (lane == 0) gjit_partials[warp] = v;
+    __syncthreads();
+    v = (int)threadIdx.x < warps ? gjit_partials[threadIdx.x] : identity;
+    if (warp == 0) {
+        for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_down_sync(0xffffffffu, v, o));
+        if (lane == 0) gjit_partials[0] = v;
+    }
+    __syncthreads();
+    v = gjit_partials[0];
+    __syncthreads();  // the partials are reused by the next reduction
+    return v;
+}
+
+// (value, index) pairs: is (v1, i1) the better one? Threads and lanes with no element hold
+// (identity, INT64_MAX), which never beats a real element. NaN counts as the max (and the min); ties
+// take the first index, as in eager argmax / argmin.
+template <typename T>
+__device__ __forceinline__ bool gjit_arg_better(T v1, long long i1, T v2, long long i2, bool is_max) {
+    const bool nan1 = v1 != v1, nan2 = v2 != v2;
+    const bool better = is_max ? ((v1 > v2) || (nan1 && !nan2)) : ((v1 < v2) || (nan1 && !nan2));
+    const bool same = (v1 == v2) || (nan1 && nan2);
+    return better || (same && i1 < i2);
+}
+
+template <typename T>
+__device__ __forceinline__ long long gjit_block_argreduce(T v, long long i, bool is_max, T identity) {
+    GJIT_SHARED(T, gjit_arg_values, 32);
+    GJIT_SHARED(long long, gjit_arg_indices, 32);
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = (blockDim.x + 31) >> 5;
+    for (int o = 16; o > 0; o >>= 1) {
+        T v2 = __shfl_down_sync(0xffffffffu, v, o);
+        long long i2 = __shfl_down_sync(0xffffffffu, i, o);
+        if (!gjit_arg_better(v, i, v2, i2, is_max)) { v = v2; i = i2; }
+    }
+    if (lane == 0) { gjit_arg_values[warp] = v; gjit_arg_indices[warp] = i; }
+    __syncthreads();
+    if (warp == 0) {
+        const bool real = lane < warps;
+        v = real ? gjit_arg_values[lane] : identity;
+        i = real ? gjit_arg_indices[lane] : 0x7fffffffffffffffLL;
+        for (int o = 16; o > 0; o >>= 1) {
+            T v2 = __shfl_down_sync(0xffffffffu, v, o);
+            long long i2 = __shfl_down_sync(0xffffffffu, i, o);
+            if (!gjit_arg_better(v, i, v2, i2, is_max)) { v = v2; i = i2; }
+        }
+        if (lane == 0) gjit_arg_indices[0] = i;
+    }
+    __syncthreads();
+    i = gjit_arg_indices[0];
+    __syncthreads();
+    return i;
+}
+// ---- end of prelude ----
+"""

@@ -1,0 +1,195 @@
+"""CUDA C codegen for reduction regions: one block per output row (a grid-stride loop over rows),
+its threads striding over the row's reduced elements.
+
+Each level of reductions (softmax: the max, then the sum that reads it) is one pass over the
+row: every thread accumulates its elements, then gjit_block_reduce (warp shuffles, one partial
+per warp in shared memory) gives every thread the row's result. A last pass writes full-row
+values that leave the kernel (softmax's output); per-row results are written by thread 0.
+
+  persistent (a static row of at most gjit.config.persistent_max elements): each thread keeps
+      what it loaded in registers (`ld0[k]`, k < elements per thread), so later passes read
+      the row from registers and the input once, like the Triton persistent kernel;
+  looped (a dynamic or long row): each pass reads its inputs again.
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+
+from gjit.codegen.cuda import C_TYPES, CudaEmitter, literal, to_dtype
+from gjit.codegen.triton import hint, next_power_of_2
+from gjit.codegen.triton_reduction import ReductionWriter
+from gjit.config import config
+from gjit.ir import ReduceNode
+
+THREADS = 256  # most threads per row; a shorter row gets fewer (never below a warp)
+FUNCTORS = {"sum": "GjitSum", "prod": "GjitProd", "max": "GjitMax", "min": "GjitMin"}
+
+
+def identity(reduce_type: str, dtype: torch.dtype) -> str:
+    if reduce_type in ("argmax", "argmin"):
+        reduce_type = reduce_type[3:]
+    if reduce_type in ("sum", "prod"):
+        return literal(0 if reduce_type == "sum" else 1, dtype)
+    if dtype == torch.bool:
+        return literal(reduce_type == "min", dtype)
+    if dtype.is_floating_point:
+        return literal(float("-inf") if reduce_type == "max" else float("inf"), dtype)
+    info = torch.iinfo(dtype)
+    return literal(info.min if reduce_type == "max" else info.max, dtype)
+
+
+class CudaReductionWriter(CudaEmitter, ReductionWriter):
+    # -- loops over the row ------------------------------------------------------------------------
+
+    def var_lines(self, index: str, dims: list[int]) -> list[str]:
+        sizes = [self.space.full[k] for k in dims]
+        out = []
+        for j, k in enumerate(dims):
+            inner = sympy.Mul(*sizes[j + 1 :]) if j + 1 < len(sizes) else sympy.Integer(1)
+            expr = f"{index} / ({self.index(inner)})" if inner != 1 else index
+            if j > 0:
+                expr = f"({expr}) % ({self.index(sizes[j])})"
+            out.append(f"{self.index_type} c{k} = {expr};")
+        return out
+
+    def enter_loop(self) -> None:
+        self.pass_id += 1
+        self.scopes.append((self.lines, self.cse, self.values, self.mask))
+        self.lines, self.cse, self.values = [], dict(self.cse), dict(self.values)
+        if self.persistent:
+            self.lines.append(f"{self.index_type} rindex = threadIdx.x + k * {self.threads};")
+        self.lines += self.var_lines("rindex", list(self.space.reduced))
+
+    def exit_loop(self) -> None:
+        body = self.lines
+        self.lines, self.cse, self.values, self.mask = self.scopes.pop()
+        if self.persistent:
+            self.lines.append("#pragma unroll")
+            self.lines.append(f"for (int k = 0; k < {self.per_thread}; ++k) {{")
+            self.lines.append("    if (threadIdx.x + k * " + f"{self.threads} >= rnumel) break;")
+        else:
+            it = self.index_type
+            self.lines.append(f"for ({it} rindex = threadIdx.x; rindex < rnumel; rindex += blockDim.x) {{")
+        self.lines += [f"    {ln}" for ln in body] + ["}"]
+
+    def load(self, arg: str, offset: str, dtype: torch.dtype) -> str:
+        """In a persistent kernel, what a pass loads stays in registers (`ld0[k]`) for the later
+        passes over the row. Masked reads and per-row values load as usual."""
+        in_pass = self.scopes and self.lines is not self.scopes[-1][0]
+        if not (self.persistent and in_pass) or self.mask_depth:
+            return super().load(arg, offset, dtype)
+        key = ("registers", arg, offset)
+        row_scope_cse = self.scopes[-1][1]  # the passes after this one start from a copy of it
+        array = row_scope_cse.get(key)
+        if array is None:
+            array = row_scope_cse[key] = f"ld{self.arrays}"
+            self.arrays += 1
+            self.prologue.append(f"{C_TYPES[dtype]} {array}[{self.per_thread}];")
+            self.lines.append(f"{array}[k] = {arg}[{offset}];")
+        return self.declare(("load", arg, offset), f"{array}[k]", dtype)
+
+    def masked(self, e):
+        self.mask_depth += 1
+        try:
+            return super().masked(e)
+        finally:
+            self.mask_depth -= 1
+
+    # -- reductions ----------------------------------------------------------------------------------
+
+    def reduce_level(self, nodes: list[ReduceNode]) -> None:
+        for node in nodes:
+            acc = self.bodies[node.name].dtype
+            init = identity(node.reduce_type, acc)
+            self.lines.append(f"{C_TYPES[acc]} acc_{node.name} = {init};")
+            if node.reduce_type in ("argmax", "argmin"):
+                self.lines.append(f"long long idx_{node.name} = 0x7fffffffffffffffLL;")
+        self.enter_loop()
+        for node in nodes:
+            value = self.emit(self.bodies[node.name])
+            a = f"acc_{node.name}"
+            if node.reduce_type in ("argmax", "argmin"):
+                i, is_max = f"idx_{node.name}", str(node.reduce_type == "argmax").lower()
+                self.lines.append(
+                    f"if (gjit_arg_better({value}, (long long)rindex, {a}, {i}, {is_max})) "
+                    f"{{ {a} = {value}; {i} = rindex; }}"
+                )
+            else:
+                self.lines.append(f"{a} = {FUNCTORS[node.reduce_type]}()({a}, {value});")
+        self.exit_loop()
+        for node in nodes:
+            acc = self.bodies[node.name].dtype
+            a, init = f"acc_{node.name}", f"({C_TYPES[acc]})({identity(node.reduce_type, acc)})"
+            if node.reduce_type in ("argmax", "argmin"):
+                is_max = str(node.reduce_type == "argmax").lower()
+                call = f"gjit_block_argreduce({a}, idx_{node.name}, {is_max}, {init})"
+                self.values[node.name] = self.declare(("final", node.name), call, torch.int64)
+                continue
+            reduced = f"gjit_block_reduce({a}, {FUNCTORS[node.reduce_type]}(), {init})"
+            value = self.declare(("final", node.name), reduced, acc)
+            cast = to_dtype(value, acc, node.dtype)
+            self.values[node.name] = self.declare(("cast", node.name), cast, node.dtype)
+
+    def store(self, name: str) -> None:
+        value = self.node_value(name)
+        arg = self.out_args.setdefault(name, f"out_ptr{len(self.out_args)}")
+        node = self.nodes[name]
+        offset = self.index(self.layout(name).offset_of(self.space.value_index(node)))
+        line = self.store_line(arg, offset, value, node.dtype, self.layout(name).dtype)
+        self.lines.append(line if self.is_full(name) else f"if (threadIdx.x == 0) {line}")
+
+    # -- the kernel ------------------------------------------------------------------------------------
+
+    def generate(self, name: str):
+        space = self.space
+        xnumel = sympy.Mul(*[space.full[k] for k in self.kept]) if self.kept else sympy.Integer(1)
+        rnumel = sympy.Mul(*[space.full[k] for k in space.reduced]) if space.reduced else sympy.Integer(1)
+        rhint = hint(rnumel, self.hints)
+        self.threads = max(32, min(THREADS, next_power_of_2(rhint)))
+        static = not rnumel.free_symbols
+        self.persistent = static and (
+            config.reduction == "persistent"
+            or (config.reduction == "auto" and int(rnumel) <= config.persistent_max)
+        )
+        self.per_thread = -(-int(rnumel) // self.threads) if static else 0
+        self.arrays = 0
+        self.prologue: list[str] = []
+        self.mask_depth = 0
+        index_dtype = self.pick_index_dtype(xnumel * rnumel)
+        self.index_type = "int" if index_dtype == "tl.int32" else "long long"
+        self.lines = self.var_lines("xindex", self.kept)
+        reductions = [n for n in self.region.nodes if isinstance(n, ReduceNode)]
+        for level in sorted({self.level[n.name] for n in reductions}):
+            self.reduce_level([n for n in reductions if self.level[n.name] == level])
+        full_stores = [s for s in self.region.stores if self.is_full(s)]
+        if full_stores:
+            self.enter_loop()
+            for s in full_stores:
+                self.store(s)
+            self.exit_loop()
+        for s in self.region.stores:
+            if not self.is_full(s):
+                self.store(s)
+        it = self.index_type
+        body = (
+            [f"for ({it} xindex = blockIdx.x; xindex < xnumel; xindex += gridDim.x) {{"]
+            + [f"    {ln}" for ln in self.prologue + self.lines]
+            + ["}"]
+        )
+        nodes = self.region.inlined + self.region.nodes
+        header = self.header(name, nodes, xnumel)
+        shape = f"persistent ({self.per_thread} per thread in registers)" if self.persistent else "looped"
+        header.insert(-1, f"# reduction: {rnumel} elements per row, {shape}, {self.threads} threads per row")
+        return self.cuda_source(
+            name,
+            header=header,
+            body=body,
+            sizes={"xnumel": xnumel, "rnumel": rnumel},
+            threads=self.threads,
+            index_dtype=index_dtype,
+            blocks={"XBLOCK": 1, "RBLOCK": self.threads},
+            rnumel=rnumel,
+            persistent=self.persistent,
+        )

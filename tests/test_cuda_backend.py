@@ -1,0 +1,209 @@
+"""backend="cupy": the Triton backend's op, view, reduction and model tests, run again with every
+region emitted as CUDA C, plus what only this backend has.
+
+No GPU here: each kernel runs on the host emulation of codegen/cuda_host.py (the same source
+compiled as C++, a block's threads as fibers meeting at __syncthreads and warp shuffles), and
+every kernel the model tests generate is compiled for sm_90 with NVRTC (`compile_only`).
+The imported test functions are collected here too; the autouse fixture switches the backend
+for them. GPU-only tests are marked `gpu` and skip without CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_models import test_model_matches_eager  # noqa: F401
+from test_pointwise_ops import (  # noqa: F401
+    test_activation,
+    test_binary,
+    test_bitwise,
+    test_bool_ops,
+    test_cast,
+    test_cast_float_nan_inf,
+    test_cast_to_half_rounds_through_float32,
+    test_clamp,
+    test_constants,
+    test_float64,
+    test_integer_division_signs,
+    test_layouts,
+    test_layouts_low_precision,
+    test_round_half_to_even,
+    test_scalar_overloads,
+    test_shifts,
+    test_type_promotion,
+    test_unary,
+    test_where,
+    test_where_broadcast_and_nan,
+)
+from test_reductions import (  # noqa: F401
+    test_argmax_argmin_tie_break_and_nan_like_eager,
+    test_low_precision_accumulates_in_float32,
+    test_nan_and_large_inputs,
+    test_normalizations_are_one_kernel,
+    test_odd_sizes,
+    test_reduction,
+    test_softmax_is_stable_for_large_inputs,
+)
+from test_views import test_cat, test_view_chain, test_view_then_pointwise  # noqa: F401
+
+import gjit
+from gjit import runtime_cuda
+from helpers import check, run_compiled
+from model_zoo import MODELS
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+@pytest.fixture(autouse=True)
+def cupy_backend():
+    with gjit.config.scope(backend="cupy"):
+        yield
+
+
+def cuda_kernels(cm: gjit.CompiledFunction) -> list:
+    return [k for e in cm.entries for k in e.program.kernels]
+
+
+# ----------------------------------------------------------------------------------------------
+# What the CUDA C looks like
+# ----------------------------------------------------------------------------------------------
+
+
+def test_kernels_are_readable_cuda_c_with_the_triton_header():
+    cm = check(lambda x, y: (x.sin() * y + 1).relu(), torch.randn(6, 10), torch.randn(10), kernels=1)
+    (kernel,) = cuda_kernels(cm)
+    assert kernel.backend == "cuda" and kernel.name == "gjit_poi_fused_sin_mul_add_relu_0"
+    src = kernel.source
+    assert src.startswith("// kernel: gjit_poi_fused_sin_mul_add_relu_0\n// fused ATen nodes:")
+    assert "// user source:" in src and "test_cuda_backend.py" in src
+    assert 'extern "C" __global__ void __launch_bounds__' in src
+    assert "xindex += " in src and "gridDim.x" in src  # a grid-stride loop
+    assert "sinf(" in src and "const float* __restrict__ in_ptr0" in src
+
+
+def test_reduction_kernel_shapes_persistent_and_looped():
+    x = torch.randn(5, 300)
+    static = gjit.compile(lambda t: F.softmax(t, -1), dynamic=False)  # a row length known at compile time
+    persistent = cuda_kernels(check(static, x, kernels=1))[0]
+    assert persistent.persistent and "ld0[k]" in persistent.source
+    assert persistent.source.count("gjit_block_reduce(") == 2  # the max, then the sum
+    assert persistent.source.count("in_ptr0[") == 1  # the row is read once, kept in registers
+    with gjit.config.scope(reduction="looped"):
+        looped = cuda_kernels(check(gjit.compile(lambda t: F.softmax(t, -1), dynamic=False), x))[0]
+    assert not looped.persistent and looped.source.count("in_ptr0[") == 3  # one read per pass
+
+
+def test_dynamic_sizes_are_kernel_arguments_of_one_entry():
+    cm = gjit.compile(lambda x: F.layer_norm(x, x.shape[-1:]) * 2)
+    for rows, cols in [(3, 40), (7, 40), (5, 90), (9, 700)]:
+        check(cm, torch.randn(rows, cols))
+    assert len(cm.entries) == 1
+    (kernel,) = cuda_kernels(cm)
+    assert not kernel.persistent  # a dynamic row is looped: its length is not known at compile time
+    assert "int rnumel" in kernel.source or "long long rnumel" in kernel.source
+
+
+def test_any_grid_is_correct(monkeypatch):
+    """Kernels are grid-stride loops: a launch with fewer blocks than rows or elements is right."""
+    x = torch.randn(37, 130)
+    for grid in (1, 3, 64):
+        monkeypatch.setattr(runtime_cuda, "HOST_GRID", grid)
+        check(lambda t: (F.softmax(t, -1) + t.sin(), t.argmax(0)), x)
+
+
+def test_masked_reads_of_cat_and_pad_stay_in_bounds():
+    x, y = torch.randn(3, 5), torch.randn(3, 7)
+    cm = check(lambda a, b: torch.cat([a.exp(), F.pad(b, (2, 1))], 1) * 2, x, y, kernels=1)
+    assert "if (" in cuda_kernels(cm)[0].source
+
+
+def test_gather_embedding_and_index_select():
+    w, ids = torch.randn(50, 16), torch.randint(0, 50, (4, 9))
+    check(lambda w, i: w[i] * 2 + 1, w, ids)
+    check(lambda w, i: torch.index_select(w, 0, i.flatten()).sum(-1), w, ids)
+    check(lambda w, i: torch.gather(w, 1, i.remainder(16)), w, ids)
+
+
+def test_half_and_bfloat16_storage_with_float_math():
+    for dtype in (torch.float16, torch.bfloat16):
+        x = torch.randn(6, 33).to(dtype)
+        check(lambda t: (F.softmax(t, -1), (t * 3).sigmoid(), t.sum(0)), x)
+
+
+# ----------------------------------------------------------------------------------------------
+# Debugging tools show CUDA C
+# ----------------------------------------------------------------------------------------------
+
+
+def test_explain_dump_and_logs_show_cuda_sources(tmp_path, caplog):
+    fn = lambda x: F.gelu(x) + x.mean(-1, keepdim=True)  # noqa: E731
+    x = torch.randn(4, 24)
+    with caplog.at_level(logging.INFO, logger="gjit.output_code"):
+        cm = gjit.compile(fn, dump_dir=str(tmp_path))
+        check(cm, x)
+    report = gjit.explain(cm, x)
+    assert report.kernels and all("__global__" in k.source for k in report.kernels)
+    assert all(k.path.endswith(".cu") for k in report.kernels)
+    dumped = sorted(p.name for p in tmp_path.rglob("kernels/*"))
+    assert dumped and all(name.endswith(".cu") for name in dumped)
+    assert any("__global__" in r.getMessage() for r in caplog.records)
+
+
+def test_backend_is_part_of_the_cache_key(tmp_path):
+    x = torch.randn(5, 6)
+
+    def fn(t):
+        return t.cos() * 3
+
+    with gjit.config.scope(cache=True, cache_dir=str(tmp_path)):
+        check(fn, x)
+        with gjit.config.scope(backend="triton"):
+            check(fn, x)
+        check(fn, x)
+    assert gjit.stats()["disk_cache_misses"] == 2 and gjit.stats()["disk_cache_hits"] == 1
+
+
+def test_unknown_backend_is_an_error():
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        gjit.compile(lambda x: x, backend="cuda")
+
+
+# ----------------------------------------------------------------------------------------------
+# sm_90 with NVRTC (no GPU), and a real GPU when there is one
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.compile_only
+@pytest.mark.parametrize("name", ["transformer_encoder_layer", "gpt2-sdpa", "llama-sdpa"])
+def test_every_model_kernel_compiles_for_sm90_without_spills(name):
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    model, inputs = MODELS[name]()
+    with torch.no_grad():
+        report = gjit.aot(gjit.compile(model, backend="cupy"), *inputs, arch="sm_90")
+    assert report.kernels
+    assert [k.name for k in report.kernels if k.spills] == []
+    assert all(k.registers > 0 for k in report.kernels)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["transformer_encoder_layer", "gpt2-sdpa"])
+def test_models_on_a_gpu(name):
+    model, inputs = MODELS[name]()
+    model, inputs = model.cuda(), tuple(t.cuda() for t in inputs)
+    with torch.no_grad():
+        out = gjit.compile(model, backend="cupy")(*inputs)
+        expected = model(*inputs)
+    out, expected = (getattr(o, "logits", getattr(o, "last_hidden_state", o)) for o in (out, expected))
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_pointwise_and_softmax_on_a_gpu():
+    x = torch.randn(1000, 513, device="cuda")
+    fn = lambda t: (F.softmax(t, -1), (t * 2).sin())  # noqa: E731
+    out, _ = run_compiled(fn, x)
+    for a, e in zip(out, fn(x)):
+        torch.testing.assert_close(a, e)
