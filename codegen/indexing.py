@@ -69,11 +69,20 @@ class IndexPlan:
             inner = sympy.Integer(1)
             for j in reversed(g):
                 if j == g[0]:
-                    mapping[self.old_vars[j]] = FloorDiv(v, inner) if inner != 1 else v
+                    mapping[self.old_vars[j]] = _floordiv(v, inner)
                 else:
-                    mapping[self.old_vars[j]] = ModularIndexing(v, inner, self.old_sizes[j])
+                    mapping[self.old_vars[j]] = _modular(v, inner, self.old_sizes[j])
                 inner = inner * self.old_sizes[j]
         return mapping
+
+
+def _floordiv(v: sympy.Expr, inner: sympy.Expr) -> sympy.Expr:
+    # inner == 0: a static size 0 inside, so the kernel has no element and v is never used
+    return v if inner in (0, 1) else FloorDiv(v, inner)
+
+
+def _modular(v: sympy.Expr, inner: sympy.Expr, size: sympy.Expr) -> sympy.Expr:
+    return sympy.Integer(0) if 0 in (inner, size) else ModularIndexing(v, inner, size)
 
 
 def _contiguous(coeffs: list, sizes: list, outer: int, inner: int) -> bool:
@@ -122,7 +131,7 @@ def coalesce(
     for k in range(n):
         inner = sympy.Mul(*dims[k + 1 :]) if k + 1 < n else sympy.Integer(1)
         if k == 0:
-            var_exprs.append(FloorDiv(xindex, inner) if inner != 1 else xindex)
+            var_exprs.append(_floordiv(xindex, inner))
         else:
-            var_exprs.append(ModularIndexing(xindex, inner, dims[k]))
+            var_exprs.append(_modular(xindex, inner, dims[k]))
     return IndexPlan(dims, new_vars, var_exprs, groups, old_vars, list(sizes))

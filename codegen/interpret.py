@@ -147,6 +147,38 @@ def create_assert(self, condition, message):
         raise AssertionError(message)
 
 
+def _rounding_cast(cast_impl: Callable) -> Callable:
+    """float32 (or float16) -> bfloat16 rounds to nearest even, as on a GPU (the interpreter's
+    own conversion drops the low mantissa bits); every other cast is the interpreter's."""
+    from triton.runtime.interpreter import TensorHandle
+
+    def cast(self, src, dst_type):
+        import triton.language as tl
+
+        data = np.asarray(src.data)
+        if dst_type.scalar != tl.bfloat16 or data.dtype not in (np.float32, np.float16):
+            return cast_impl(self, src, dst_type)
+        bits = torch.from_numpy(np.ascontiguousarray(data)).to(torch.bfloat16).view(torch.int16)
+        return TensorHandle(bits.numpy().view(np.uint16), tl.bfloat16)
+
+    cast.gjit_rounding = True
+    return cast
+
+
+def _boolean_result(compare: Callable) -> Callable:
+    """A comparison's handle is int1: the interpreter tags it with its operands' dtype, so a
+    scalar comparison splatted to a block (`scalar_cmp | block_cmp`) became float data."""
+    from triton.runtime.interpreter import TensorHandle
+
+    def create(self, lhs, rhs):
+        import triton.language as tl
+
+        return TensorHandle(np.asarray(compare(self, lhs, rhs).data, dtype=np.bool_), tl.int1)
+
+    create.gjit_boolean = True
+    return create
+
+
 def install() -> None:
     """Teach Triton's interpreter libdevice (idempotent).
 
@@ -158,5 +190,11 @@ def install() -> None:
 
     interpreter.InterpreterBuilder.create_extern_elementwise = create_extern_elementwise
     interpreter.InterpreterBuilder.create_assert = create_assert
+    if not hasattr(interpreter.InterpreterBuilder.cast_impl, "gjit_rounding"):
+        interpreter.InterpreterBuilder.cast_impl = _rounding_cast(interpreter.InterpreterBuilder.cast_impl)
+    for name in dir(interpreter.InterpreterBuilder):
+        compare = getattr(interpreter.InterpreterBuilder, name)
+        if name.startswith(("create_icmp", "create_fcmp")) and not hasattr(compare, "gjit_boolean"):
+            setattr(interpreter.InterpreterBuilder, name, _boolean_result(compare))
     if not getattr(interpreter._patch_lang, "gjit_libdevice", False):
         interpreter._patch_lang = _patch_lang_with_libdevice(interpreter._patch_lang)

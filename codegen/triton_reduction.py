@@ -50,6 +50,8 @@ def _identity(reduce_type: str, dtype: torch.dtype) -> str:
         return "1"
     if reduce_type in ("argmax", "argmin"):
         reduce_type = "max" if reduce_type == "argmax" else "min"
+    if dtype == torch.bool:
+        return "False" if reduce_type == "max" else "True"
     big = "float('inf')" if dtype.is_floating_point else str(torch.iinfo(dtype).max)
     small = "float('-inf')" if dtype.is_floating_point else str(torch.iinfo(dtype).min)
     return small if reduce_type == "max" else big
@@ -104,8 +106,15 @@ class ReductionWriter(KernelWriter):
             return self.values[name]
         if isinstance(self.nodes[name], ReduceNode):
             raise AssertionError(f"reduction {name} read before its loop finished")
-        if self.is_full(name) or not self.scopes:
+        if self.is_full(name):
             self.values[name] = self.emit(self.bodies[name])
+            return self.values[name]
+        if not self.scopes:
+            # persistent: an outer value is one per row, [XBLOCK, 1], whatever lanes read it
+            # (under xrmask its loads would be [XBLOCK, RBLOCK], which its store cannot take)
+            full_mask, self.mask = self.mask, "xmask" if self.mask == "xrmask" else self.mask
+            self.values[name] = self.emit(self.bodies[name])
+            self.mask = full_mask
             return self.values[name]
         # an outer value needed inside a loop is computed before the loop, once per row
         inner = (self.lines, self.cse, self.mask)
@@ -170,7 +179,11 @@ class ReductionWriter(KernelWriter):
             helper = f"{node.reduce_type}_nan"
             self.helpers.add(helper)
             return f"tl.reduce({partial}, 1, _{helper})[:, None]"
-        return f"tl.{node.reduce_type}({partial}, 1)[:, None]"
+        if dtype == torch.bool:
+            return f"tl.{node.reduce_type}({partial}, 1)[:, None]"
+        # rows past xnumel reduce no element and hold the identity (INT_MIN / INT_MAX): integer
+        # math on them (x - amax) would overflow, which Triton's debug mode traps
+        return f"tl.where(xmask, tl.{node.reduce_type}({partial}, 1)[:, None], 0)"
 
     def finish(self, node: ReduceNode, reduced: str) -> None:
         """Cast the reduced [XBLOCK, 1] value to the node's dtype; later reads use it."""
@@ -272,6 +285,8 @@ class ReductionWriter(KernelWriter):
             self.assumptions.append(
                 (sympy.Le(rnumel, limit), f"persistent reduction: a row of {rnumel} fits one block")
             )
+        if rnumel == 0:  # no lane is ever active: a var-free load under xrmask must stay masked
+            self.base_masks = {"xmask"}
         index_dtype = self.pick_index_dtype(xnumel * rnumel)
         pid = "tl.program_id(0)" if index_dtype == "tl.int32" else "tl.program_id(0).to(tl.int64)"
         self.lines = [

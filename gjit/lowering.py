@@ -9,6 +9,7 @@ never an error.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import operator
 from collections.abc import Callable, Sequence
@@ -150,6 +151,26 @@ class Lowering:
     @property
     def out_val(self) -> torch.Tensor:
         return self.node.meta["val"]
+
+    @functools.cached_property
+    def shape_env(self):
+        """The ShapeEnv behind the graph's symbolic sizes (None when every size is static)."""
+        for node in self.gm.graph.nodes:
+            val = node.meta.get("val")
+            for s in getattr(val, "shape", None) or [val]:
+                if isinstance(s, torch.SymInt):
+                    return s.node.shape_env
+        return None
+
+    def known_one(self, size: sympy.Expr) -> bool:
+        """Is `size` 1 for every size the shape env admits (its ranges and export's guards)? A
+        broadcast dim can be symbolic, e.g. x[:, : x.shape[1] // 2] + x with x.shape[1] in [2, 3].
+        Never adds a guard."""
+        if size == 1:
+            return True
+        if sympy.sympify(size).is_number or self.shape_env is None:
+            return False
+        return bool(self.shape_env._maybe_evaluate_static(sympy.Eq(size, 1)))
 
     @property
     def aten_name(self) -> str:
@@ -355,24 +376,33 @@ def promote(
     return elementwise_dtypes(*metas, type_promotion_kind=kind)
 
 
-def broadcast_index(value: TensorValue, out_index: Index, out_size: Index) -> Index:
-    """The index of `value` that broadcasting reads for output element `out_index`."""
+def broadcast_index(
+    value: TensorValue,
+    out_index: Index,
+    out_size: Index,
+    known_one: Callable[[sympy.Expr], bool] | None = None,
+) -> Index:
+    """The index of `value` that broadcasting reads for output element `out_index`; `known_one`
+    (Lowering.known_one) also recognizes a symbolic size that the shape env knows is 1."""
+    known_one = known_one or (lambda size: size == 1)
     rank = len(value.size)
     lead = len(out_size) - rank
     idx = []
     for k, size in enumerate(value.size):
         out_k = lead + k
-        if size == 1 and out_size[out_k] != 1:
+        if out_size[out_k] != 1 and size != out_size[out_k] and known_one(size):
             idx.append(sympy.Integer(0))
         else:
             idx.append(out_index[out_k])
     return tuple(idx)
 
 
-def load_as(arg: Any, dtype: torch.dtype, index: Index, out_size: Index) -> Expr:
+def load_as(
+    arg: Any, dtype: torch.dtype, index: Index, out_size: Index, known_one: Callable | None = None
+) -> Expr:
     """Read a tensor argument (broadcast) or make a scalar constant, in the compute dtype."""
     if isinstance(arg, TensorValue):
-        return cast(arg.load(broadcast_index(arg, index, out_size)), dtype)
+        return cast(arg.load(broadcast_index(arg, index, out_size, known_one)), dtype)
     if isinstance(arg, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return cast(ir.IndexValue(torch.int64, to_sympy(arg)), dtype)
     if isinstance(arg, (bool, int, float)):

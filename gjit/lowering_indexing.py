@@ -125,7 +125,7 @@ def index_tensor(ctx: Lowering, x: TensorValue, indices: list):
             if k in positions:
                 t = indices[k]
                 sym = indirect_symbol()
-                value = index_value(t, broadcast_index(t, b, bshape), x.size[k], wrap=True)
+                value = index_value(t, broadcast_index(t, b, bshape, ctx.known_one), x.size[k], wrap=True)
                 bindings.append((sym, value, x.size[k]))
                 src.append(sym)
             else:

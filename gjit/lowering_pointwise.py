@@ -46,7 +46,7 @@ def pointwise(ctx: Lowering, args: list, fn: Callable[..., Expr], kind=KIND.DEFA
     """Lower the current node as `fn(*args)` with ATen's promotion `kind`."""
     compute, _ = promote(args, kind)
     out_size = tuple(to_sympy(s) for s in ctx.out_val.shape)
-    return ctx.pointwise(lambda idx: fn(*(load_as(a, compute, idx, out_size) for a in args)))
+    return ctx.pointwise(lambda idx: fn(*(load_as(a, compute, idx, out_size, ctx.known_one) for a in args)))
 
 
 def _is_float(dtype: torch.dtype) -> bool:
@@ -360,9 +360,9 @@ def where_self(ctx: Lowering, cond, a, b):
     out_size = tuple(to_sympy(s) for s in ctx.out_val.shape)
     return ctx.pointwise(
         lambda idx: where(
-            _truth(load_as(cond, torch.bool, idx, out_size)),
-            load_as(a, compute, idx, out_size),
-            load_as(b, compute, idx, out_size),
+            _truth(load_as(cond, torch.bool, idx, out_size, ctx.known_one)),
+            load_as(a, compute, idx, out_size, ctx.known_one),
+            load_as(b, compute, idx, out_size, ctx.known_one),
         )
     )
 

@@ -99,10 +99,12 @@ def _any(ctx: Lowering, x: TensorValue, dims, keepdim: bool, negate: bool) -> Te
         t = v if v.dtype == torch.bool else op("ne", v, Const(v.dtype, 0), dtype=torch.bool)
         return cast(op("logical_not", t) if negate else t, torch.int32)
 
-    if not negate:
-        return ctx.reduction(truth, x.size, dims, "max", torch.bool, keepdim, layout=meta_layout(ctx.out_val))
-    found = ctx.reduction(truth, x.size, dims, "max", torch.int32, keepdim, suffix="_any_false")
-    return ctx.pointwise(lambda idx: op("eq", found.load(idx), Const(torch.int32, 0), dtype=torch.bool))
+    # an empty row's max is the identity (INT_MIN): compare with > 0, so any() of nothing is False
+    # and all() of nothing is True, as in eager
+    suffix = "_any_false" if negate else "_any_true"
+    found = ctx.reduction(truth, x.size, dims, "max", torch.int32, keepdim, suffix=suffix)
+    name = "le" if negate else "gt"
+    return ctx.pointwise(lambda idx: op(name, found.load(idx), Const(torch.int32, 0), dtype=torch.bool))
 
 
 @register_lowering(aten.any.dim, aten.any.dims, aten.any.default)

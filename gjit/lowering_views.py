@@ -13,7 +13,7 @@ from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 from torch.utils._sympy.value_ranges import bound_sympy
 
 from gjit.ir import Index
-from gjit.lowering import Lowering, TensorValue, Unsupported, register_lowering, to_sympy
+from gjit.lowering import Lowering, TensorValue, Unsupported, broadcast_index, register_lowering, to_sympy
 
 aten = torch.ops.aten
 ZERO = sympy.Integer(0)
@@ -78,14 +78,7 @@ def transpose(ctx: Lowering, x: TensorValue, dim0: int, dim1: int) -> TensorValu
 @register_lowering(aten.expand.default)
 def expand(ctx: Lowering, x: TensorValue, sizes: list, *, implicit: bool = False) -> TensorValue:
     out_size = tuple(to_sympy(s) for s in ctx.out_val.shape)
-    lead = len(out_size) - len(x.size)
-
-    def reindex(idx: Index) -> Index:
-        return tuple(
-            ZERO if size == 1 and out_size[lead + k] != 1 else idx[lead + k] for k, size in enumerate(x.size)
-        )
-
-    return ctx.view(x, reindex)
+    return ctx.view(x, lambda idx: broadcast_index(x, idx, out_size, ctx.known_one))
 
 
 @register_lowering(aten.unsqueeze.default)
@@ -101,7 +94,7 @@ def squeeze(ctx: Lowering, x: TensorValue, dims: int | list[int] | None = None) 
         dims = list(range(rank))
     elif isinstance(dims, int):
         dims = [dims]
-    removed = {d for d in (_norm_dim(d, rank) for d in dims) if x.size[d] == 1}
+    removed = {d for d in (_norm_dim(d, rank) for d in dims) if ctx.known_one(x.size[d])}
 
     def reindex(idx: Index) -> Index:
         it = iter(idx)
@@ -152,6 +145,10 @@ def _divides(a: sympy.Expr, b: sympy.Expr) -> bool:
 
 def _unflatten(flat: sympy.Expr, sizes: list[sympy.Expr]) -> list[sympy.Expr]:
     """Row-major digits of `flat` in `sizes`: the outermost needs no modulo, the innermost no division."""
+    if any(s == 0 for s in sizes):
+        # an empty tensor: no element is read, so any digits do (and no division by 0); they keep
+        # depending on `flat`, so the kernel masks the load
+        return [flat] + [ZERO] * (len(sizes) - 1)
     out = []
     for k, size in enumerate(sizes):
         inner = _product(sizes[k + 1 :])

@@ -208,9 +208,9 @@ class _Builder:
             self.guard(f"{stride} == {expected}", f"{name}.stride() == {expected}", stride, i, "stride", True)
             return
         for d, (size, st) in enumerate(zip(sizes, strides)):
-            if size == 1:
-                continue
             here = f"{stride}[{d}]"
+            if size == 1 and not (isinstance(st, sympy.Symbol) and st not in self.bound):
+                continue  # any stride will do (a symbol export gave one is still bound, below)
             if isinstance(st, sympy.Symbol) and st not in self.bound:
                 self.late_binds.append(Bind(st.name, here))
                 self.bound[st] = f"{name}.stride({d})"

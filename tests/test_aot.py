@@ -4,9 +4,9 @@ import os
 
 import pytest
 import torch
-from test_dynamic import Cond
 
 import gjit
+from test_dynamic import Cond
 
 pytestmark = pytest.mark.compile_only
 

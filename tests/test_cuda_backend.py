@@ -15,6 +15,11 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+
+import gjit
+from gjit import runtime_cuda
+from helpers import check, run_compiled
+from model_zoo import MODELS
 from test_models import test_model_matches_eager  # noqa: F401
 from test_pointwise_ops import (  # noqa: F401
     test_activation,
@@ -48,11 +53,6 @@ from test_reductions import (  # noqa: F401
     test_softmax_is_stable_for_large_inputs,
 )
 from test_views import test_cat, test_view_chain, test_view_then_pointwise  # noqa: F401
-
-import gjit
-from gjit import runtime_cuda
-from helpers import check, run_compiled
-from model_zoo import MODELS
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 

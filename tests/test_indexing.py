@@ -36,6 +36,14 @@ def test_indexing_is_one_kernel(case):
     assert gjit.explain(cm, *args).externs == []
 
 
+def test_one_element_index_fused_with_a_reduction():
+    """An index read at a constant offset is a scalar: the indexed load is broadcast to the mask
+    (was "Mask argument cannot be block type if pointer argument is not a block")."""
+    x, i = torch.randn(5), torch.tensor([3])
+    check(lambda x, i: (torch.gather(x, 0, i), x[i] * 2, x.sum(0)), x, i)
+    check(lambda x, i: torch.gather(x, 0, i), x, i, kernels=1)
+
+
 def test_out_of_range_index_is_a_clear_error_in_debug_mode():
     w = torch.randn(10, 8)
     cm = gjit.compile(lambda w, i: F.embedding(i, w) * 2)

@@ -156,3 +156,23 @@ def test_lookup_resolves_precision_suffix():
 def test_unknown_symbol_is_named():
     with pytest.raises(NotImplementedError, match="__nv_frobnicatef"):
         interpret._lookup("__nv_frobnicatef", float32=True)
+
+
+def test_bfloat16_casts_round_to_nearest_even():
+    """float32 and float16 -> bfloat16 round as on a GPU; the interpreter's own conversion
+    truncated (1.3711 -> 1.3672, 0.1686 -> 0.1680)."""
+    x = torch.tensor(
+        [1.37109375, 1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8 + 2**-12), 3e38, NAN, INF, -0.0]
+    )
+    h = torch.tensor([0.1686, -1.4316, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 65504.0, -0.0], dtype=torch.float16)
+    out, _ = run_compiled(lambda x, h: (x.bfloat16(), h.bfloat16()), x, h)
+    assert torch.equal(out[0].view(torch.int16), x.bfloat16().view(torch.int16))
+    assert torch.equal(out[1].view(torch.int16), h.bfloat16().view(torch.int16))
+
+
+def test_comparison_of_a_scalar_is_boolean():
+    """A comparison of a scalar load, splatted to a block, stays int1 (the interpreter tagged it
+    float32, so `block_cmp | scalar_cmp` failed in numpy)."""
+    a, b = torch.randn(6), torch.tensor(0.5)
+    out, _ = run_compiled(lambda a, b: (torch.logical_or(a, b), (a > 0) & (b > 0)), a, b)
+    assert torch.equal(out[0], torch.logical_or(a, b)) and torch.equal(out[1], (a > 0) & (b > 0))

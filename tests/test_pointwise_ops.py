@@ -704,6 +704,20 @@ def test_constants():
     check_lowered(fn, make(F32), make(I64))
 
 
+def test_cast_of_constant_members():
+    """A fill value, or an arange over a size-1 dim, is a Python number in the kernel: a cast of
+    it is computed at codegen (was `0.5.to(tl.float16)`), rounded as ATen rounds it."""
+
+    def fn(x):
+        return (
+            torch.full_like(x, 0.1).half(),
+            torch.full_like(x, 3).float() * x,
+            x + torch.arange(x.shape[-1]),
+        )
+
+    check_lowered(fn, make(F32, (3, 1)))
+
+
 def test_arange():
     def fn(x):
         return (
@@ -747,6 +761,7 @@ LAYOUTS = {
     "3d_size1": lambda dt: (make(dt, (5, 1, 3)), make(dt, (1, 4, 1))),
     "permuted_3d": lambda dt: (make(dt, (3, 4, 5)).permute(2, 0, 1), make(dt, (3, 1))),
     "zero_size": lambda dt: (make(dt, (0, 7)), make(dt, (7,))),
+    "zero_inner_size": lambda dt: (make(dt, (5, 0, 3)), make(dt, (1, 0, 1))),  # was a ZeroDivisionError
     "with_0d": lambda dt: (make(dt, (5, 7)), make(dt, ())),
     "0d": lambda dt: (make(dt, ()), make(dt, ())),
 }

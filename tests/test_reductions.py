@@ -145,6 +145,53 @@ def test_argmax_argmin_tie_break_and_nan_like_eager(name, mode):
         check(ARG[name], torch.randint(-3, 3, (4, 6, 10)))  # integers
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_bool_and_integer_max_min(mode):
+    """amax/amin of bools (identities False/True, was a torch.iinfo(bool) error), and integer
+    math on an integer max: rows past xnumel hold no INT_MIN to overflow in debug mode."""
+    b = torch.rand(3, 5, 7) > 0.5
+    i = torch.randint(-4, 5, (2, 3, 5), dtype=torch.int32)
+    with gjit.config.scope(reduction=mode, rblock=4):
+        check(lambda b: (b.amax(-1), b.amin(0, keepdim=True), torch.max(b, 1).values), b)
+        check(lambda i: ((i - i.amax(0, keepdim=True)).exp(), i - i.amin(-1, keepdim=True)), i)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_any_all_of_nothing(mode):
+    """any() over an empty dim is False, all() is True (an empty row's max, INT_MIN, read as True)."""
+    x = torch.randn(3, 0)
+    with gjit.config.scope(reduction=mode):
+        check(lambda x: (x.any(-1), x.all(-1), x.any(), x.all(), (x > 0).all(1, keepdim=True)), x)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reduction_of_an_empty_reshape(mode):
+    """The digits of a reshape of an empty tensor keep depending on the index, so the load stays
+    masked (a constant offset was an unmasked read of an empty buffer: a segfault)."""
+    with gjit.config.scope(reduction=mode):
+        check(lambda x: (x.flatten(0).sum(0), x.reshape(-1).mean(0, keepdim=True)), torch.randn(2, 0))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reduction_over_nothing_of_an_expanded_input(mode):
+    """A stride-0 input has a constant offset: with no element to reduce no lane is active, so
+    its load stays masked (an unmasked read of the empty input was a segfault)."""
+    x, y = torch.randn(0), torch.randn(1).expand(0)
+    with gjit.config.scope(reduction=mode):
+        check(lambda x, y: ((x - y.abs()).sum(0), (x * y).std(0, keepdim=True)), x, y)
+
+
+def test_per_row_value_of_a_reduction_region_is_stored_per_row():
+    """`eq` is stored and also read by the sum through a stride-0 expand: its value is [XBLOCK, 1]
+    (was computed under the row-and-lane mask as [XBLOCK, RBLOCK], which its store rejected)."""
+
+    def fn(x, y):
+        eq = (x == y).expand(2, 1, 1)
+        return eq.sum(0, keepdim=True), eq
+
+    check(fn, torch.randn(1, 1), torch.randn(()))
+
+
 def test_modeled_bytes_of_persistent_normalizations_are_ideal():
     x, w, b = torch.randn(16, 128), torch.randn(128), torch.randn(128)
     for fn, args in (

@@ -46,6 +46,8 @@ VIEW_THEN_POINTWISE = {
     "view_sym_merge_leading": (lambda x: x.reshape(-1, x.shape[2]) * 2, [(3, 5, 7)]),
     "view_sym_split": (lambda x: x.view(x.shape[0], x.shape[1] // 5, 5) + 1, [(3, 35)]),
     # reshape of non-contiguous data (a copy in eager, still one kernel here)
+    "reshape_empty": (lambda x: x.reshape(-1) + 1, [(2, 0)]),  # was a division by zero
+    "view_empty_regroup": (lambda x: x.view(3, 0, 2) + 1, [(0, 6)]),
     "reshape_transposed": (lambda x: x.t().reshape(-1) * 2, [(5, 7)]),
     "reshape_transposed_2d": (lambda x: x.t().reshape(35, 1) + 1, [(5, 7)]),
     "reshape_permuted": (lambda x: x.permute(1, 0, 2).reshape(5, 21) + 1, [(3, 5, 7)]),
@@ -77,6 +79,10 @@ VIEW_THEN_POINTWISE = {
     "slice_start_past_end": (lambda x: x[10:] + 1, [(5, 7)]),
     "slice_symbolic_start": (lambda x, y: x[x.shape[0] - y.shape[0] :] + 1, [(9, 5), (3,)]),
     "slice_symbolic_negative_start": (lambda x: x[-x.shape[1] :] + 1, [(9, 5)]),
+    # a symbolic size export knows is 1 (x.shape[1] in [2, 3]) broadcasts (was read as size s//2)
+    "slice_symbolic_size_one_broadcast": (lambda x: x[:, : x.shape[1] // 2] * x, [(5, 3)]),
+    "slice_symbolic_size_one_expand": (lambda x: x[:, : x.shape[1] // 2].expand(-1, 4) + 1, [(5, 3)]),
+    "slice_symbolic_size_one_squeeze": (lambda x: x[:, : x.shape[1] // 2].squeeze(1) + 1, [(5, 3)]),
     "narrow": (lambda x: x.narrow(1, 2, 3) + 1, [(5, 7)]),
     "narrow_symbolic_start": (lambda x: x.narrow(0, x.shape[1] - 2, 3) * 2, [(9, 5)]),
     "narrow_negative_start": (lambda x: x.narrow(0, -3, 2) + 1, [(5, 7)]),
