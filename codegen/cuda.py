@@ -17,17 +17,16 @@ import sympy
 import torch
 
 from gjit import ir
-from gjit.codegen.indexing import XINDEX, coalesce
+from gjit.codegen.indexing import coalesce
 from gjit.codegen.printer import ExprPrinter
 from gjit.codegen.triton import (
+    INFIX,
     KernelSource,
     KernelWriter,
     _constant,
-    _unique,
     hint,
     kernel_name,
     next_power_of_2,
-    source_line,
 )
 from gjit.fusion import Region
 from gjit.ir import Const, Expr, IndexValue, Masked, Op, Read
@@ -48,7 +47,7 @@ HALF_TYPES = {  # storage type -> (to float, from float)
     torch.float16: ("__half2float", "__float2half_rn"),
     torch.bfloat16: ("__bfloat162float", "__float2bfloat16_rn"),
 }
-THREADS = 256  # threads per block of pointwise kernels (fewer for small sizes, never below a warp)
+THREADS = 256  # threads per block, or per reduced row (fewer for small sizes, never below a warp)
 
 
 class CPrinter(ExprPrinter):
@@ -144,10 +143,6 @@ def _bitwise_not(a: str, t: torch.dtype) -> str:
 # Per-op emitters: IR op name -> C expression. Arguments are printed operands; the last one is
 # the dtype of the result (the compute dtype). The Triton table is codegen/triton.py's.
 CudaOverrides: dict[str, Callable[..., str]] = {
-    "add": lambda a, b, t: f"({a} + {b})",
-    "sub": lambda a, b, t: f"({a} - {b})",
-    "mul": lambda a, b, t: f"({a} * {b})",
-    "truediv": lambda a, b, t: f"({a} / {b})",
     "truncdiv": lambda a, b, t: f"({a} / {b})",
     "floordiv": _floordiv,
     "remainder": _remainder,
@@ -170,24 +165,17 @@ CudaOverrides: dict[str, Callable[..., str]] = {
     "isinf": lambda a, t: f"isinf({a})",
     "isfinite": lambda a, t: f"isfinite({a})",
     "signbit": lambda a, t: f"signbit({a})",
-    "eq": lambda a, b, t: f"({a} == {b})",
-    "ne": lambda a, b, t: f"({a} != {b})",
-    "lt": lambda a, b, t: f"({a} < {b})",
-    "le": lambda a, b, t: f"({a} <= {b})",
-    "gt": lambda a, b, t: f"({a} > {b})",
-    "ge": lambda a, b, t: f"({a} >= {b})",
     "logical_and": lambda a, b, t: f"(({a} != 0) && ({b} != 0))",
     "logical_or": lambda a, b, t: f"(({a} != 0) || ({b} != 0))",
     "logical_xor": lambda a, b, t: f"(({a} != 0) != ({b} != 0))",
     "logical_not": lambda a, t: f"({a} == 0)",
-    "bitwise_and": lambda a, b, t: f"({a} & {b})",
-    "bitwise_or": lambda a, b, t: f"({a} | {b})",
-    "bitwise_xor": lambda a, b, t: f"({a} ^ {b})",
     "bitwise_not": _bitwise_not,
     "lshift": _shift("<<"),
     "rshift": _shift(">>"),
     "where": lambda c, a, b, t: f"({c} ? {a} : {b})",
 }
+for _name, _op in INFIX.items():
+    CudaOverrides[_name] = lambda a, b, t, _op=_op: f"({a} {_op} {b})"
 for _name in (
     "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sin", "cos", "tan", "tanh", "sinh", "cosh",
     "asin", "acos", "atan", "asinh", "acosh", "atanh", "erf", "erfinv", "floor", "ceil", "trunc",
@@ -288,14 +276,12 @@ class CudaEmitter:
 
     def params(self, index_type: str, sizes: list[str]) -> tuple[list[str], dict[str, str]]:
         """The kernel's parameter declarations and its signature (parameter -> C type)."""
-        symbols = sorted(self.symbols - set(self.vars) - {XINDEX}, key=lambda s: s.name)
         signature = {arg: f"const {C_TYPES[self.layout(n).dtype]}*" for n, arg in self.in_args.items()}
         signature |= {arg: f"{C_TYPES[self.layout(n).dtype]}*" for n, arg in self.out_args.items()}
         decls = [f"{t} __restrict__ {p}" for p, t in signature.items()]
-        for p in [s.name for s in symbols] + sizes:
+        for p in [s.name for s in self.kernel_size_symbols()] + sizes:
             signature[p] = index_type
             decls.append(f"{index_type} {p}")
-        self.size_symbols = symbols
         return decls, signature
 
     def cuda_source(
@@ -315,26 +301,8 @@ class CudaEmitter:
         lines.append(f'extern "C" __global__ void __launch_bounds__({threads}) {name}(')
         lines.append("    " + ",\n    ".join(decls) + ") {")
         lines += [f"    {ln}" for ln in body] + ["}"]
-        nodes = self.region.inlined + self.region.nodes
-        read, written = self.traffic(sympy.Mul(*sizes.values()))
-        return KernelSource(
-            name=name,
-            source="\n".join(lines) + "\n",
-            in_args=list(self.in_args),
-            out_args=list(self.out_args),
-            size_args=self.size_symbols,
-            numel=sizes["xnumel"],
-            index_dtype=index_dtype,
-            aten_nodes=[f"{n.name}: {n.fx_node.target}" for n in nodes],
-            source_lines=_unique(source_line(n.fx_node) for n in nodes),
-            signature=signature,
-            blocks=blocks,
-            bytes_read=read,
-            bytes_written=written,
-            assumptions=list(self.assumptions),
-            backend="cuda",
-            **extra,
-        )
+        extra["backend"] = "cuda"
+        return self.kernel_record(name, "\n".join(lines), sizes, signature, blocks, index_dtype, **extra)
 
 
 def threads_for(numel: int) -> int:

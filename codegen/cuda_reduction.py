@@ -17,13 +17,12 @@ from __future__ import annotations
 import sympy
 import torch
 
-from gjit.codegen.cuda import C_TYPES, CudaEmitter, literal, to_dtype
-from gjit.codegen.triton import hint, next_power_of_2
+from gjit.codegen.cuda import C_TYPES, CudaEmitter, literal, threads_for, to_dtype
+from gjit.codegen.triton import hint
 from gjit.codegen.triton_reduction import ReductionWriter
 from gjit.config import config
 from gjit.ir import ReduceNode
 
-THREADS = 256  # most threads per row; a shorter row gets fewer (never below a warp)
 FUNCTORS = {"sum": "GjitSum", "prod": "GjitProd", "max": "GjitMax", "min": "GjitMin"}
 
 
@@ -43,16 +42,10 @@ def identity(reduce_type: str, dtype: torch.dtype) -> str:
 class CudaReductionWriter(CudaEmitter, ReductionWriter):
     # -- loops over the row ------------------------------------------------------------------------
 
-    def var_lines(self, index: str, dims: list[int]) -> list[str]:
-        sizes = [self.space.full[k] for k in dims]
-        out = []
-        for j, k in enumerate(dims):
-            inner = sympy.Mul(*sizes[j + 1 :]) if j + 1 < len(sizes) else sympy.Integer(1)
-            expr = f"{index} / ({self.index(inner)})" if inner != 1 else index
-            if j > 0:
-                expr = f"({expr}) % ({self.index(sizes[j])})"
-            out.append(f"{self.index_type} c{k} = {expr};")
-        return out
+    INT_DIV = "/"
+
+    def index_line(self, name: str, expr: str) -> str:
+        return f"{self.index_type} {name} = {expr};"
 
     def enter_loop(self) -> None:
         self.pass_id += 1
@@ -147,7 +140,7 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
         xnumel = sympy.Mul(*[space.full[k] for k in self.kept]) if self.kept else sympy.Integer(1)
         rnumel = sympy.Mul(*[space.full[k] for k in space.reduced]) if space.reduced else sympy.Integer(1)
         rhint = hint(rnumel, self.hints)
-        self.threads = max(32, min(THREADS, next_power_of_2(rhint)))
+        self.threads = threads_for(rhint)
         static = not rnumel.free_symbols
         self.persistent = static and (
             config.reduction == "persistent"

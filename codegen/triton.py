@@ -84,13 +84,26 @@ def _minmax(fn: str) -> Callable[[str, str, torch.dtype], str]:
     return emit
 
 
+# Ops both kernel languages spell as one infix operator with the same meaning.
+INFIX = {
+    "add": "+",
+    "sub": "-",
+    "mul": "*",
+    "truediv": "/",
+    "eq": "==",
+    "ne": "!=",
+    "lt": "<",
+    "le": "<=",
+    "gt": ">",
+    "ge": ">=",
+    "bitwise_and": "&",
+    "bitwise_or": "|",
+    "bitwise_xor": "^",
+}
+
 # Per-op emitters: IR op name -> source text. Arguments are already-printed operands; the
 # last argument is the dtype of the result (the compute dtype).
 TritonOverrides: dict[str, Callable[..., str]] = {
-    "add": lambda a, b, t: f"{a} + {b}",
-    "sub": lambda a, b, t: f"{a} - {b}",
-    "mul": lambda a, b, t: f"{a} * {b}",
-    "truediv": lambda a, b, t: f"{a} / {b}",
     "truncdiv": lambda a, b, t: f"{a} // {b}",
     "floordiv": _floordiv,
     "remainder": _remainder,
@@ -126,24 +139,17 @@ TritonOverrides: dict[str, Callable[..., str]] = {
     "isinf": lambda a, t: f"tl.abs({a}) == float('inf')",
     "isfinite": lambda a, t: f"tl.abs({a}) < float('inf')",
     "signbit": lambda a, t: f"libdevice.signbit({a}) != 0",
-    "eq": lambda a, b, t: f"{a} == {b}",
-    "ne": lambda a, b, t: f"{a} != {b}",
-    "lt": lambda a, b, t: f"{a} < {b}",
-    "le": lambda a, b, t: f"{a} <= {b}",
-    "gt": lambda a, b, t: f"{a} > {b}",
-    "ge": lambda a, b, t: f"{a} >= {b}",
     "logical_and": lambda a, b, t: f"{a} & {b}",
     "logical_or": lambda a, b, t: f"{a} | {b}",
     "logical_xor": lambda a, b, t: f"{a} ^ {b}",
     "logical_not": lambda a, t: f"{a} == 0",
-    "bitwise_and": lambda a, b, t: f"{a} & {b}",
-    "bitwise_or": lambda a, b, t: f"{a} | {b}",
-    "bitwise_xor": lambda a, b, t: f"{a} ^ {b}",
     "bitwise_not": lambda a, t: f"~{a}",
     "lshift": _shift("<<"),
     "rshift": _shift(">>"),
     "where": lambda c, a, b, t: f"tl.where({c}, {a}, {b})",
 }
+for _name, _op in INFIX.items():
+    TritonOverrides[_name] = lambda a, b, t, _op=_op: f"{a} {_op} {b}"
 for _name in ("tan", "tanh", "sinh", "cosh", "asin", "acos", "atan", "asinh", "acosh", "atanh", "erfinv"):
     TritonOverrides[_name] = lambda a, t, _name=_name: f"libdevice.{_name}({a})"
 
@@ -416,7 +422,7 @@ class KernelWriter:
     ) -> KernelSource:
         """Assemble the kernel: parameters (pointers, size symbols, numels, block sizes), source,
         Triton signature and the modeled traffic."""
-        symbols = sorted(self.symbols - set(self.vars) - {XINDEX}, key=lambda s: s.name)
+        symbols = self.kernel_size_symbols()
         params = [*self.in_args.values(), *self.out_args.values(), *(s.name for s in symbols), *sizes]
         int_type = "i32" if index_dtype == "tl.int32" else "i64"
         pointers = {**self.in_args, **self.out_args}
@@ -429,6 +435,23 @@ class KernelWriter:
             + [self.decorator, f"def {name}({', '.join(params + constexprs)}):"]
             + [f"    {ln}" for ln in body]
         )
+        return self.kernel_record(name, source, sizes, signature, blocks, index_dtype, **extra)
+
+    def kernel_size_symbols(self) -> list[sympy.Symbol]:
+        """The size symbols the kernel takes as arguments, in parameter order."""
+        return sorted(self.symbols - set(self.vars) - {XINDEX}, key=lambda s: s.name)
+
+    def kernel_record(
+        self,
+        name: str,
+        source: str,
+        sizes: dict[str, sympy.Expr],
+        signature: dict[str, str],
+        blocks: dict[str, int],
+        index_dtype: str,
+        **extra,
+    ) -> KernelSource:
+        """An assembled kernel (of either language) with what it fuses, takes, moves and assumes."""
         nodes = self.region.inlined + self.region.nodes
         read, written = self.traffic(sympy.Mul(*sizes.values()))
         return KernelSource(
@@ -436,7 +459,7 @@ class KernelWriter:
             source=source + "\n",
             in_args=list(self.in_args),
             out_args=list(self.out_args),
-            size_args=symbols,
+            size_args=self.kernel_size_symbols(),
             numel=sizes["xnumel"],
             index_dtype=index_dtype,
             aten_nodes=[f"{n.name}: {n.fx_node.target}" for n in nodes],

@@ -58,6 +58,8 @@ def _identity(reduce_type: str, dtype: torch.dtype) -> str:
 
 
 class ReductionWriter(KernelWriter):
+    INT_DIV = "//"  # floor division of the (non-negative) row indices
+
     def __init__(self, region: Region, graph: ir.LoopGraph, hints: dict[sympy.Symbol, int]):
         super().__init__(region, graph, hints)
         space = region.reduction
@@ -150,11 +152,14 @@ class ReductionWriter(KernelWriter):
         out = []
         for j, k in enumerate(dims):
             inner = sympy.Mul(*sizes[j + 1 :]) if j + 1 < len(sizes) else sympy.Integer(1)
-            expr = f"{index} // ({self.index(inner)})" if inner != 1 else index
+            expr = f"{index} {self.INT_DIV} ({self.index(inner)})" if inner != 1 else index
             if j > 0:
                 expr = f"({expr}) % ({self.index(sizes[j])})"
-            out.append(f"c{k} = {expr}")
+            out.append(self.index_line(f"c{k}", expr))
         return out
+
+    def index_line(self, name: str, expr: str) -> str:
+        return f"{name} = {expr}"
 
     # -- reductions --------------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from gjit.ir import LoopGraph
 from gjit.lowering import lower_graph
 from gjit.runtime import CompiledGraph
 from gjit.stats import timed
-from gjit.wrapper import generate_wrapper
+from gjit.wrapper import WrapperWriter
 
 output_code_log = logs.logger("output_code")
 fusion_log = logs.logger("fusion")
@@ -136,9 +136,9 @@ def compile_graph(
     # wrapper: the schedule -> one Python call function
     with timed("wrapper", timings):
         by_name = {k.name: k for k in kernels}
-        wrapper = generate_wrapper(
+        wrapper = WrapperWriter(
             loop_graph, steps, by_name, poison=config.debug, input_symbols=symbols, check=check
-        )
+        ).generate()
     # write: sources to the cache dir (content-addressed)
     with timed("write", timings):
         graph = CompiledGraph(gm, kernels, wrapper)

@@ -34,25 +34,13 @@ cache_log = logs.logger("cache")
 # ----------------------------------------------------------------------------------------------
 
 
-def atomic_write(path: str, text: str) -> None:
+def atomic_write(path: str, data: str | bytes) -> None:
     """Write through a temp file in the same folder, then rename: readers see all of it or nothing."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-    try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            f.write(data.encode() if isinstance(data, str) else data)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

@@ -32,7 +32,7 @@ _SCALARS = {"int": np.int32, "long long": np.int64, "float": np.float32, "double
 def cubin_for(source: str, name: str, arch: int) -> bytes:
     """NVRTC's cubin of `source` for sm_<arch>, from the on-disk cache when it is there."""
     from gjit.codegen.nvrtc import compile_cuda
-    from gjit.runtime import atomic_write_bytes
+    from gjit.runtime import atomic_write
 
     digest = hashlib.sha256(f"{arch}\0{source}".encode()).hexdigest()[:20]
     path = os.path.join(config.cache_dir, "cubins", digest[:2], f"{name}_{digest}_sm{arch}.cubin")
@@ -41,7 +41,7 @@ def cubin_for(source: str, name: str, arch: int) -> bytes:
         with open(path, "rb") as f:
             return f.read()
     cubin = compile_cuda(source, name, arch).cubin
-    atomic_write_bytes(path, cubin)
+    atomic_write(path, cubin)
     cache_log.info("on-disk store: cubin of %s written to %s", name, path)
     return cubin
 

@@ -27,6 +27,10 @@ class WrapperError(RuntimeError):
 
 
 class WrapperWriter:
+    """`WrapperWriter(...).generate()` is the wrapper's source. `input_symbols`: the size symbols
+    the entry's guard binds and passes in as `sizes`; `check`: call gjit_check after each kernel
+    (GJIT_CHECK)."""
+
     def __init__(
         self,
         graph: ir.LoopGraph,
@@ -241,16 +245,3 @@ def _graph_device(placeholders: list[torch.fx.Node]) -> torch.device:
         if isinstance(val, torch.Tensor):
             return val.device
     return torch.device("cpu")
-
-
-def generate_wrapper(
-    graph: ir.LoopGraph,
-    steps: list[Step],
-    kernels: dict[str, KernelSource],
-    poison: bool,
-    input_symbols: list[sympy.Symbol],
-    check: bool = False,
-) -> str:
-    """`input_symbols`: the size symbols the entry's guard binds and passes in as `sizes`;
-    `check`: call gjit_check after each kernel (GJIT_CHECK)."""
-    return WrapperWriter(graph, steps, kernels, poison, input_symbols, check).generate()
