@@ -20,7 +20,7 @@ import gjit
 from gjit import runtime_cuda
 from helpers import check, run_compiled
 from model_zoo import MODELS
-from test_models import test_model_matches_eager  # noqa: F401
+from test_models import test_model_matches_eager as model_matches_eager  # not collected twice
 from test_pointwise_ops import (  # noqa: F401
     test_activation,
     test_binary,
@@ -61,6 +61,17 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def cupy_backend():
     with gjit.config.scope(backend="cupy"):
         yield
+
+
+# the eager-attention variants and BERT mostly repeat kernels the others have: run with GJIT_TEST_SLOW=1
+SLOW_MODELS = {"gpt2-eager", "llama-eager", "bert-eager", "bert-sdpa"}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_MODELS else n for n in MODELS]
+)
+def test_cuda_c_model_matches_eager(name, record_property):
+    model_matches_eager(name, record_property)
 
 
 def cuda_kernels(cm: gjit.CompiledFunction) -> list:
