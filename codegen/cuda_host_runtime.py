@@ -60,7 +60,7 @@ constexpr int warpSize = 32;
 
 // Every call site gets a fixed offset into the block's shared memory the first time a thread
 // reaches it, so a declaration in a loop is the same memory at every iteration, as in CUDA.
-static size_t gjit_shared_top;  // this kernel's; each kernel .so has its own
+static size_t gjit_shared_top;  // this .so's kernels'; each .so has its own
 #define GJIT_SHARED(T, name, n)                                                                     \
     static const size_t gjit_shared_offset_##name =                                                 \
         gjit_shared_alloc(&gjit_shared_top, sizeof(T) * (n), alignof(T), #name);                    \

@@ -9,6 +9,8 @@ mask, every lane of every warp taking part (blocks are a multiple of 32 threads)
 """
 
 CUDA_PRELUDE = r"""// ---- gjit CUDA C prelude ----
+#ifndef GJIT_PRELUDE
+#define GJIT_PRELUDE
 #ifndef GJIT_HOST
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -142,5 +144,6 @@ __device__ __forceinline__ long long gjit_block_argreduce(T v, long long i, bool
     __syncthreads();
     return i;
 }
+#endif  // GJIT_PRELUDE
 // ---- end of prelude ----
 """

@@ -6,10 +6,12 @@ row: every thread accumulates its elements, then gjit_block_reduce (warp shuffle
 per warp in shared memory) gives every thread the row's result. A last pass writes full-row
 values that leave the kernel (softmax's output); per-row results are written by thread 0.
 
-  persistent (a static row of at most gjit.config.persistent_max elements): each thread keeps
-      what it loaded in registers (`ld0[k]`, k < elements per thread), so later passes read
-      the row from registers and the input once, like the Triton persistent kernel;
-  looped (a dynamic or long row): each pass reads its inputs again.
+  persistent (a row of at most gjit.config.persistent_max elements): each thread keeps what it
+      loaded in registers (`ld0[k]`, k < elements per thread), so later passes read the row from
+      registers and the input once, like the Triton persistent kernel. A dynamic row, as on the
+      Triton side, gets its threads at launch (the same source for every length) and registers
+      for the longest row a guard admits;
+  looped (a long row): each pass reads its inputs again.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import sympy
 import torch
 
-from gjit.codegen.cuda import C_TYPES, CudaEmitter, literal, threads_for, to_dtype
+from gjit.codegen.cuda import C_TYPES, THREADS, CudaEmitter, literal, threads_for, to_dtype
 from gjit.codegen.triton import hint
 from gjit.codegen.triton_reduction import ReductionWriter
 from gjit.config import config
@@ -52,7 +54,7 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
         self.scopes.append((self.lines, self.cse, self.values, self.mask))
         self.lines, self.cse, self.values = [], dict(self.cse), dict(self.values)
         if self.persistent:
-            self.lines.append(f"{self.index_type} rindex = threadIdx.x + k * {self.threads};")
+            self.lines.append(f"{self.index_type} rindex = threadIdx.x + k * {self.step};")
         self.lines += self.var_lines("rindex", list(self.space.reduced))
 
     def exit_loop(self) -> None:
@@ -61,7 +63,7 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
         if self.persistent:
             self.lines.append("#pragma unroll")
             self.lines.append(f"for (int k = 0; k < {self.per_thread}; ++k) {{")
-            self.lines.append("    if (threadIdx.x + k * " + f"{self.threads} >= rnumel) break;")
+            self.lines.append(f"    if (threadIdx.x + k * {self.step} >= rnumel) break;")
         else:
             it = self.index_type
             self.lines.append(f"for ({it} rindex = threadIdx.x; rindex < rnumel; rindex += blockDim.x) {{")
@@ -141,12 +143,23 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
         rnumel = sympy.Mul(*[space.full[k] for k in space.reduced]) if space.reduced else sympy.Integer(1)
         rhint = hint(rnumel, self.hints)
         self.threads = threads_for(rhint)
-        static = not rnumel.free_symbols
-        self.persistent = static and (
-            config.reduction == "persistent"
-            or (config.reduction == "auto" and int(rnumel) <= config.persistent_max)
+        self.persistent = config.reduction == "persistent" or (
+            config.reduction == "auto" and rhint <= config.persistent_max
         )
-        self.per_thread = -(-int(rnumel) // self.threads) if static else 0
+        launch_blocks = {}
+        if rnumel.free_symbols:
+            self.step = "blockDim.x"
+            if self.persistent:
+                # the threads are sized at launch (a row of up to THREADS gets one element per
+                # thread); the registers hold the longest row the guard admits
+                limit = max(config.persistent_max, rhint)
+                self.per_thread = -(-limit // THREADS)
+                launch_blocks = {"RBLOCK": f"max(32, min({THREADS}, triton.next_power_of_2(rnumel)))"}
+                why = f"persistent reduction: a row of {rnumel} fits {self.per_thread} per thread"
+                self.assumptions.append((sympy.Le(rnumel, self.per_thread * THREADS), why))
+        else:
+            self.step = str(self.threads)
+            self.per_thread = -(-int(rnumel) // self.threads)
         self.arrays = 0
         self.prologue: list[str] = []
         self.mask_depth = 0
@@ -173,16 +186,23 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
         )
         nodes = self.region.inlined + self.region.nodes
         header = self.header(name, nodes, xnumel)
-        shape = f"persistent ({self.per_thread} per thread in registers)" if self.persistent else "looped"
-        header.insert(-1, f"# reduction: {rnumel} elements per row, {shape}, {self.threads} threads per row")
+        shape = "looped"
+        if self.persistent:
+            at_most = "up to " if launch_blocks else ""
+            shape = f"persistent ({at_most}{self.per_thread} per thread in registers)"
+        threads = f"{self.threads} threads per row"
+        if launch_blocks:
+            threads = f"up to {THREADS} threads per row, sized at launch"
+        header.insert(-1, f"# reduction: {rnumel} elements per row, {shape}, {threads}")
         return self.cuda_source(
             name,
             header=header,
             body=body,
             sizes={"xnumel": xnumel, "rnumel": rnumel},
-            threads=self.threads,
+            threads=THREADS if launch_blocks else self.threads,
             index_dtype=index_dtype,
             blocks={"XBLOCK": 1, "RBLOCK": self.threads},
             rnumel=rnumel,
             persistent=self.persistent,
+            launch_blocks=launch_blocks,
         )

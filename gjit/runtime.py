@@ -182,13 +182,16 @@ class CompiledGraph:
     def call_fn(self, interpret: bool) -> Callable:
         key = "interpret" if interpret else "device"
         if key not in self._calls:
-            kernels = {
-                k.name: (
-                    runtime_cuda.CudaKernel(k, self.kernel_paths[k.name], interpret)
-                    if k.backend == "cuda"
-                    else load_kernel(self.kernel_paths[k.name], k.name, interpret)
-                )
+            cuda = [
+                runtime_cuda.CudaKernel(k, self.kernel_paths[k.name], interpret)
                 for k in self.kernels
+                if k.backend == "cuda"
+            ]
+            kernels = {k.kernel.name: k for k in runtime_cuda.grouped(cuda)}
+            kernels |= {
+                k.name: load_kernel(self.kernel_paths[k.name], k.name, interpret)
+                for k in self.kernels
+                if k.backend != "cuda"
             }
             extra = {"gjit_alloc": gjit_alloc, "gjit_alloc_poisoned": gjit_alloc_poisoned, **kernels}
             extra |= {name: sub.run_branch for name, sub in self.subgraphs.items()}

@@ -54,6 +54,7 @@ class CudaKernel:
         self.params = list(kernel.signature.items())
         self._host = None
         self._device_fns: dict[int, Any] = {}
+        self.group = [self]  # the kernels built for the host with this one (a program's)
 
     def source(self) -> str:
         with open(self.path, encoding="utf-8") as f:
@@ -69,9 +70,11 @@ class CudaKernel:
     def launch(self, grid: int, threads: int, args: tuple) -> None:
         if self.interpret:
             if self._host is None:
-                from gjit.codegen.cuda_host import host_kernel
+                from gjit.codegen.cuda_host import host_kernels
 
-                self._host = host_kernel(self.source(), self.kernel.name, self.params)
+                built = host_kernels([(k.source(), k.kernel.name, k.params) for k in self.group])
+                for k, host in zip(self.group, built):
+                    k._host = host
             self._host(min(grid, HOST_GRID), threads, list(args))
             return
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
@@ -100,6 +103,13 @@ class CudaKernel:
         if ctype.endswith("*"):
             return np.uint64(value.data_ptr())
         return _SCALARS[ctype](value)
+
+
+def grouped(kernels: list[CudaKernel]) -> list[CudaKernel]:
+    """A program's kernels, built for the host together at the first launch of any of them."""
+    for k in kernels:
+        k.group = kernels
+    return kernels
 
 
 def kernel_file_text(kernel: KernelSource) -> str:

@@ -11,6 +11,7 @@ for them. GPU-only tests are marked `gpu` and skip without CUDA.
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -63,13 +64,7 @@ def cupy_backend():
         yield
 
 
-# the eager-attention variants and BERT mostly repeat kernels the others have: run with GJIT_TEST_SLOW=1
-SLOW_MODELS = {"gpt2-eager", "llama-eager", "bert-eager", "bert-sdpa"}
-
-
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_MODELS else n for n in MODELS]
-)
+@pytest.mark.parametrize("name", list(MODELS))
 def test_cuda_c_model_matches_eager(name, record_property):
     model_matches_eager(name, record_property)
 
@@ -109,12 +104,27 @@ def test_reduction_kernel_shapes_persistent_and_looped():
 
 def test_dynamic_sizes_are_kernel_arguments_of_one_entry():
     cm = gjit.compile(lambda x: F.layer_norm(x, x.shape[-1:]) * 2)
-    for rows, cols in [(3, 40), (7, 40), (5, 90), (9, 700)]:
+    # rows shorter than a warp, between warps, one element per thread, several per thread
+    for rows, cols in [(3, 40), (7, 40), (5, 90), (9, 700), (2, 1024), (4, 1)]:
         check(cm, torch.randn(rows, cols))
-    assert len(cm.entries) == 1
-    (kernel,) = cuda_kernels(cm)
-    assert not kernel.persistent  # a dynamic row is looped: its length is not known at compile time
+    assert len(cm.entries) == 2  # export specializes the row of 1
+    kernel = cuda_kernels(cm)[0]
     assert "int rnumel" in kernel.source or "long long rnumel" in kernel.source
+    # persistent for every row the guard admits: registers for the longest, threads sized at launch
+    assert kernel.persistent and "ld0[4]" in kernel.source and "k * blockDim.x" in kernel.source
+    assert "__launch_bounds__(256)" in kernel.source and "triton.next_power_of_2(rnumel)" in str(
+        kernel.launch_blocks
+    )
+    check(cm, torch.randn(3, 3000))  # past the registers: the guard fails, a looped kernel
+    assert len(cm.entries) == 3 and not cm.entries[2].program.kernels[0].persistent
+
+
+def test_a_programs_kernels_are_built_for_the_host_together(tmp_path):
+    with gjit.config.scope(cache_dir=str(tmp_path)):
+        # rows of the softmax (cos joins it), then columns: two kernels, one .so
+        cm = check(lambda t: (F.softmax(t, -1) * 2, t.sum(0), t.cos()), torch.randn(9, 40), kernels=2)
+    so = [f for f in os.listdir(tmp_path / "cuda_host") if f.endswith(".so")]
+    assert len(so) == 2, so  # the runtime and the program
 
 
 def test_any_grid_is_correct(monkeypatch):
@@ -197,6 +207,16 @@ def test_every_model_kernel_compiles_for_sm90_without_spills(name):
     assert report.kernels
     assert [k.name for k in report.kernels if k.spills] == []
     assert all(k.registers > 0 for k in report.kernels)
+
+
+@pytest.mark.compile_only
+def test_dynamic_row_kernels_compile_for_sm90_without_spills():
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    fn = gjit.compile(lambda x: (F.softmax(x, -1), F.layer_norm(x, x.shape[-1:]), x.argmax(-1)))
+    report = gjit.aot(fn, torch.randn(6, 300), arch="sm_90")
+    (kernel,) = fn.entries[0].program.kernels  # the three read one row: one kernel
+    assert kernel.persistent and kernel.launch_blocks and len(report.kernels) == 1
+    assert [k.name for k in report.kernels if k.spills] == []
 
 
 @pytest.mark.gpu

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gjit
-from gjit.codegen.cuda_host import HostCompileError, HostKernelError, host_kernel
+from gjit.codegen.cuda_host import HostCompileError, HostKernelError, host_kernel, host_kernels
 from gjit.codegen.cuda_prelude import CUDA_PRELUDE
 
 SIN = """
@@ -358,7 +358,7 @@ def test_host_compile_error_and_wrong_params_raise():
     with pytest.raises(HostCompileError, match="tmp2") as error:
         host_kernel(source, "gjit_poi_fused_sin_add_0", POINTWISE)
     line = next(n for n, text in enumerate(source.splitlines(), 1) if "tmp2" in text)
-    assert f"kernel.cu:{line}:" in str(error.value) and f"{line:4d}  " in str(error.value)
+    assert f"gjit_poi_fused_sin_add_0.cu:{line}:" in str(error.value) and f"{line:4d}  " in str(error.value)
     with pytest.raises(HostCompileError, match="parameters differ"):
         host_kernel(CUDA_PRELUDE + SIN, "gjit_poi_fused_sin_add_0", [*POINTWISE[:2], ("xnumel", "int")])
     kernel = host_kernel(CUDA_PRELUDE + SIN, "gjit_poi_fused_sin_add_0", POINTWISE)
@@ -409,6 +409,32 @@ def test_kernels_of_a_cache_dir_share_one_runtime_and_header(tmp_path):
     assert len([f for f in files if f.endswith(".so")]) == 3, files  # the runtime and two kernels
     (header,) = [f for f in files if f.startswith("header-")]
     assert sorted(os.listdir(tmp_path / "cuda_host" / header)) == ["gjit_host.h", "gjit_host.h.gch"]
+
+
+@pytest.mark.cpu
+def test_kernels_built_together_are_one_shared_object(tmp_path):
+    """A program's kernels are one g++ run: the prelude's include guard keeps one copy, every
+    kernel keeps its own launcher, and an error shows the source of the kernel it is in."""
+    names = ["gjit_poi_fused_sin_add_0", "gjit_red_sum_f32_0", "gjit_red_argmax_0"]
+    specs = [(CUDA_PRELUDE + f"// {tmp_path}\n" + KERNELS[n][0], n, KERNELS[n][1]) for n in names]
+    with gjit.config.scope(cache_dir=str(tmp_path)):
+        sin, total, argmax = host_kernels(specs)
+        broken = [specs[0], (specs[1][0].replace("GjitSum()", "GjitSun()"), *specs[1][1:])]
+        with pytest.raises(HostCompileError, match="GjitSun") as error:
+            host_kernels(broken)
+    so = [f for f in os.listdir(tmp_path / "cuda_host") if f.endswith(".so")]
+    assert len(so) == 2, so  # the runtime and the three kernels
+    assert "gjit_red_sum_f32_0.cu:" in str(error.value) and "gjit_poi_fused_sin_add_0.cu:" not in str(
+        error.value
+    )
+    x = torch.randn(6, 300)
+    out, sums, index = torch.full_like(x, float("nan")), torch.empty(6), torch.empty(6, dtype=torch.int64)
+    sin(3, 64, [x, out, x.numel()])
+    total(2, 64, [x, sums, 6, 300])
+    argmax(2, 128, [x, index, 6, 300])
+    torch.testing.assert_close(out, torch.sin(x) + x)
+    torch.testing.assert_close(sums, x.double().sum(1).float(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(index, x.argmax(1))
 
 
 @pytest.mark.cpu
