@@ -67,6 +67,8 @@ class CPrinter(ExprPrinter):
 
 
 def literal(value, dtype: torch.dtype) -> str:
+    """A C constant; a negative one in parentheses, so that an operator in front of it (`-`, `~`)
+    never makes `--2LL`."""
     if dtype == torch.bool:
         return "true" if value else "false"
     if dtype.is_floating_point:
@@ -78,6 +80,7 @@ def literal(value, dtype: torch.dtype) -> str:
             text = ("-" if v < 0 else "") + "GJIT_INF" + suffix.upper()
         else:
             text = repr(v) + suffix
+        text = f"({text})" if text.startswith("-") else text
         if dtype in HALF_TYPES:  # a half constant: the float rounded once to half
             return f"{HALF_TYPES[dtype][1]}({text})"
         return text
@@ -86,7 +89,8 @@ def literal(value, dtype: torch.dtype) -> str:
         return "(-9223372036854775807LL - 1)"
     if v == -(2**31) and dtype != torch.int64:  # -2147483648 is a long in C++
         return "(-2147483647 - 1)"
-    return f"{v}LL" if dtype == torch.int64 or not -(2**31) <= v < 2**31 else str(v)
+    text = f"{v}LL" if dtype == torch.int64 or not -(2**31) <= v < 2**31 else str(v)
+    return f"({text})" if v < 0 else text
 
 
 def _math(name: str) -> Callable[..., str]:

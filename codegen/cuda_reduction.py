@@ -16,6 +16,8 @@ values that leave the kernel (softmax's output); per-row results are written by 
 
 from __future__ import annotations
 
+import re
+
 import sympy
 import torch
 
@@ -25,6 +27,7 @@ from gjit.codegen.triton_reduction import ReductionWriter
 from gjit.config import config
 from gjit.ir import ReduceNode
 
+TEMP = re.compile(r"\btmp\d+\b")
 FUNCTORS = {"sum": "GjitSum", "prod": "GjitProd", "max": "GjitMax", "min": "GjitMin"}
 
 
@@ -75,7 +78,7 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
         in_pass = self.scopes and self.lines is not self.scopes[-1][0]
         if not (self.persistent and in_pass) or self.mask_depth:
             return super().load(arg, offset, dtype)
-        key = ("registers", arg, offset)
+        key = ("registers", arg, self.canonical(offset))  # an indirect offset: its temps differ per pass
         row_scope_cse = self.scopes[-1][1]  # the passes after this one start from a copy of it
         array = row_scope_cse.get(key)
         if array is None:
@@ -84,6 +87,15 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
             self.prologue.append(f"{C_TYPES[dtype]} {array}[{self.per_thread}];")
             self.lines.append(f"{array}[k] = {arg}[{offset}];")
         return self.declare(("load", arg, offset), f"{array}[k]", dtype)
+
+    def declare(self, key: tuple, text: str, dtype: torch.dtype) -> str:
+        var = super().declare(key, text, dtype)
+        self.canon.setdefault(var, self.canonical(text))
+        return var
+
+    def canonical(self, text: str) -> str:
+        """`text` with each temp spelled out as the expression it holds."""
+        return TEMP.sub(lambda m: self.canon.get(m.group(0), m.group(0)), text)
 
     def masked(self, e):
         self.mask_depth += 1
@@ -161,6 +173,7 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
             self.step = str(self.threads)
             self.per_thread = -(-int(rnumel) // self.threads)
         self.arrays = 0
+        self.canon: dict[str, str] = {}
         self.prologue: list[str] = []
         self.mask_depth = 0
         index_dtype = self.pick_index_dtype(xnumel * rnumel)

@@ -1,5 +1,3 @@
-import os
-
 import pytest
 import torch
 
@@ -7,11 +5,8 @@ import gjit
 
 
 def pytest_collection_modifyitems(config, items):
-    slow = os.environ.get("GJIT_TEST_SLOW") == "1"
     has_cuda = torch.cuda.is_available()
     for item in items:
-        if "slow" in item.keywords and not slow:
-            item.add_marker(pytest.mark.skip(reason="slow test: set GJIT_TEST_SLOW=1"))
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 

@@ -175,6 +175,7 @@ class Program:
         what = f", call {failure.call}: {failure.summary()}" if failure else ""
         rounded = evaluate(self) or {}
         precisions = ", ".join(str(rounded.get(o)) for o in self.outputs)
+        backend = "" if gjit.config.backend == "triton" else f", backend={gjit.config.backend!r}"
         return "\n".join(
             [
                 f'"""gjit fuzz reproducer (seed {self.seed}{what})"""',
@@ -191,7 +192,7 @@ class Program:
                 *calls,
                 "]",
                 f"PRECISIONS = [{precisions}]  # per output: the tolerances that apply (None: its dtype's)",
-                "compiled = gjit.compile(program)",
+                f"compiled = gjit.compile(program{backend})",
                 "with gjit.config.scope(interpret=True, debug=True):",
                 "    for args in CALLS:",
                 "        expected = program(*args)",
@@ -818,10 +819,11 @@ def shrink(program: Program, failure: Failure, budget_s: float = 90.0) -> tuple[
     return program, failure
 
 
-def check_seed(seed: int) -> tuple[int, Failure | None, Counter]:
-    """Worker entry point: (seed, its failure or None, counters)."""
+def check_seed(seed: int, backend: str = "triton") -> tuple[int, Failure | None, Counter]:
+    """Worker entry point: (seed, its failure or None, counters), its kernels in `backend`."""
     counts: Counter = Counter()
-    return seed, check(generate(seed), counts), counts
+    with gjit.config.scope(backend=backend):
+        return seed, check(generate(seed), counts), counts
 
 
 def init_worker(cache_dir: str) -> None:

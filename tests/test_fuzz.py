@@ -1,6 +1,7 @@
 """Random programs (tests/fuzz.py) compiled by gjit and compared with eager, 0 mismatches expected.
 
-The CI run is 500 programs, seeds 0-499, in 10 chunks (pytest shows progress per chunk). Each
+The CI run is 500 programs, seeds 0-499, in 10 chunks (pytest shows progress per chunk), then the
+first 100 again with backend="cupy" (GJIT_FUZZ_CUDA_PROGRAMS), on the CUDA C host emulation. Each
 program is called twice with different sizes of the same ranks, so guards, cache hits and
 recompiles run too. Programs run in GJIT_FUZZ_WORKERS worker processes (default: one per core,
 at most 8; 1 under pytest-xdist, which runs the chunks in parallel itself; 1 runs them in the
@@ -11,6 +12,7 @@ A longer run, or other seeds:
 
     GJIT_FUZZ_PROGRAMS=5000 GJIT_FUZZ_SEED=100000 .venv/bin/python -m pytest tests/test_fuzz.py
     .venv/bin/python tests/fuzz.py --programs 5000 --seed 100000     # the same, without pytest
+    GJIT_BACKEND=cupy .venv/bin/python tests/fuzz.py --programs 500  # CUDA C kernels
     .venv/bin/python tests/fuzz.py --show 17                         # program 17 as a script
 """
 
@@ -33,18 +35,20 @@ from gjit.lowering import LOWERINGS
 pytestmark = [pytest.mark.cpu, pytest.mark.filterwarnings("ignore")]
 
 PROGRAMS = int(os.environ.get("GJIT_FUZZ_PROGRAMS", "500"))
+CUDA_PROGRAMS = int(os.environ.get("GJIT_FUZZ_CUDA_PROGRAMS", "100"))  # the first seeds again, on CUDA C
 FIRST_SEED = int(os.environ.get("GJIT_FUZZ_SEED", "0"))
 # under pytest-xdist (`pytest -n 2`, as CI runs) xdist spreads the chunks over its processes
 DEFAULT_WORKERS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else min(8, os.cpu_count() or 1)
 WORKERS = int(os.environ.get("GJIT_FUZZ_WORKERS", str(DEFAULT_WORKERS)))
 CHUNKS = 10
+CUDA_CHUNKS = 2
 SHRUNK_PER_CHUNK = 2  # failures shrunk into reproducers per chunk (each takes up to a minute or so)
 
 
-def chunk_seeds(chunk: int) -> range:
-    size = -(-PROGRAMS // CHUNKS)
+def chunk_seeds(chunk: int, programs: int = PROGRAMS, chunks: int = CHUNKS) -> range:
+    size = -(-programs // chunks)
     start = FIRST_SEED + chunk * size
-    return range(start, min(start + size, FIRST_SEED + PROGRAMS))
+    return range(start, min(start + size, FIRST_SEED + programs))
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +58,7 @@ def run_seeds():
     if WORKERS <= 1:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # tiny tensors; and under xdist the other process has the other core
-        yield lambda seeds: [fuzz.check_seed(s) for s in seeds]
+        yield lambda seeds, backend="triton": [fuzz.check_seed(s, backend) for s in seeds]
         torch.set_num_threads(threads)
         return
     pool = concurrent.futures.ProcessPoolExecutor(
@@ -63,14 +67,15 @@ def run_seeds():
         initializer=fuzz.init_worker,
         initargs=(gjit.config.cache_dir,),
     )
-    futures: dict[int, concurrent.futures.Future] = {}
+    futures: dict[tuple[str, int], concurrent.futures.Future] = {}
 
-    def run(seeds: range) -> list:
-        for seed in [*seeds, *range(seeds.stop, min(seeds.stop + len(seeds), FIRST_SEED + PROGRAMS))]:
-            if seed not in futures:
-                futures[seed] = pool.submit(fuzz.check_seed, seed)
+    def run(seeds: range, backend: str = "triton") -> list:
+        last = FIRST_SEED + (PROGRAMS if backend == "triton" else CUDA_PROGRAMS)
+        for seed in [*seeds, *range(seeds.stop, min(seeds.stop + len(seeds), last))]:
+            if (backend, seed) not in futures:
+                futures[backend, seed] = pool.submit(fuzz.check_seed, seed, backend)
         try:
-            return [futures[seed].result() for seed in seeds]
+            return [futures[backend, seed].result() for seed in seeds]
         except concurrent.futures.process.BrokenProcessPool:
             pytest.fail(
                 f"a worker process died (a crash in a kernel?) running seeds {seeds.start}-{seeds.stop - 1} "
@@ -84,16 +89,28 @@ def run_seeds():
 
 @pytest.mark.parametrize("chunk", range(CHUNKS), ids=lambda k: f"seeds_{chunk_seeds(k).start}")
 def test_random_programs_match_eager(chunk, run_seeds):
-    seeds = chunk_seeds(chunk)
+    check_chunk(chunk_seeds(chunk), run_seeds, "triton")
+
+
+@pytest.mark.parametrize(
+    "chunk", range(CUDA_CHUNKS), ids=lambda k: f"seeds_{chunk_seeds(k, CUDA_PROGRAMS, CUDA_CHUNKS).start}"
+)
+def test_random_programs_match_eager_on_cuda_c(chunk, run_seeds):
+    """The same programs with backend="cupy", each kernel run on the host emulation."""
+    check_chunk(chunk_seeds(chunk, CUDA_PROGRAMS, CUDA_CHUNKS), run_seeds, "cupy")
+
+
+def check_chunk(seeds: range, run_seeds, backend: str) -> None:
     if not seeds:
         pytest.skip("GJIT_FUZZ_PROGRAMS leaves this chunk empty")
-    results = run_seeds(seeds)
+    results = run_seeds(seeds, backend)
     counts = sum((c for _, _, c in results), Counter())
     failures = [(seed, failure) for seed, failure, _ in results if failure is not None]
     reports = []
     for k, (seed, failure) in enumerate(failures):
         if k < SHRUNK_PER_CHUNK:
-            reports.append(fuzz.report(seed, failure))
+            with gjit.config.scope(backend=backend):
+                reports.append(fuzz.report(seed, failure))
         else:
             reports.append(f"fuzz program {seed} fails too (call {failure.call}, {failure.summary()})")
     assert not failures, f"{len(failures)} of {len(seeds)} programs fail:\n\n" + "\n\n".join(reports)

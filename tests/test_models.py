@@ -82,6 +82,12 @@ def short(op: str) -> str:
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_model_matches_eager(name, record_property):
+    check_model(name, record_property)
+
+
+def check_model(name: str, record_property) -> tuple[gjit.CompiledFunction, tuple]:
+    """The model's outputs match eager's, its heavy ops are the expected externs, the rest is fused;
+    the compiled model and its inputs for more checks."""
     model, inputs = MODELS[name]()
     with torch.no_grad():
         expected = model(*inputs)
@@ -107,6 +113,7 @@ def test_model_matches_eager(name, record_property):
     fused = {short(node.split(": ")[1]) for k in report.kernels for node in k.aten_nodes}
     assert FUSED_OPS[name] <= fused, f"not fused into a kernel: {FUSED_OPS[name] - fused}\n{report}"
     assert 0 < len(report.kernels) <= INDUCTOR_KERNELS[name], report
+    return cm, inputs
 
 
 # HF models built with use_cache=True (the default) return a DynamicCache, which torch.export
