@@ -4,8 +4,9 @@
     .venv/bin/python bench/models_report.py --no-write --models gpt2-sdpa conv_bn_relu
 
 Models and inputs come from tests/model_zoo.py (random weights from configs, nothing downloaded),
-the same ones tests/test_models.py checks. gjit runs its generated kernels in Triton's CPU
-interpreter; torch.compile runs inductor's default CPU backend (C++ kernels, needs gcc).
+the same ones tests/test_models.py and tests/test_architectures.py check. gjit runs its generated
+kernels in Triton's CPU interpreter; torch.compile runs inductor's default CPU backend (C++
+kernels, needs gcc).
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ import gjit
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from helpers import run_compiled  # noqa: E402
-from model_zoo import DESCRIPTIONS, MODELS, max_rel_err  # noqa: E402
+from model_zoo import DESCRIPTIONS, MODELS, MORE_MODELS, max_rel_err  # noqa: E402
+
+ALL_MODELS = {**MODELS, **MORE_MODELS}
 
 DOC = ROOT / "docs" / "models.md"
 TOLERANCE = 1e-4
@@ -113,7 +116,7 @@ def inductor_column(name: str, model: torch.nn.Module, inputs: tuple) -> tuple[i
 
 
 def measure(name: str) -> dict[str, Any]:
-    model, inputs = MODELS[name]()
+    model, inputs = ALL_MODELS[name]()
     row = {"name": name, **run_gjit(model, inputs)}
     start = time.perf_counter()
     row["inductor"], row["inductor_text"] = inductor_column(name, model, inputs)
@@ -162,7 +165,8 @@ def gjit_revision() -> str:
 
 
 def document(rows: list[dict[str, Any]]) -> str:
-    models = "\n".join(f"- `{r['name']}`: {DESCRIPTIONS[r['name']]}" for r in rows)
+    models = "\n".join(f"- `{r['name']}`: {DESCRIPTIONS[r['name']]}" for r in rows if r["name"] in MODELS)
+    more = "\n".join(f"- `{r['name']}`: {DESCRIPTIONS[r['name']]}" for r in rows if r["name"] in MORE_MODELS)
     over = [r["name"] for r in rows if r["kernels"] > r["inductor"]]
     target = (
         "every model meets it"
@@ -186,7 +190,16 @@ once per `attn_implementation` ("eager": matmul + softmax attention; "sdpa": one
 
 ## Table
 
-{table(rows)}
+{table([r for r in rows if r["name"] in MODELS])}
+## More architectures
+
+The same columns for the models of `tests/test_architectures.py` (default attention
+implementation; that test checks numerics, externs, kernels and bytes against eager on both
+backends):
+
+{more}
+
+{table([r for r in rows if r["name"] in MORE_MODELS])}
 Columns:
 
 - **gjit kernels**: `len(gjit.explain(cm, *inputs).kernels)`, generated Triton kernels.
@@ -227,7 +240,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="*", default=list(ALL_MODELS), choices=list(ALL_MODELS))
     parser.add_argument("--no-write", action="store_true", help=f"print only, do not write {DOC}")
     args = parser.parse_args()
     rows = []

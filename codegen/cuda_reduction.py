@@ -53,7 +53,8 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
         return f"{self.index_type} {name} = {expr};"
 
     def enter_loop(self) -> None:
-        self.pass_id += 1
+        if not self.persistent:  # a persistent pass reads registers: the row is loaded once
+            self.pass_id += 1
         self.scopes.append((self.lines, self.cse, self.values, self.mask))
         self.lines, self.cse, self.values = [], dict(self.cse), dict(self.values)
         if self.persistent:

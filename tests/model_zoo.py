@@ -95,6 +95,132 @@ def conv_bn_relu() -> tuple[torch.nn.Module, tuple]:
     return block.eval(), (torch.randn(BATCH, 3, 16, 16),)
 
 
+def image() -> torch.Tensor:
+    return torch.randn(BATCH, 3, 32, 32)
+
+
+def _hf_tiny(config_name: str, model_name: str, inputs: Callable[[], tuple], **config) -> Callable:
+    """A transformers model from a tiny config, random weights, eval mode."""
+
+    def build() -> tuple[torch.nn.Module, tuple]:
+        import transformers
+
+        torch.manual_seed(0)
+        model = getattr(transformers, model_name)(getattr(transformers, config_name)(**config))
+        return model.eval(), inputs()
+
+    return build
+
+
+_DECODER = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    use_cache=False,
+)
+_ENCODER = dict(
+    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128
+)
+
+
+def _whisper_encoder() -> tuple[torch.nn.Module, tuple]:
+    from transformers import WhisperConfig, WhisperModel
+
+    torch.manual_seed(0)
+    config = WhisperConfig(
+        vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16,
+        max_source_positions=16, use_cache=False, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+        decoder_start_token_id=0,
+    )  # fmt: skip
+    return WhisperModel(config).get_encoder().eval(), (torch.randn(BATCH, 16, 32),)
+
+
+# More architectures (tests/test_architectures.py): vision (patches, convolutions, channels-last
+# LayerNorm, pooling), encoder-decoder with relative position buckets, GQA decoders with rotary
+# variants, sliding windows and gated MLPs, and audio (conv front end). Default attention.
+MORE_MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple]]] = {
+    "vit": _hf_tiny(
+        "ViTConfig",
+        "ViTModel",
+        lambda: (image(),),
+        image_size=32,
+        patch_size=8,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+    ),
+    "resnet": _hf_tiny(
+        "ResNetConfig",
+        "ResNetModel",
+        lambda: (image(),),
+        embedding_size=16,
+        hidden_sizes=[16, 32],
+        depths=[1, 1],
+        layer_type="bottleneck",
+    ),
+    "convnext": _hf_tiny(
+        "ConvNextConfig",
+        "ConvNextModel",
+        lambda: (image(),),
+        hidden_sizes=[16, 32],
+        depths=[1, 1],
+        num_stages=2,
+    ),
+    "t5": _hf_tiny(
+        "T5Config",
+        "T5ForConditionalGeneration",
+        lambda: (token_ids(), None, token_ids()),
+        vocab_size=VOCAB,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_heads=4,
+        use_cache=False,
+    ),
+    "qwen2": _hf_tiny(
+        "Qwen2Config", "Qwen2ForCausalLM", lambda: (token_ids(),), num_key_value_heads=2, **_DECODER
+    ),
+    "mistral": _hf_tiny(
+        "MistralConfig",
+        "MistralForCausalLM",
+        lambda: (token_ids(),),
+        num_key_value_heads=2,
+        sliding_window=4,
+        **_DECODER,
+    ),
+    "gemma": _hf_tiny(
+        "GemmaConfig",
+        "GemmaForCausalLM",
+        lambda: (token_ids(),),
+        num_key_value_heads=1,
+        head_dim=16,
+        **_DECODER,
+    ),
+    "gpt_neox": _hf_tiny("GPTNeoXConfig", "GPTNeoXForCausalLM", lambda: (token_ids(),), **_DECODER),
+    "distilbert": _hf_tiny(
+        "DistilBertConfig",
+        "DistilBertModel",
+        lambda: (token_ids(),),
+        vocab_size=VOCAB,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        hidden_dim=128,
+        max_position_embeddings=32,
+    ),
+    "roberta": _hf_tiny(
+        "RobertaConfig", "RobertaModel", lambda: (token_ids(),), max_position_embeddings=40, **_ENCODER
+    ),
+    "whisper_encoder": _whisper_encoder,
+}
+
+
 # name -> builder; the names are test ids and the rows of docs/models.md
 MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple]]] = {
     "gpt2-eager": lambda: gpt2("eager"),
@@ -116,6 +242,20 @@ DESCRIPTIONS = {
     "llama-sdpa": "LlamaForCausalLM (GQA: 4 heads, 2 KV heads), attn_implementation='sdpa'",
     "transformer_encoder_layer": "nn.TransformerEncoderLayer(d_model=64, nhead=4, batch_first=True).eval()",
     "conv_bn_relu": "Conv2d(3, 8, 3) + BatchNorm2d(8).eval() + ReLU",
+}
+
+DESCRIPTIONS |= {
+    "vit": "ViTModel, 32x32 images, 8x8 patches",
+    "resnet": "ResNetModel, bottleneck stages [16, 32] (conv + BatchNorm + ReLU, max pool, mean pool)",
+    "convnext": "ConvNextModel, stages [16, 32] (depthwise conv, channels-last LayerNorm, GELU, layer scale)",
+    "t5": "T5ForConditionalGeneration (relative position buckets, RMS norm), encoder and decoder",
+    "qwen2": "Qwen2ForCausalLM (GQA, rotary, q/k/v biases, SiLU-gated MLP)",
+    "mistral": "MistralForCausalLM (GQA, sliding window 4)",
+    "gemma": "GemmaForCausalLM (one KV head, (1 + w) RMS norm, GELU-tanh gated MLP, scaled embeddings)",
+    "gpt_neox": "GPTNeoXForCausalLM (parallel attention and MLP, partial rotary)",
+    "distilbert": "DistilBertModel",
+    "roberta": "RobertaModel (padding-aware position ids)",
+    "whisper_encoder": "WhisperModel's encoder (two Conv1d + GELU front end, sinusoidal positions)",
 }
 
 

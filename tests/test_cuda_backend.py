@@ -109,6 +109,8 @@ def test_reduction_kernel_shapes_persistent_and_looped():
     with gjit.config.scope(reduction="looped"):
         looped = cuda_kernels(check(gjit.compile(lambda t: F.softmax(t, -1), dynamic=False), x))[0]
     assert not looped.persistent and looped.source.count("in_ptr0[") == 3  # one read per pass
+    # the byte model counts what the kernel reads from memory: the row once, or once per pass
+    assert (persistent.bytes_read, looped.bytes_read) == (x.numel() * 4, 3 * x.numel() * 4)
 
 
 def test_dynamic_sizes_are_kernel_arguments_of_one_entry():
