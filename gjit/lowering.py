@@ -412,6 +412,12 @@ def load_as(
 
 def lower_graph(gm: torch.fx.GraphModule) -> ir.LoopGraph:
     # the op tables register themselves on import
-    from gjit import lowering_indexing, lowering_pointwise, lowering_reductions, lowering_views  # noqa: F401
+    from gjit import (  # noqa: F401
+        lowering_indexing,
+        lowering_pointwise,
+        lowering_pooling,
+        lowering_reductions,
+        lowering_views,
+    )
 
     return Lowering(gm).run()

@@ -24,9 +24,6 @@ from test_models import HEAVY_OPS, TOLERANCE, TOLERATED_EXTERNS, short
 
 pytestmark = pytest.mark.cpu
 
-# ops without a lowering yet, seen in these models only: ResNet's stem pooling
-MORE_TOLERATED = TOLERATED_EXTERNS | {"max_pool2d_with_indices"}
-
 
 @pytest.mark.parametrize("backend", ["triton", "cupy"])
 @pytest.mark.parametrize("name", list(MORE_MODELS))
@@ -47,7 +44,7 @@ def test_architecture_matches_eager(name, backend):
         assert max_rel_err(a, e) < TOLERANCE, f"max |gjit - eager| / max |eager| = {max_rel_err(a, e):.2e}"
 
     externs = collections.Counter(short(e.op) for e in report.externs)
-    unexpected = set(externs) - HEAVY_OPS - MORE_TOLERATED
+    unexpected = set(externs) - HEAVY_OPS - TOLERATED_EXTERNS
     assert not unexpected, f"ops that should be lowered ran as externs: {unexpected}\n{report}"
     assert {"mm", "addmm", "convolution"} & set(externs), report  # the heavy ops are there
     traffic = report.traffic

@@ -47,6 +47,8 @@ from test_pointwise_ops import (  # noqa: F401
 from test_reductions import (  # noqa: F401
     test_argmax_argmin_tie_break_and_nan_like_eager,
     test_low_precision_accumulates_in_float32,
+    test_max_pool2d_is_one_kernel_with_its_prologue,
+    test_max_pool2d_with_its_indices_used_runs_eagerly,
     test_nan_and_large_inputs,
     test_normalizations_are_one_kernel,
     test_odd_sizes,

@@ -202,3 +202,36 @@ def test_modeled_bytes_of_persistent_normalizations_are_ideal():
         traffic = gjit.explain(fn, *args).traffic
         assert traffic.gjit == traffic.ideal, traffic
         assert traffic.gjit <= traffic.eager, traffic
+
+
+POOLS = {
+    "3x3_stride2_pad1": lambda x: F.max_pool2d(x, 3, 2, 1),
+    "2x2_after_relu": lambda x: F.max_pool2d(x.relu() * 2, 2),
+    "ceil_mode": lambda x: F.max_pool2d(x, 3, 2, 1, ceil_mode=True),
+    "rect_dilated": lambda x: F.max_pool2d(x, (2, 3), (1, 2), (1, 0), dilation=(2, 1)),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("pool", list(POOLS))
+def test_max_pool2d_is_one_kernel_with_its_prologue(pool, mode):
+    """A window reduction over (kh, kw): padding reads -inf, NaN propagates; one kernel at
+    several sizes (one entry), 3-D and channels-last inputs, half precision."""
+    fn = POOLS[pool]
+    with gjit.config.scope(reduction=mode):
+        cm = gjit.compile(fn)
+        for shape in [(2, 3, 9, 11), (3, 4, 10, 7)]:
+            x = torch.randn(shape) * 3
+            x.view(-1)[5] = float("nan")
+            check(cm, x, kernels=1)
+        assert len(cm.entries) == 1
+        check(fn, torch.randn(3, 9, 11), kernels=1)
+        check(fn, torch.randn(2, 3, 9, 11).to(memory_format=torch.channels_last), kernels=1)
+        check(fn, torch.randn(2, 3, 9, 11, dtype=torch.float16), kernels=1)
+
+
+def test_max_pool2d_with_its_indices_used_runs_eagerly():
+    """eager's indices pick the last NaN of a window, an argmax the first: not lowered."""
+    x = torch.randn(2, 3, 8, 8)
+    cm = check(lambda t: F.max_pool2d(t, 2, return_indices=True), x)
+    assert [e.op for e in gjit.explain(cm, x).externs] == ["aten.max_pool2d_with_indices.default"]

@@ -1,0 +1,57 @@
+"""Pooling lowerings: a window op is a reduction over the window's own dims.
+
+max_pool2d's iteration space is the output's dims plus (kh, kw); each element reads the input at
+(oh * stride - padding + kh * dilation, ...), and a read outside the input (padding, or a
+ceil_mode window past the edge) is -inf, as in eager. So the op is one ReduceNode that fusion
+treats like any other: the BatchNorm + ReLU before it becomes its prologue, one kernel.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import sympy
+import torch
+
+from gjit.ir import Const, Expr, Index, Masked
+from gjit.lowering import Lowering, TensorValue, Unsupported, cast, meta_layout, register_lowering, to_sympy
+
+aten = torch.ops.aten
+
+
+def _pair(value, default: tuple[int, int]) -> tuple[int, int]:
+    if value is None or (isinstance(value, (list, tuple)) and len(value) == 0):
+        return default
+    if isinstance(value, int):
+        return (value, value)
+    return (value[0], value[0]) if len(value) == 1 else (value[0], value[1])
+
+
+@register_lowering(aten.max_pool2d_with_indices.default)
+def max_pool2d(
+    ctx: Lowering, x: TensorValue, kernel_size, stride=(), padding=0, dilation=1, ceil_mode: bool = False
+):
+    """The max of each window; NaN propagates, as in eager. The indices output is lowered only when
+    nothing reads it (eager picks the last NaN of a window, an argmax the first)."""
+    if any(u.target is operator.getitem and u.args[1] == 1 for u in ctx.node.users):
+        raise Unsupported("max_pool2d's indices are used")
+    out, indices = ctx.out_val
+    if not x.dtype.is_floating_point:
+        raise Unsupported(f"max_pool2d of {x.dtype}")
+    kernel = _pair(kernel_size, (1, 1))
+    step, pad, dil = _pair(stride, kernel), _pair(padding, (0, 0)), _pair(dilation, (1, 1))
+    rank = len(x.size)
+    lead = rank - 2
+    acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+    def window(idx: Index) -> Expr:
+        at = [idx[lead + d] * step[d] - pad[d] + idx[rank + d] * dil[d] for d in range(2)]
+        inside = sympy.And(
+            *[c for d in range(2) for c in (sympy.Ge(at[d], 0), sympy.Lt(at[d], x.size[lead + d]))]
+        )
+        return Masked(acc, inside, cast(x.load(tuple(idx[:lead]) + tuple(at)), acc), float("-inf"))
+
+    full = tuple(to_sympy(s) for s in out.shape) + tuple(sympy.Integer(k) for k in kernel)
+    values = ctx.reduction(window, full, (rank, rank + 1), "max", out.dtype, False, layout=meta_layout(out))
+    unused = ctx.pointwise(lambda idx: Const(torch.int64, 0), meta_layout(indices), suffix="_indices")
+    return [values, unused]
