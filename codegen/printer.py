@@ -10,6 +10,7 @@ import sympy
 from torch.utils._sympy.functions import (
     CeilDiv,
     CleanDiv,
+    FloatTrueDiv,
     FloorDiv,
     IntTrueDiv,
     Max,
@@ -17,6 +18,8 @@ from torch.utils._sympy.functions import (
     Mod,
     ModularIndexing,
     PythonMod,
+    ToFloat,
+    TruncToInt,
 )
 
 
@@ -114,7 +117,19 @@ class ExprPrinter:
 
 
 class PythonPrinter(ExprPrinter):
-    """For generated Python wrappers and guards."""
+    """For generated Python wrappers and guards, where sizes may also meet floats: a SymFloat
+    argument of an extern (e.g. the scale an upsampling decomposition computes)."""
+
+    def doprint(self, expr: sympy.Basic) -> str:
+        if isinstance(expr, sympy.Float):
+            return repr(float(expr))
+        if isinstance(expr, ToFloat):
+            return f"float({self.doprint(expr.args[0])})"
+        if isinstance(expr, TruncToInt):
+            return f"int({self.doprint(expr.args[0])})"
+        if isinstance(expr, (FloatTrueDiv, IntTrueDiv)):
+            return f"{self.paren(expr.args[0])} / {self.paren(expr.args[1])}"
+        return super().doprint(expr)
 
 
 class TritonPrinter(ExprPrinter):

@@ -415,8 +415,8 @@ def lower_graph(gm: torch.fx.GraphModule) -> ir.LoopGraph:
     from gjit import (  # noqa: F401
         lowering_indexing,
         lowering_pointwise,
-        lowering_pooling,
         lowering_reductions,
+        lowering_spatial,
         lowering_views,
     )
 

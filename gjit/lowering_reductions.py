@@ -1,19 +1,22 @@
-"""Reduction lowerings: sum/mean/amax/amin/prod/any, var/var_mean, softmax, log_softmax and
-layer_norm become ReduceNodes plus pointwise nodes around them; fusion puts each into one
-kernel. Reduced-precision inputs accumulate in float32, as eager does; variance is two-pass
-(mean first, then the sum of squared deviations), which is numerically stable.
+"""Reduction lowerings: sum/mean/amax/amin/prod/any, var/var_mean, softmax, log_softmax,
+layer_norm, group_norm and vector norms become ReduceNodes plus pointwise nodes around them;
+fusion puts each into one kernel (group_norm into two: its output is not in the grouped space).
+Reduced-precision inputs accumulate in float32, as eager does; variance is two-pass (mean first,
+then the sum of squared deviations), which is numerically stable.
 """
 
 from __future__ import annotations
 
 import sympy
 import torch
+from torch.utils._sympy.functions import FloorDiv
 
 from gjit.ir import Const, Expr, Index, IndexValue
 from gjit.lowering import (
     Lowering,
     TensorValue,
     Unsupported,
+    ViewValue,
     cast,
     contiguous_layout,
     meta_layout,
@@ -283,3 +286,60 @@ def batch_norm_inference(
     empty = [ctx.pointwise(lambda idx, v=v: Const(v.dtype, 0), meta_layout(v), suffix=f"_empty{k}")
              for k, v in enumerate((save_mean, save_rstd))]  # fmt: skip
     return [ctx.pointwise(body, meta_layout(out)), *empty]
+
+
+@register_lowering(aten.native_group_norm.default)
+def group_norm(ctx: Lowering, x: TensorValue, weight, bias, n, c, hxw, groups: int, eps: float):
+    """Statistics per (sample, group of channels): the input seen as [N, G, C/G, *spatial], reduced
+    over all but the first two dims, like layer_norm; weight and bias are per channel."""
+    rank = len(x.size)
+    if rank < 2:
+        raise Unsupported("group_norm of a tensor without a channel dim")
+    per = FloorDiv(x.size[1], groups)  # the op's meta checked that the groups divide the channels
+    grouped = ViewValue(
+        x.name, (x.size[0], sympy.Integer(groups), per, *x.size[2:]), x.dtype, x,
+        lambda idx: (idx[0], idx[1] * per + idx[2], *idx[3:]),
+    )  # fmt: skip
+    dims = tuple(range(2, rank + 1))
+    acc = acc_dtype(x.dtype)
+    m, v = _mean_and_var(ctx, grouped, dims, 0)
+    keep = contiguous_layout(m.size, acc)
+    rstd = ctx.pointwise(
+        lambda idx: op("rsqrt", op("add", v.load(idx), Const(acc, float(eps)))), keep, "_rstd"
+    )
+    out, out_mean, out_rstd = ctx.out_val
+
+    def normalized(idx: Index) -> Expr:
+        at = (idx[0], FloorDiv(idx[1], per), *[sympy.Integer(0)] * (rank - 1))
+        y = op("mul", op("sub", cast(x.load(idx), acc), m.load(at)), rstd.load(at))
+        if weight is not None:
+            y = op("mul", y, cast(weight.load((idx[1],)), acc))
+        if bias is not None:
+            y = op("add", y, cast(bias.load((idx[1],)), acc))
+        return y
+
+    return [
+        ctx.pointwise(normalized, meta_layout(out)),
+        _squeeze_to(ctx, m, dims, False, out_mean, "_out_mean"),
+        _squeeze_to(ctx, rstd, dims, False, out_rstd, "_out_rstd"),
+    ]
+
+
+@register_lowering(aten.linalg_vector_norm.default)
+def vector_norm(ctx: Lowering, x: TensorValue, ord=2, dim=None, keepdim: bool = False, *, dtype=None):
+    """ord 2 (sqrt of the sum of squares), 1, inf and -inf; others stay externs."""
+    out = ctx.out_val
+    acc = acc_dtype(dtype or out.dtype)
+    if not acc.is_floating_point or ord not in (1, 2, float("inf"), float("-inf")):
+        raise Unsupported(f"vector_norm of ord {ord} for {x.dtype}")
+    if len(x.size) == 0:
+        raise Unsupported("vector_norm of a 0-d tensor")
+    dims = reduced_dims(dim, len(x.size))
+
+    def term(idx: Index) -> Expr:
+        a = op("abs", cast(x.load(idx), acc))
+        return op("mul", a, a) if ord == 2 else a
+
+    kind = {1: "sum", 2: "sum", float("inf"): "max", float("-inf"): "min"}[ord]
+    total = ctx.reduction(term, x.size, dims, kind, acc, keepdim, suffix="_total")
+    return ctx.pointwise(lambda idx: op("sqrt", total.load(idx)) if ord == 2 else total.load(idx))

@@ -46,6 +46,7 @@ from test_pointwise_ops import (  # noqa: F401
 )
 from test_reductions import (  # noqa: F401
     test_argmax_argmin_tie_break_and_nan_like_eager,
+    test_group_norm_statistics_per_group_of_channels,
     test_low_precision_accumulates_in_float32,
     test_max_pool2d_is_one_kernel_with_its_prologue,
     test_max_pool2d_with_its_indices_used_runs_eagerly,
@@ -54,8 +55,15 @@ from test_reductions import (  # noqa: F401
     test_odd_sizes,
     test_reduction,
     test_softmax_is_stable_for_large_inputs,
+    test_vector_norm,
 )
-from test_views import test_cat, test_view_chain, test_view_then_pointwise  # noqa: F401
+from test_views import (  # noqa: F401
+    test_cat,
+    test_flip_reads_the_mirrored_index,
+    test_nearest_upsampling_by_whole_factors_is_index_math,
+    test_view_chain,
+    test_view_then_pointwise,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 

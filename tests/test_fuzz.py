@@ -1,6 +1,6 @@
 """Random programs (tests/fuzz.py) compiled by gjit and compared with eager, 0 mismatches expected.
 
-The CI run is 500 programs, seeds 0-499, in 10 chunks (pytest shows progress per chunk), then the
+The CI run is 400 programs, seeds 0-399, in 8 chunks (pytest shows progress per chunk), then the
 first 100 again with backend="cupy" (GJIT_FUZZ_CUDA_PROGRAMS), on the CUDA C host emulation. Each
 program is called twice with different sizes of the same ranks, so guards, cache hits and
 recompiles run too. Programs run in GJIT_FUZZ_WORKERS worker processes (default: one per core,
@@ -34,13 +34,13 @@ from gjit.lowering import LOWERINGS
 # generated programs hit ops that warn by design (var() of one element is NaN, etc.)
 pytestmark = [pytest.mark.cpu, pytest.mark.filterwarnings("ignore")]
 
-PROGRAMS = int(os.environ.get("GJIT_FUZZ_PROGRAMS", "500"))
+PROGRAMS = int(os.environ.get("GJIT_FUZZ_PROGRAMS", "400"))
 CUDA_PROGRAMS = int(os.environ.get("GJIT_FUZZ_CUDA_PROGRAMS", "100"))  # the first seeds again, on CUDA C
 FIRST_SEED = int(os.environ.get("GJIT_FUZZ_SEED", "0"))
 # under pytest-xdist (`pytest -n 2`, as CI runs) xdist spreads the chunks over its processes
 DEFAULT_WORKERS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else min(8, os.cpu_count() or 1)
 WORKERS = int(os.environ.get("GJIT_FUZZ_WORKERS", str(DEFAULT_WORKERS)))
-CHUNKS = 10
+CHUNKS = 8
 CUDA_CHUNKS = 2
 SHRUNK_PER_CHUNK = 2  # failures shrunk into reproducers per chunk (each takes up to a minute or so)
 

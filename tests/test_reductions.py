@@ -235,3 +235,40 @@ def test_max_pool2d_with_its_indices_used_runs_eagerly():
     x = torch.randn(2, 3, 8, 8)
     cm = check(lambda t: F.max_pool2d(t, 2, return_indices=True), x)
     assert [e.op for e in gjit.explain(cm, x).externs] == ["aten.max_pool2d_with_indices.default"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_group_norm_statistics_per_group_of_channels(mode):
+    """native_group_norm's three outputs (normalized, mean, rstd) with and without affine
+    parameters, 3-D and 4-D, NaN in one group, half precision, one entry over two sizes."""
+    gn = torch.ops.aten.native_group_norm.default
+
+    def full(x, w, b, groups):
+        n, c = x.shape[:2]
+        return gn(x, w, b, n, c, x[0, 0].numel(), groups, 1e-5)
+
+    with gjit.config.scope(reduction=mode):
+        cm = gjit.compile(lambda x, w, b: full(x, w, b, 2))
+        for shape in [(2, 4, 5, 6), (3, 4, 7, 3)]:
+            x = torch.randn(shape) * 2 + 1
+            x[1, 3, 0, 0] = float("nan")
+            check(cm, x, torch.randn(4), torch.randn(4))
+        assert len(cm.entries) == 1
+        check(lambda x: F.silu(F.group_norm(x, 3)), torch.randn(2, 6, 10), kernels=2)
+        check(lambda x: F.group_norm(x, 4), torch.randn(2, 8, 3, 3, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("ord", [2, 1, float("inf"), float("-inf")])
+def test_vector_norm(ord):
+    x = torch.randn(4, 5, 6)
+    check(lambda t: torch.linalg.vector_norm(t, ord, dim=(-1, -2)), x, kernels=1)
+    check(lambda t: torch.linalg.vector_norm(t, ord, dim=1, keepdim=True), x.half(), kernels=1)
+    check(lambda t: F.normalize(t, p=ord, dim=-1), x, kernels=1)  # the norm and the division: one kernel
+    x[0, 0, 0] = float("nan")
+    check(lambda t: torch.linalg.vector_norm(t, ord), x, kernels=1)
+
+
+def test_vector_norm_of_other_orders_runs_eagerly():
+    x = torch.randn(4, 5)
+    cm = check(lambda t: torch.linalg.vector_norm(t, 3, -1), x)
+    assert [e.op for e in gjit.explain(cm, x).externs] == ["aten.linalg_vector_norm.default"]

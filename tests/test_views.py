@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import gjit
 from helpers import check, run_compiled
@@ -243,3 +244,23 @@ def test_split_and_chunk():
 def test_view_as_dtype():
     """Bit reinterpretation is an ATen extern; the pointwise op after it is one kernel."""
     check(lambda a: a.view(torch.int32) + 1, torch.randn(5, 7), kernels=1)
+
+
+def test_flip_reads_the_mirrored_index():
+    x = torch.randn(3, 4, 5)
+    check(lambda t: t.flip(-1) * 2, x, kernels=1)
+    check(lambda t: t.flip(0, 2) + t, x, kernels=1)
+    check(lambda t: t.transpose(0, 2).flip(1), x, kernels=1)
+
+
+def test_nearest_upsampling_by_whole_factors_is_index_math():
+    """Whole factors read input element i // k (one kernel, fused with what follows); other
+    scales stay externs. 1-D upsampling decomposes into float index math with a SymFloat scale,
+    which the wrapper prints for the extern that takes it."""
+    x = torch.randn(2, 3, 4, 5)
+    check(lambda t: F.interpolate(t, scale_factor=2, mode="nearest") + 1, x, kernels=1)
+    check(lambda t: F.interpolate(t, scale_factor=(2, 3), mode="nearest"), x, kernels=1)
+    cm = check(lambda t: F.interpolate(t, scale_factor=1.5, mode="nearest"), x)
+    assert [e.op for e in gjit.explain(cm, x).externs] == ["aten.upsample_nearest2d.vec"]
+    check(lambda t: F.interpolate(t, scale_factor=3, mode="nearest"), torch.randn(2, 3, 5))
+    check(lambda t: F.interpolate(t, scale_factor=2, mode="nearest"), torch.randn(2, 2, 2, 3, 4))

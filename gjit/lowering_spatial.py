@@ -1,9 +1,14 @@
-"""Pooling lowerings: a window op is a reduction over the window's own dims.
+"""Spatial lowerings: pooling windows as reductions, and resampling and flips as index math.
+
+A window op is a reduction over the window's own dims.
 
 max_pool2d's iteration space is the output's dims plus (kh, kw); each element reads the input at
 (oh * stride - padding + kh * dilation, ...), and a read outside the input (padding, or a
 ceil_mode window past the edge) is -inf, as in eager. So the op is one ReduceNode that fusion
 treats like any other: the BatchNorm + ReLU before it becomes its prologue, one kernel.
+
+Nearest upsampling by a whole factor reads input element (i // factor) for output element i, and
+flip reads (size - 1 - i): pointwise reads at other indices, fused into their consumers.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import operator
 
 import sympy
 import torch
+from torch.utils._sympy.functions import FloorDiv
 
 from gjit.ir import Const, Expr, Index, Masked
 from gjit.lowering import Lowering, TensorValue, Unsupported, cast, meta_layout, register_lowering, to_sympy
@@ -55,3 +61,34 @@ def max_pool2d(
     values = ctx.reduction(window, full, (rank, rank + 1), "max", out.dtype, False, layout=meta_layout(out))
     unused = ctx.pointwise(lambda idx: Const(torch.int64, 0), meta_layout(indices), suffix="_indices")
     return [values, unused]
+
+
+@register_lowering(aten.upsample_nearest2d.vec)  # 1-D and 3-D decompose into index math
+def upsample_nearest(ctx: Lowering, x: TensorValue, output_size, scale_factors):
+    """Whole-factor scales only (output = k * input along each dim, no scale_factors that would
+    make eager's float index rounding differ from integer division); others stay externs."""
+    out = ctx.out_val
+    spatial = len(out.shape) - 2
+    factors = []
+    for d in range(spatial):
+        size_in, size_out = x.size[2 + d], to_sympy(out.shape[2 + d])
+        ratio = sympy.simplify(size_out / size_in)
+        if not (ratio.is_Integer and ratio > 0):
+            raise Unsupported(f"nearest upsampling by {ratio}: not a whole factor")
+        if scale_factors is not None and float(scale_factors[d]) != int(ratio):
+            raise Unsupported(f"nearest upsampling with scale factor {scale_factors[d]}")
+        factors.append(int(ratio))
+    return ctx.pointwise(
+        lambda idx: x.load(
+            (*idx[:2], *[FloorDiv(idx[2 + d], f) if f != 1 else idx[2 + d] for d, f in enumerate(factors)])
+        )
+    )
+
+
+@register_lowering(aten.flip.default)
+def flip(ctx: Lowering, x: TensorValue, dims):
+    rank = len(x.size)
+    flipped = {d + rank if d < 0 else d for d in dims}
+    return ctx.pointwise(
+        lambda idx: x.load(tuple(x.size[d] - 1 - i if d in flipped else i for d, i in enumerate(idx)))
+    )
