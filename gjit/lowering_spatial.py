@@ -1,4 +1,4 @@
-"""Spatial lowerings: pooling windows as reductions, and resampling and flips as index math.
+"""Spatial lowerings: pooling windows (max, average) as reductions, resampling and flips as index math.
 
 A window op is a reduction over the window's own dims.
 
@@ -19,8 +19,9 @@ import sympy
 import torch
 from torch.utils._sympy.functions import FloorDiv
 
-from gjit.ir import Const, Expr, Index, Masked
+from gjit.ir import Const, Expr, Index, IndexValue, Masked
 from gjit.lowering import Lowering, TensorValue, Unsupported, cast, meta_layout, register_lowering, to_sympy
+from gjit.lowering_pointwise import op
 
 aten = torch.ops.aten
 
@@ -61,6 +62,54 @@ def max_pool2d(
     values = ctx.reduction(window, full, (rank, rank + 1), "max", out.dtype, False, layout=meta_layout(out))
     unused = ctx.pointwise(lambda idx: Const(torch.int64, 0), meta_layout(indices), suffix="_indices")
     return [values, unused]
+
+
+@register_lowering(aten.avg_pool2d.default)
+def avg_pool2d(
+    ctx: Lowering,
+    x: TensorValue,
+    kernel_size,
+    stride=(),
+    padding=0,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override=None,
+):
+    """The sum of each window's elements inside the input, over eager's divisor: the window
+    clipped to the padded input (count_include_pad), to the input itself, or the override."""
+    out = ctx.out_val
+    if not x.dtype.is_floating_point:
+        raise Unsupported(f"avg_pool2d of {x.dtype}")
+    kernel = _pair(kernel_size, (1, 1))
+    step, pad = _pair(stride, kernel), _pair(padding, (0, 0))
+    rank = len(x.size)
+    lead = rank - 2
+    acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+    def window(idx: Index) -> Expr:
+        at = [idx[lead + d] * step[d] - pad[d] + idx[rank + d] for d in range(2)]
+        inside = sympy.And(
+            *[c for d in range(2) for c in (sympy.Ge(at[d], 0), sympy.Lt(at[d], x.size[lead + d]))]
+        )
+        return Masked(acc, inside, cast(x.load(tuple(idx[:lead]) + tuple(at)), acc), 0.0)
+
+    full = tuple(to_sympy(s) for s in out.shape) + tuple(sympy.Integer(k) for k in kernel)
+    total = ctx.reduction(window, full, (rank, rank + 1), "sum", acc, False, suffix="_sum")
+
+    def divisor(idx: Index) -> Expr:
+        if divisor_override:
+            return Const(acc, float(divisor_override))
+        padded, clipped = sympy.Integer(1), sympy.Integer(1)
+        for d in range(2):
+            start = idx[lead + d] * step[d] - pad[d]
+            end = sympy.Min(start + kernel[d], x.size[lead + d] + pad[d])
+            padded *= end - start
+            clipped *= sympy.Min(end, x.size[lead + d]) - sympy.Max(start, 0)
+        # a window wholly in the padding sums nothing: 0 / 1, eager's 0
+        count = padded if count_include_pad else sympy.Max(clipped, 1)
+        return cast(IndexValue(torch.int64, count), acc)
+
+    return ctx.pointwise(lambda idx: op("truediv", total.load(idx), divisor(idx)))
 
 
 @register_lowering(aten.upsample_nearest2d.vec)  # 1-D and 3-D decompose into index math

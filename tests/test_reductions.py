@@ -209,14 +209,19 @@ POOLS = {
     "2x2_after_relu": lambda x: F.max_pool2d(x.relu() * 2, 2),
     "ceil_mode": lambda x: F.max_pool2d(x, 3, 2, 1, ceil_mode=True),
     "rect_dilated": lambda x: F.max_pool2d(x, (2, 3), (1, 2), (1, 0), dilation=(2, 1)),
+    "avg_3x3_stride2_pad1": lambda x: F.avg_pool2d(x, 3, 2, 1),
+    "avg_ceil_without_pad": lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False),
+    "avg_ceil_with_pad": lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True),
+    "avg_rect_divisor": lambda x: F.avg_pool2d(x.relu(), (2, 3), (1, 2), (1, 0), divisor_override=5),
 }
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("pool", list(POOLS))
-def test_max_pool2d_is_one_kernel_with_its_prologue(pool, mode):
-    """A window reduction over (kh, kw): padding reads -inf, NaN propagates; one kernel at
-    several sizes (one entry), 3-D and channels-last inputs, half precision."""
+def test_pooling_is_one_kernel_with_its_prologue(pool, mode):
+    """A window reduction over (kh, kw): max reads -inf in the padding, average divides by eager's
+    count (the window clipped to the padded input or to the input); NaN propagates; one kernel
+    at several sizes (one entry), 3-D and channels-last inputs, half precision."""
     fn = POOLS[pool]
     with gjit.config.scope(reduction=mode):
         cm = gjit.compile(fn)
