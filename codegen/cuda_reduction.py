@@ -16,8 +16,6 @@ values that leave the kernel (softmax's output); per-row results are written by 
 
 from __future__ import annotations
 
-import re
-
 import sympy
 import torch
 
@@ -25,9 +23,8 @@ from gjit.codegen.cuda import C_TYPES, THREADS, CudaEmitter, literal, threads_fo
 from gjit.codegen.triton import hint
 from gjit.codegen.triton_reduction import ReductionWriter
 from gjit.config import config
-from gjit.ir import ReduceNode
+from gjit.ir import Read, ReduceNode
 
-TEMP = re.compile(r"\btmp\d+\b")
 FUNCTORS = {"sum": "GjitSum", "prod": "GjitProd", "max": "GjitMax", "min": "GjitMin"}
 
 
@@ -53,8 +50,7 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
         return f"{self.index_type} {name} = {expr};"
 
     def enter_loop(self) -> None:
-        if not self.persistent:  # a persistent pass reads registers: the row is loaded once
-            self.pass_id += 1
+        self.pass_id += 1
         self.scopes.append((self.lines, self.cse, self.values, self.mask))
         self.lines, self.cse, self.values = [], dict(self.cse), dict(self.values)
         if self.persistent:
@@ -73,13 +69,30 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
             self.lines.append(f"for ({it} rindex = threadIdx.x; rindex < rnumel; rindex += blockDim.x) {{")
         self.lines += [f"    {ln}" for ln in body] + ["}"]
 
+    def read(self, r: Read) -> str:
+        """In a persistent kernel a pass's unmasked read comes from memory once, in the first
+        pass, so the byte model counts it once (as pass 0); `load` keys its registers by `r`."""
+        self.reads.append(r)
+        saved = self.pass_id
+        if self.persistent and self.in_pass() and not self.mask_depth:
+            self.pass_id = 0
+        try:
+            return super().read(r)
+        finally:
+            self.pass_id = saved
+            self.reads.pop()
+
+    def in_pass(self) -> bool:
+        return bool(self.scopes) and self.lines is not self.scopes[-1][0]
+
     def load(self, arg: str, offset: str, dtype: torch.dtype) -> str:
         """In a persistent kernel, what a pass loads stays in registers (`ld0[k]`) for the later
-        passes over the row. Masked reads and per-row values load as usual."""
-        in_pass = self.scopes and self.lines is not self.scopes[-1][0]
-        if not (self.persistent and in_pass) or self.mask_depth:
+        passes over the row, keyed by the IR read (the same element of the row in every pass,
+        whatever its offset's temps are called there). Masked reads and per-row values load as
+        usual."""
+        if not (self.persistent and self.in_pass()) or self.mask_depth:
             return super().load(arg, offset, dtype)
-        key = ("registers", arg, self.canonical(offset))  # an indirect offset: its temps differ per pass
+        key = ("registers", self.reads[-1])
         row_scope_cse = self.scopes[-1][1]  # the passes after this one start from a copy of it
         array = row_scope_cse.get(key)
         if array is None:
@@ -88,15 +101,6 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
             self.prologue.append(f"{C_TYPES[dtype]} {array}[{self.per_thread}];")
             self.lines.append(f"{array}[k] = {arg}[{offset}];")
         return self.declare(("load", arg, offset), f"{array}[k]", dtype)
-
-    def declare(self, key: tuple, text: str, dtype: torch.dtype) -> str:
-        var = super().declare(key, text, dtype)
-        self.canon.setdefault(var, self.canonical(text))
-        return var
-
-    def canonical(self, text: str) -> str:
-        """`text` with each temp spelled out as the expression it holds."""
-        return TEMP.sub(lambda m: self.canon.get(m.group(0), m.group(0)), text)
 
     def masked(self, e):
         self.mask_depth += 1
@@ -174,7 +178,7 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
             self.step = str(self.threads)
             self.per_thread = -(-int(rnumel) // self.threads)
         self.arrays = 0
-        self.canon: dict[str, str] = {}
+        self.reads: list[Read] = []  # the reads being emitted, innermost last
         self.prologue: list[str] = []
         self.mask_depth = 0
         index_dtype = self.pick_index_dtype(xnumel * rnumel)

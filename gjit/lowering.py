@@ -18,6 +18,7 @@ from typing import Any
 import sympy
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+from torch.utils._sympy.functions import FloatTrueDiv, IntTrueDiv, ToFloat, TruncToInt
 
 from gjit import ir
 from gjit.ir import Const, Expr, Index, Op, Read
@@ -118,6 +119,20 @@ def to_sympy_any(value: Any) -> sympy.Expr:
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return value.node.expr
     return sympy.sympify(value)
+
+
+FLOAT_SIZE_FUNCTIONS = (ToFloat, TruncToInt, FloatTrueDiv, IntTrueDiv, sympy.Float)
+
+
+def _float_size_reason(val: Any) -> str | None:
+    """Kernels print sizes as integer index math; a size computed through floats (1-D nearest
+    upsampling by 1.5: int(1.5 * float(s))) makes the op an extern, which ATen sizes itself."""
+    for t in val if isinstance(val, (list, tuple)) else [val]:
+        if isinstance(t, torch.Tensor):
+            for s in (*t.shape, *t.stride(), t.storage_offset()):
+                if isinstance(s, torch.SymInt) and s.node.expr.atoms(*FLOAT_SIZE_FUNCTIONS):
+                    return f"a size computed through floats: {s.node.expr}"
+    return None
 
 
 def meta_layout(val: torch.Tensor) -> ir.Layout:
@@ -276,7 +291,7 @@ class Lowering:
             return val  # size arithmetic (sym_size, operator.mul, ...): a sympy expression, no op to run
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: self.values[n])
         fn = LOWERINGS.get(target)
-        reason = EXTERN_REASONS.get(target)
+        reason = EXTERN_REASONS.get(target) or _float_size_reason(val)
         if fn is not None and reason is None:
             try:
                 return fn(self, *args, **kwargs)

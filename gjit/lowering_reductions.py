@@ -330,7 +330,7 @@ def vector_norm(ctx: Lowering, x: TensorValue, ord=2, dim=None, keepdim: bool = 
     """ord 2 (sqrt of the sum of squares), 1, inf and -inf; others stay externs."""
     out = ctx.out_val
     acc = acc_dtype(dtype or out.dtype)
-    if not acc.is_floating_point or ord not in (1, 2, float("inf"), float("-inf")):
+    if not x.dtype.is_floating_point or ord not in (1, 2, float("inf"), float("-inf")):
         raise Unsupported(f"vector_norm of ord {ord} for {x.dtype}")
     if len(x.size) == 0:
         raise Unsupported("vector_norm of a 0-d tensor")

@@ -235,7 +235,7 @@ def test_pooling_is_one_kernel_with_its_prologue(pool, mode):
         check(fn, torch.randn(2, 3, 9, 11, dtype=torch.float16), kernels=1)
 
 
-def test_max_pool2d_with_its_indices_used_runs_eagerly():
+def test_max_pool2d_with_its_indices_used_is_an_extern():
     """eager's indices pick the last NaN of a window, an argmax the first: not lowered."""
     x = torch.randn(2, 3, 8, 8)
     cm = check(lambda t: F.max_pool2d(t, 2, return_indices=True), x)
@@ -273,7 +273,11 @@ def test_vector_norm(ord):
     check(lambda t: torch.linalg.vector_norm(t, ord), x, kernels=1)
 
 
-def test_vector_norm_of_other_orders_runs_eagerly():
+def test_vector_norm_of_other_orders_and_complex_is_an_extern():
     x = torch.randn(4, 5)
-    cm = check(lambda t: torch.linalg.vector_norm(t, 3, -1), x)
-    assert [e.op for e in gjit.explain(cm, x).externs] == ["aten.linalg_vector_norm.default"]
+    for fn, t in [
+        (lambda t: torch.linalg.vector_norm(t, 3, -1), x),
+        (torch.linalg.vector_norm, torch.randn(4, 5, dtype=torch.complex64)),
+    ]:
+        cm = check(fn, t)
+        assert [e.op for e in gjit.explain(cm, t).externs] == ["aten.linalg_vector_norm.default"]

@@ -254,13 +254,23 @@ def test_flip_reads_the_mirrored_index():
 
 
 def test_nearest_upsampling_by_whole_factors_is_index_math():
-    """Whole factors read input element i // k (one kernel, fused with what follows); other
-    scales stay externs. 1-D upsampling decomposes into float index math with a SymFloat scale,
-    which the wrapper prints for the extern that takes it."""
+    """2-D whole factors read input element i // k (one kernel, fused with what follows); other
+    2-D scales stay externs. 1-D and 3-D upsampling decompose into float index math: its
+    SymFloat scale is printed for the extern mul that takes it, and a size computed through floats
+    (int(1.5 * float(s))) makes its ops externs, never a kernel that cannot print it."""
     x = torch.randn(2, 3, 4, 5)
     check(lambda t: F.interpolate(t, scale_factor=2, mode="nearest") + 1, x, kernels=1)
     check(lambda t: F.interpolate(t, scale_factor=(2, 3), mode="nearest"), x, kernels=1)
     cm = check(lambda t: F.interpolate(t, scale_factor=1.5, mode="nearest"), x)
     assert [e.op for e in gjit.explain(cm, x).externs] == ["aten.upsample_nearest2d.vec"]
-    check(lambda t: F.interpolate(t, scale_factor=3, mode="nearest"), torch.randn(2, 3, 5))
-    check(lambda t: F.interpolate(t, scale_factor=2, mode="nearest"), torch.randn(2, 2, 2, 3, 4))
+    for scale, t in [(3, torch.randn(2, 3, 5)), (2, torch.randn(2, 2, 2, 3, 4)), (1.5, torch.randn(2, 3, 5))]:
+        cm = check(lambda t, scale=scale: F.interpolate(t, scale_factor=scale, mode="nearest"), t)
+        report = gjit.explain(cm, t)
+        assert gjit.stats()["eager_runs"] == 0 and "aten.mul.Tensor" in [e.op for e in report.externs]
+        assert report.kernels if scale != 1.5 else not report.kernels
+
+
+def test_flip_of_complex_is_an_extern():
+    x = torch.randn(3, 4, dtype=torch.complex64)
+    cm = check(lambda t: t.flip(-1), x)
+    assert [e.op for e in gjit.explain(cm, x).externs] == ["aten.flip.default"]
