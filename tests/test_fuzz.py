@@ -1,7 +1,7 @@
 """Random programs (tests/fuzz.py) compiled by gjit and compared with eager, 0 mismatches expected.
 
-The CI run is 400 programs, seeds 0-399, in 8 chunks (pytest shows progress per chunk), then the
-first 100 again with backend="cupy" (GJIT_FUZZ_CUDA_PROGRAMS), on the CUDA C host emulation. Each
+The CI run is 320 programs, seeds 0-319, in 8 chunks (pytest shows progress per chunk), then the
+first 60 again with backend="cupy" (GJIT_FUZZ_CUDA_PROGRAMS), on the CUDA C host emulation. Each
 program is called twice with different sizes of the same ranks, so guards, cache hits and
 recompiles run too. Programs run in GJIT_FUZZ_WORKERS worker processes (default: one per core,
 at most 8; 1 under pytest-xdist, which runs the chunks in parallel itself; 1 runs them in the
@@ -34,8 +34,8 @@ from gjit.lowering import LOWERINGS
 # generated programs hit ops that warn by design (var() of one element is NaN, etc.)
 pytestmark = [pytest.mark.cpu, pytest.mark.filterwarnings("ignore")]
 
-PROGRAMS = int(os.environ.get("GJIT_FUZZ_PROGRAMS", "400"))
-CUDA_PROGRAMS = int(os.environ.get("GJIT_FUZZ_CUDA_PROGRAMS", "100"))  # the first seeds again, on CUDA C
+PROGRAMS = int(os.environ.get("GJIT_FUZZ_PROGRAMS", "320"))
+CUDA_PROGRAMS = int(os.environ.get("GJIT_FUZZ_CUDA_PROGRAMS", "60"))  # the first seeds again, on CUDA C
 FIRST_SEED = int(os.environ.get("GJIT_FUZZ_SEED", "0"))
 # under pytest-xdist (`pytest -n 2`, as CI runs) xdist spreads the chunks over its processes
 DEFAULT_WORKERS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else min(8, os.cpu_count() or 1)
