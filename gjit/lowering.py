@@ -135,6 +135,16 @@ def _float_size_reason(val: Any) -> str | None:
     return None
 
 
+def _complex_reason(node: torch.fx.Node) -> str | None:
+    """Kernels have no complex type: an op that reads or makes a complex tensor runs in ATen."""
+    vals = [a.meta.get("val") for a in node.all_input_nodes] + [node.meta.get("val")]
+    for v in vals:
+        for t in v if isinstance(v, (list, tuple)) else [v]:
+            if isinstance(t, torch.Tensor) and t.dtype.is_complex:
+                return f"complex tensors run in ATen ({t.dtype})"
+    return None
+
+
 def meta_layout(val: torch.Tensor) -> ir.Layout:
     return ir.Layout(
         size=tuple(to_sympy(s) for s in val.shape),
@@ -291,7 +301,7 @@ class Lowering:
             return val  # size arithmetic (sym_size, operator.mul, ...): a sympy expression, no op to run
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: self.values[n])
         fn = LOWERINGS.get(target)
-        reason = EXTERN_REASONS.get(target) or _float_size_reason(val)
+        reason = EXTERN_REASONS.get(target) or _float_size_reason(val) or _complex_reason(node)
         if fn is not None and reason is None:
             try:
                 return fn(self, *args, **kwargs)

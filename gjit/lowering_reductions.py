@@ -236,29 +236,39 @@ def log_softmax(ctx: Lowering, x: TensorValue, dim: int, half_to_float: bool):
 def layer_norm(ctx: Lowering, x: TensorValue, normalized_shape, weight, bias, eps: float):
     rank = len(x.size)
     dims = tuple(range(rank - len(normalized_shape), rank))
-    acc = acc_dtype(x.dtype)
-    m, v = _mean_and_var(ctx, x, dims, 0)
-    keep = contiguous_layout(m.size, acc)
-    rstd = ctx.pointwise(
-        lambda idx: op("rsqrt", op("add", v.load(idx), Const(acc, float(eps)))), keep, "_rstd"
-    )
-    out, out_mean, out_rstd = ctx.out_val
     lead = rank - len(normalized_shape)
-
-    def normalized(idx: Index) -> Expr:
-        at = keep_index(dims, idx)
-        y = op("mul", op("sub", cast(x.load(idx), acc), m.load(at)), rstd.load(at))
-        if weight is not None:
-            y = op("mul", y, cast(weight.load(idx[lead:]), acc))
-        if bias is not None:
-            y = op("add", y, cast(bias.load(idx[lead:]), acc))
-        return y
-
+    m, rstd, normalized = _normalize(ctx, x, x, dims, eps, lambda idx: keep_index(dims, idx), weight, bias,
+                                     lambda idx: idx[lead:])  # fmt: skip
+    out, out_mean, out_rstd = ctx.out_val
     return [
         ctx.pointwise(normalized, meta_layout(out), suffix=""),
         _squeeze_to(ctx, m, dims, True, out_mean, "_out_mean"),
         _squeeze_to(ctx, rstd, dims, True, out_rstd, "_out_rstd"),
     ]
+
+
+def _normalize(
+    ctx: Lowering, x: TensorValue, seen: TensorValue, dims, eps: float, at, weight, bias, param_at
+):
+    """layer_norm and group_norm: the moments of `seen` (x, or a view of it) over `dims`, rstd,
+    and the body of the normalized x; `at` maps x's index to the statistics', `param_at` to
+    weight's and bias'."""
+    acc = acc_dtype(x.dtype)
+    m, v = _mean_and_var(ctx, seen, dims, 0)
+    keep = contiguous_layout(m.size, acc)
+    rstd = ctx.pointwise(
+        lambda idx: op("rsqrt", op("add", v.load(idx), Const(acc, float(eps)))), keep, "_rstd"
+    )
+
+    def normalized(idx: Index) -> Expr:
+        y = op("mul", op("sub", cast(x.load(idx), acc), m.load(at(idx))), rstd.load(at(idx)))
+        if weight is not None:
+            y = op("mul", y, cast(weight.load(param_at(idx)), acc))
+        if bias is not None:
+            y = op("add", y, cast(bias.load(param_at(idx)), acc))
+        return y
+
+    return m, rstd, normalized
 
 
 @register_lowering(aten._native_batch_norm_legit_no_training.default)
@@ -301,23 +311,9 @@ def group_norm(ctx: Lowering, x: TensorValue, weight, bias, n, c, hxw, groups: i
         lambda idx: (idx[0], idx[1] * per + idx[2], *idx[3:]),
     )  # fmt: skip
     dims = tuple(range(2, rank + 1))
-    acc = acc_dtype(x.dtype)
-    m, v = _mean_and_var(ctx, grouped, dims, 0)
-    keep = contiguous_layout(m.size, acc)
-    rstd = ctx.pointwise(
-        lambda idx: op("rsqrt", op("add", v.load(idx), Const(acc, float(eps)))), keep, "_rstd"
-    )
+    at = lambda idx: (idx[0], FloorDiv(idx[1], per), *[sympy.Integer(0)] * (rank - 1))  # noqa: E731
+    m, rstd, normalized = _normalize(ctx, x, grouped, dims, eps, at, weight, bias, lambda idx: (idx[1],))
     out, out_mean, out_rstd = ctx.out_val
-
-    def normalized(idx: Index) -> Expr:
-        at = (idx[0], FloorDiv(idx[1], per), *[sympy.Integer(0)] * (rank - 1))
-        y = op("mul", op("sub", cast(x.load(idx), acc), m.load(at)), rstd.load(at))
-        if weight is not None:
-            y = op("mul", y, cast(weight.load((idx[1],)), acc))
-        if bias is not None:
-            y = op("add", y, cast(bias.load((idx[1],)), acc))
-        return y
-
     return [
         ctx.pointwise(normalized, meta_layout(out)),
         _squeeze_to(ctx, m, dims, False, out_mean, "_out_mean"),
@@ -330,7 +326,7 @@ def vector_norm(ctx: Lowering, x: TensorValue, ord=2, dim=None, keepdim: bool = 
     """ord 2 (sqrt of the sum of squares), 1, inf and -inf; others stay externs."""
     out = ctx.out_val
     acc = acc_dtype(dtype or out.dtype)
-    if not x.dtype.is_floating_point or ord not in (1, 2, float("inf"), float("-inf")):
+    if not acc.is_floating_point or ord not in (1, 2, float("inf"), float("-inf")):
         raise Unsupported(f"vector_norm of ord {ord} for {x.dtype}")
     if len(x.size) == 0:
         raise Unsupported("vector_norm of a 0-d tensor")

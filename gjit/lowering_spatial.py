@@ -117,8 +117,6 @@ def upsample_nearest(ctx: Lowering, x: TensorValue, output_size, scale_factors):
     """Whole-factor scales only (output = k * input along each dim, no scale_factors that would
     make eager's float index rounding differ from integer division); others stay externs."""
     out = ctx.out_val
-    if x.dtype.is_complex:
-        raise Unsupported(f"upsampling of {x.dtype}")
     spatial = len(out.shape) - 2
     factors = []
     for d in range(spatial):
@@ -138,8 +136,6 @@ def upsample_nearest(ctx: Lowering, x: TensorValue, output_size, scale_factors):
 
 @register_lowering(aten.flip.default)
 def flip(ctx: Lowering, x: TensorValue, dims):
-    if x.dtype.is_complex:
-        raise Unsupported(f"flip of {x.dtype}")
     rank = len(x.size)
     flipped = {d + rank if d < 0 else d for d in dims}
     return ctx.pointwise(

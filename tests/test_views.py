@@ -274,3 +274,10 @@ def test_flip_of_complex_is_an_extern():
     x = torch.randn(3, 4, dtype=torch.complex64)
     cm = check(lambda t: t.flip(-1), x)
     assert [e.op for e in gjit.explain(cm, x).externs] == ["aten.flip.default"]
+
+
+def test_complex_pointwise_ops_are_externs():
+    """Kernels have no complex type: an op on complex tensors runs in ATen, not a crashing kernel."""
+    x = torch.randn(3, 4, dtype=torch.complex64)
+    cm = check(lambda t: (t * 2 + 1).exp(), x)
+    assert not gjit.explain(cm, x).kernels
