@@ -103,6 +103,48 @@ __device__ __forceinline__ T gjit_block_reduce(T v, Op op, T identity) {
     return v;
 }
 
+// Sums folded into the pass before theirs (codegen/online.py).
+__device__ __forceinline__ float gjit_exp(float x) { return expf(x); }
+__device__ __forceinline__ double gjit_exp(double x) { return exp(x); }
+
+// Online softmax: per thread, the sum of exp(x - peak) for its running max `peak`, rescaled
+// when the max grows; a thread that has seen only -inf (or nothing) holds 0.
+template <typename T>
+__device__ __forceinline__ T gjit_online_sum_exp(T total, T peak, T x) {
+    const T new_peak = gjit_max_nan(peak, x);
+    const T scale = peak == new_peak ? T(1) : gjit_exp(peak - new_peak);
+    const T term = new_peak == (T)(-GJIT_INF) ? T(0) : gjit_exp(x - new_peak);
+    return total * scale + term;
+}
+
+// The row's sum, every thread's rescaled to the row's max; a row of only -inf sums to NaN, as
+// exp(x - max) does in eager.
+template <typename T>
+__device__ __forceinline__ T gjit_online_sum_exp_final(T total, T peak, T row_peak) {
+    const T scaled = peak == row_peak ? total : total * gjit_exp(peak - row_peak);
+    const T row = gjit_block_reduce(scaled, GjitSum(), T(0));
+    return row_peak == (T)(-GJIT_INF) ? (T)GJIT_NAN : row;
+}
+
+// Welford's running count, mean and M2 per thread, of x minus the thread's first element (the
+// mean stays small where the row's is large), and the row's sum of (x - row_mean)**2 from
+// them, for any row_mean.
+template <typename T>
+__device__ __forceinline__ void gjit_welford_add(T& count, T& first, T& mean, T& m2, T x) {
+    if (count == T(0)) first = x;
+    count += T(1);
+    const T d = x - first;
+    const T delta = d - mean;
+    mean += delta / count;
+    m2 += delta * (d - mean);
+}
+
+template <typename T>
+__device__ __forceinline__ T gjit_welford_final(T count, T first, T mean, T m2, T row_mean) {
+    const T dev = (first - row_mean) + mean;
+    return gjit_block_reduce(count > T(0) ? m2 + count * dev * dev : T(0), GjitSum(), T(0));
+}
+
 // (value, index) pairs: is (v1, i1) the better one? Threads and lanes with no element hold
 // (identity, INT64_MAX), which never beats a real element. NaN counts as the max (and the min); ties
 // take the first index, as in eager argmax / argmin.

@@ -11,7 +11,8 @@ values that leave the kernel (softmax's output); per-row results are written by 
       registers and the input once, like the Triton persistent kernel. A dynamic row, as on the
       Triton side, gets its threads at launch (the same source for every length) and registers
       for the longest row a guard admits;
-  looped (a long row): each pass reads its inputs again.
+  looped (a long row): each pass reads its inputs again; softmax's sum and a variance's sum of
+      squares share the pass of the level before (codegen/online.py).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from __future__ import annotations
 import sympy
 import torch
 
+from gjit.codegen import online
 from gjit.codegen.cuda import C_TYPES, THREADS, CudaEmitter, literal, threads_for, to_dtype
 from gjit.codegen.triton import hint
-from gjit.codegen.triton_reduction import ReductionWriter
+from gjit.codegen.triton_reduction import WELFORD, ReductionWriter
 from gjit.config import config
 from gjit.ir import Read, ReduceNode
 
@@ -114,12 +116,28 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
     def reduce_level(self, nodes: list[ReduceNode]) -> None:
         for node in nodes:
             acc = self.bodies[node.name].dtype
+            if node.name in self.online:
+                zero, n = literal(0, acc), node.name
+                names = ("acc",) if self.online[n].kind == "softmax" else WELFORD
+                self.lines.append(f"{C_TYPES[acc]} {', '.join(f'{a}_{n} = {zero}' for a in names)};")
+                continue
             init = identity(node.reduce_type, acc)
             self.lines.append(f"{C_TYPES[acc]} acc_{node.name} = {init};")
             if node.reduce_type in ("argmax", "argmin"):
                 self.lines.append(f"long long idx_{node.name} = 0x7fffffffffffffffLL;")
         self.enter_loop()
-        for node in nodes:
+        # folded sums first: a softmax sum reads its max's running value before this pass moves it
+        for node in sorted(nodes, key=lambda n: n.name not in self.online):
+            if node.name in self.online:
+                fold, n = self.online[node.name], node.name
+                value = self.emit(fold.value)
+                if fold.kind == "softmax":
+                    peak = f"acc_{fold.shift.name}"
+                    self.lines.append(f"acc_{n} = gjit_online_sum_exp(acc_{n}, {peak}, {value});")
+                else:
+                    accs = ", ".join(f"{acc}_{n}" for acc in WELFORD)
+                    self.lines.append(f"gjit_welford_add({accs}, {value});")
+                continue
             value = self.emit(self.bodies[node.name])
             a = f"acc_{node.name}"
             if node.reduce_type in ("argmax", "argmin"):
@@ -131,15 +149,24 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
             else:
                 self.lines.append(f"{a} = {FUNCTORS[node.reduce_type]}()({a}, {value});")
         self.exit_loop()
-        for node in nodes:
+        for node in sorted(nodes, key=lambda n: n.name in self.online):  # folded ones need the rest
             acc = self.bodies[node.name].dtype
             a, init = f"acc_{node.name}", f"({C_TYPES[acc]})({identity(node.reduce_type, acc)})"
-            if node.reduce_type in ("argmax", "argmin"):
+            if node.name in self.online:
+                fold, n = self.online[node.name], node.name
+                shift = self.emit(fold.shift)
+                if fold.kind == "softmax":
+                    reduced = f"gjit_online_sum_exp_final({a}, acc_{fold.shift.name}, {shift})"
+                else:
+                    accs = ", ".join(f"{acc}_{n}" for acc in WELFORD)
+                    reduced = f"gjit_welford_final({accs}, {shift})"
+            elif node.reduce_type in ("argmax", "argmin"):
                 is_max = str(node.reduce_type == "argmax").lower()
                 call = f"gjit_block_argreduce({a}, idx_{node.name}, {is_max}, {init})"
                 self.values[node.name] = self.declare(("final", node.name), call, torch.int64)
                 continue
-            reduced = f"gjit_block_reduce({a}, {FUNCTORS[node.reduce_type]}(), {init})"
+            else:
+                reduced = f"gjit_block_reduce({a}, {FUNCTORS[node.reduce_type]}(), {init})"
             value = self.declare(("final", node.name), reduced, acc)
             cast = to_dtype(value, acc, node.dtype)
             self.values[node.name] = self.declare(("cast", node.name), cast, node.dtype)
@@ -185,6 +212,8 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
         self.index_type = "int" if index_dtype == "tl.int32" else "long long"
         self.lines = self.var_lines("xindex", self.kept)
         reductions = [n for n in self.region.nodes if isinstance(n, ReduceNode)]
+        if not self.persistent:
+            self.online = online.fold(self)
         for level in sorted({self.level[n.name] for n in reductions}):
             self.reduce_level([n for n in reductions if self.level[n.name] == level])
         full_stores = [s for s in self.region.stores if self.is_full(s)]
@@ -212,6 +241,7 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
         if launch_blocks:
             threads = f"up to {THREADS} threads per row, sized at launch"
         header.insert(-1, f"# reduction: {rnumel} elements per row, {shape}, {threads}")
+        header[-1:-1] = self.online_header()
         return self.cuda_source(
             name,
             header=header,

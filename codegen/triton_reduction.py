@@ -6,7 +6,8 @@ Reductions are ordered in levels (a reduction reading another's result is one le
 
   persistent (RBLOCK >= row length): everything in one pass over registers, the input read once;
   looped: one loop over the row per level, accumulating [XBLOCK, RBLOCK] partials, then a last
-          loop for full-space values that leave the kernel (e.g. softmax's output).
+          loop for full-space values that leave the kernel (e.g. softmax's output). Softmax's sum
+          and a variance's sum of squares share the loop of the level before (codegen/online.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sympy
 import torch
 
 from gjit import ir
+from gjit.codegen import online
 from gjit.codegen.triton import (
     TL_DTYPES,
     KernelSource,
@@ -36,11 +38,40 @@ HELPERS = {
     "    nan1 = v1 != v1\n    nan2 = v2 != v2\n"
     "    better = (v1 > v2) | (nan1 & (nan2 == 0))\n    same = (v1 == v2) | (nan1 & nan2)\n"
     "    take = better | (same & (i1 < i2))\n    return tl.where(take, v1, v2), tl.where(take, i1, i2)\n",
+    # online softmax (codegen/online.py): per lane, the sum of exp(x - peak) for its running max
+    # `peak`, rescaled when the max grows; a lane that has seen only -inf (or nothing) holds 0
+    "online_sum_exp": "@triton.jit\ndef _online_sum_exp(total, peak, x):\n"
+    "    new_peak = tl.maximum(peak, x, tl.PropagateNan.ALL)\n"
+    "    scale = tl.where(peak == new_peak, 1.0, tl.exp(peak - new_peak))\n"
+    "    term = tl.where(new_peak == float('-inf'), 0.0, tl.exp(x - new_peak))\n"
+    "    return total * scale + term\n",
+    # the row's sum, every lane rescaled to the row's max; a row of only -inf sums to NaN, as
+    # exp(x - max) does in eager
+    "online_sum_exp_final": "@triton.jit\ndef _online_sum_exp_final(total, peak, row_peak):\n"
+    "    scaled = tl.where(peak == row_peak, total, total * tl.exp(peak - row_peak))\n"
+    "    row = tl.sum(scaled, 1)[:, None]\n"
+    "    return tl.where(row_peak == float('-inf'), float('nan'), row)\n",
+    # Welford's running count, mean and M2 per lane, of x minus the lane's first element: the
+    # mean stays small where the row's is large (a float32 mean of 1e4 is only good to 1e-3)
+    "welford_add": "@triton.jit\ndef _welford_add(count, first, mean, m2, x, active):\n"
+    "    first = tl.where(active & (count == 0), x, first)\n"
+    "    count = count + tl.where(active, 1.0, 0.0)\n"
+    "    d = x - first\n"
+    "    delta = tl.where(active, d - mean, 0.0)\n"
+    "    mean = mean + delta / tl.maximum(count, 1.0)\n"
+    "    m2 = m2 + delta * tl.where(active, d - mean, 0.0)\n"
+    "    return count, first, mean, m2\n",
+    # the row's sum of (x - row_mean)**2 from its lanes' (count, first, mean, M2), for any row_mean
+    "welford_final": "@triton.jit\ndef _welford_final(count, first, mean, m2, row_mean):\n"
+    "    dev = (first - row_mean) + mean\n"
+    "    return tl.sum(tl.where(count > 0, m2 + count * dev * dev, 0.0), 1)[:, None]\n",
     "argmin": "@triton.jit\ndef _argmin(v1, i1, v2, i2):\n"
     "    nan1 = v1 != v1\n    nan2 = v2 != v2\n"
     "    better = (v1 < v2) | (nan1 & (nan2 == 0))\n    same = (v1 == v2) | (nan1 & nan2)\n"
     "    take = better | (same & (i1 < i2))\n    return tl.where(take, v1, v2), tl.where(take, i1, i2)\n",
 }
+
+WELFORD = ("count", "first", "mean", "m2")  # a variance's accumulators per lane (_welford_add)
 
 
 def _identity(reduce_type: str, dtype: torch.dtype) -> str:
@@ -81,12 +112,13 @@ class ReductionWriter(KernelWriter):
         self.rvars = {c[k] for k in space.reduced}
         self.level = {}
         for name in sorted(self.bodies, key=lambda n: [m.name for m in region.nodes].index(n)):
-            self.level[name] = self._level(name)
+            self.level[name] = self.node_level(name)
         self.scopes: list[tuple[list[str], dict, dict, str]] = []
+        self.online: dict[str, online.Online] = {}  # sums folded into an earlier loop
 
     # -- classification ----------------------------------------------------------------------------
 
-    def _level(self, name: str) -> int:
+    def node_level(self, name: str) -> int:
         deps = [r.name for r in ir.reads(self.bodies[name]) if r.name in self.bodies]
         base = max((self.level[d] for d in deps), default=0)
         return base + 1 if isinstance(self.nodes[name], ReduceNode) else base
@@ -214,11 +246,14 @@ class ReductionWriter(KernelWriter):
             final = f"tl.reduce(({value}, {index}), 1, _{node.reduce_type})[1][:, None]"
             self.finish_arg(node, self.tmp(("final", node.name), final))
             return
-        acc = self.bodies[node.name].dtype
-        value = self.emit(self.bodies[node.name])
-        identity = _identity(node.reduce_type, acc)
-        masked = self.tmp(("rmasked", value, identity), f"tl.where(xrmask, {value}, {identity})")
+        masked = self.rmasked(self.bodies[node.name], node.reduce_type)
         self.finish(node, self.tmp(("final", node.name), self.final(node, masked)))
+
+    def rmasked(self, body: ir.Expr, reduce_type: str) -> str:
+        """`body`'s value with lanes outside the row holding `reduce_type`'s identity."""
+        value = self.emit(body)
+        identity = _identity(reduce_type, body.dtype)
+        return self.tmp(("rmasked", value, identity), f"tl.where(xrmask, {value}, {identity})")
 
     def finish_arg(self, node: ReduceNode, index: str) -> None:
         self.values[node.name] = self.tmp(("reduced", node.name), f"{index}.to(tl.int64)")
@@ -228,29 +263,76 @@ class ReductionWriter(KernelWriter):
         for node in nodes:
             acc = self.bodies[node.name].dtype
             accs[node.name] = f"acc_{node.name}"
+            if node.name in self.online:
+                self.online_init(node)
+                continue
             init = f"tl.full([XBLOCK, RBLOCK], {_identity(node.reduce_type, acc)}, {TL_DTYPES[acc]})"
             self.lines.append(f"{accs[node.name]} = {init}")
             if node.reduce_type in ("argmax", "argmin"):
                 self.lines.append(f"idx_{node.name} = tl.full([XBLOCK, RBLOCK], 2147483647, tl.int32)")
         self.enter_loop()
-        for node in nodes:
+        # folded sums first: a softmax sum reads its max's running value before this pass moves it
+        for node in sorted(nodes, key=lambda n: n.name not in self.online):
+            if node.name in self.online:
+                self.online_step(node)
+                continue
             if node.reduce_type in ("argmax", "argmin"):
                 value, index = self.arg_partial(node)
                 a, i = accs[node.name], f"idx_{node.name}"
                 self.lines.append(f"{a}, {i} = _{node.reduce_type}({a}, {i}, {value}, {index})")
                 continue
-            acc = self.bodies[node.name].dtype
-            value = self.emit(self.bodies[node.name])
-            masked = f"tl.where(xrmask, {value}, {_identity(node.reduce_type, acc)})"
+            masked = self.rmasked(self.bodies[node.name], node.reduce_type)
             self.lines.append(f"{accs[node.name]} = {self.combine(node, accs[node.name], masked)}")
         self.exit_loop()
-        for node in nodes:
+        for node in sorted(nodes, key=lambda n: n.name in self.online):  # folded ones need the rest
+            if node.name in self.online:
+                self.online_final(node)
+                continue
             if node.reduce_type in ("argmax", "argmin"):
                 a, i = accs[node.name], f"idx_{node.name}"
                 final = f"tl.reduce(({a}, {i}), 1, _{node.reduce_type})[1][:, None]"
                 self.finish_arg(node, self.tmp(("final", node.name), final))
                 continue
             self.finish(node, self.tmp(("final", node.name), self.final(node, accs[node.name])))
+
+    # -- folded sums (codegen/online.py) -----------------------------------------------------------------
+
+    def online_init(self, node: ReduceNode) -> None:
+        zeros = f"tl.zeros([XBLOCK, RBLOCK], {TL_DTYPES[self.bodies[node.name].dtype]})"
+        if self.online[node.name].kind == "softmax":
+            self.lines.append(f"acc_{node.name} = {zeros}")
+        else:
+            self.lines += [f"{acc}_{node.name} = {zeros}" for acc in WELFORD]
+
+    def online_step(self, node: ReduceNode) -> None:
+        fold, n = self.online[node.name], node.name
+        if fold.kind == "softmax":
+            masked = self.rmasked(fold.value, "max")
+            self.helpers.add("online_sum_exp")
+            self.lines.append(f"acc_{n} = _online_sum_exp(acc_{n}, acc_{fold.shift.name}, {masked})")
+        else:
+            value = self.emit(fold.value)
+            self.helpers.add("welford_add")
+            accs = ", ".join(f"{acc}_{n}" for acc in WELFORD)
+            self.lines.append(f"{accs} = _welford_add({accs}, {value}, xrmask)")
+
+    def online_final(self, node: ReduceNode) -> None:
+        fold, n = self.online[node.name], node.name
+        shift = self.emit(fold.shift)
+        if fold.kind == "softmax":
+            self.helpers.add("online_sum_exp_final")
+            final = f"_online_sum_exp_final(acc_{n}, acc_{fold.shift.name}, {shift})"
+        else:
+            self.helpers.add("welford_final")
+            final = f"_welford_final({', '.join(f'{acc}_{n}' for acc in WELFORD)}, {shift})"
+        self.finish(node, self.tmp(("final", n), final))
+
+    def online_header(self) -> list[str]:
+        what = {"softmax": "online softmax, rescaled to", "welford": "Welford, around"}
+        return [
+            f"# {n}: in the pass before ({what[f.kind]} {ir.format_expr(f.shift)})"
+            for n, f in self.online.items()
+        ]
 
     # -- stores ------------------------------------------------------------------------------------------
 
@@ -319,6 +401,8 @@ class ReductionWriter(KernelWriter):
                 self.mask = "xrmask"
                 self.store(s)
         else:
+            self.online = online.fold(self)
+            levels = sorted({self.level[n.name] for n in reductions})
             for level in levels:
                 self.reduce_looped([n for n in reductions if self.level[n.name] == level])
             if full_stores:
@@ -340,6 +424,7 @@ class ReductionWriter(KernelWriter):
         header = self.header(name, nodes, xnumel)
         shape = "persistent" if persistent else "looped"
         header.insert(-1, f"# reduction: {rnumel} elements per row, {shape}")
+        header[-1:-1] = self.online_header()
         helpers = [HELPERS[h] for h in sorted(self.helpers)]
         return self.kernel_source(
             name,

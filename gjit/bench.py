@@ -110,6 +110,9 @@ CASES = [
     Case("log_softmax", _fn(lambda x: torch.log_softmax(x, -1), (N, 512)), (256,), "reduction"),
     Case("layer_norm", _fn(lambda x: F.layer_norm(x, (768,)), (N, 768)), (256, 4096), "reduction", (2**18,)),
     Case("rms_norm", _fn(_rms_norm, (N, 768), (768,)), (256,), "reduction"),
+    # rows past gjit.config.persistent_max: looped kernels, two passes over the row
+    Case("softmax_vocab", _fn(lambda x: torch.softmax(x, -1), (N, 32000)), (16,), "reduction", (4096,)),
+    Case("layer_norm_wide", _fn(lambda x: F.layer_norm(x, (8192,)), (N, 8192)), (64,), "reduction", (2**14,)),
     Case("sum_last", _fn(lambda x: x.sum(-1), (N, 512)), (256,), "reduction", (2**19,)),
     Case("sum_first", _fn(lambda x: x.sum(0), (512, N)), (256,), "reduction", (2**19,)),
     Case("mean_middle", _fn(lambda x: x.mean(1), (8, N, 64)), (256,), "reduction"),

@@ -149,7 +149,9 @@ def mean(ctx: Lowering, x: TensorValue, dims=None, keepdim: bool = False, *, dty
 def _mean_and_var(
     ctx: Lowering, x: TensorValue, dims: tuple[int, ...], correction
 ) -> tuple[TensorValue, TensorValue]:
-    """Two-pass moments in the accumulation dtype, both keepdim (so full-space reads broadcast)."""
+    """The mean, then the mean squared deviation from it, in the accumulation dtype, both keepdim
+    (so full-space reads broadcast). Two levels in the IR; a looped kernel computes both in one
+    pass over the row (Welford, codegen/online.py)."""
     acc = acc_dtype(x.dtype)
     if not acc.is_floating_point:
         raise Unsupported("variance of an integer tensor")

@@ -47,11 +47,13 @@ from test_pointwise_ops import (  # noqa: F401
 from test_reductions import (  # noqa: F401
     test_argmax_argmin_tie_break_and_nan_like_eager,
     test_group_norm_statistics_per_group_of_channels,
+    test_looped_rows_fold_the_second_level_into_the_first_pass,
     test_low_precision_accumulates_in_float32,
     test_max_pool2d_with_its_indices_used_is_an_extern,
     test_nan_and_large_inputs,
     test_normalizations_are_one_kernel,
     test_odd_sizes,
+    test_online_softmax_and_welford_at_edge_values,
     test_pooling_is_one_kernel_with_its_prologue,
     test_reduction,
     test_softmax_is_stable_for_large_inputs,
@@ -118,9 +120,11 @@ def test_reduction_kernel_shapes_persistent_and_looped():
     assert persistent.source.count("in_ptr0[") == 1  # the row is read once, kept in registers
     with gjit.config.scope(reduction="looped"):
         looped = cuda_kernels(check(gjit.compile(lambda t: F.softmax(t, -1), dynamic=False), x))[0]
-    assert not looped.persistent and looped.source.count("in_ptr0[") == 3  # one read per pass
+    # one read per pass: the max and the sum (online softmax), then the output
+    assert not looped.persistent and looped.source.count("in_ptr0[") == 2
+    assert "gjit_online_sum_exp(" in looped.source
     # the byte model counts what the kernel reads from memory: the row once, or once per pass
-    assert (persistent.bytes_read, looped.bytes_read) == (x.numel() * 4, 3 * x.numel() * 4)
+    assert (persistent.bytes_read, looped.bytes_read) == (x.numel() * 4, 2 * x.numel() * 4)
 
 
 def test_dynamic_rows_stay_persistent_until_the_guard_fails():
@@ -243,6 +247,17 @@ def test_dynamic_row_kernels_compile_for_sm90_without_spills():
     report = gjit.aot(fn, torch.randn(6, 300), arch="sm_90")
     (kernel,) = fn.entries[0].program.kernels  # the three read one row: one kernel
     assert kernel.persistent and kernel.launch_blocks and len(report.kernels) == 1
+    assert [k.name for k in report.kernels if k.spills] == []
+
+
+@pytest.mark.compile_only
+def test_looped_row_kernels_compile_for_sm90_without_spills():
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    fn = gjit.compile(lambda x: (F.softmax(x, -1), F.layer_norm(x, x.shape[-1:])), dynamic=False)
+    report = gjit.aot(fn, torch.randn(6, 3000), arch="sm_90")
+    (kernel,) = fn.entries[0].program.kernels
+    assert not kernel.persistent and "gjit_online_sum_exp(" in kernel.source
+    assert "gjit_welford_add(" in kernel.source
     assert [k.name for k in report.kernels if k.spills] == []
 
 

@@ -127,6 +127,66 @@ def test_reduction_kernels_compile_for_sm90():
             assert ".target sm_90" in binary.asm["ptx"]
 
 
+ONE_PASS_LESS = {  # name -> (fn, whether a full row is written: a last pass over the row)
+    "softmax": (lambda x: F.softmax(x, -1), True),
+    "log_softmax": (lambda x: F.log_softmax(x, -1), True),
+    "softmax_by_hand": (lambda x: (x - x.amax(-1, keepdim=True)).exp().sum(-1), False),
+    "var": (lambda x: x.var(-1), False),
+    "variance_by_hand": (lambda x: ((x - x.mean(-1, keepdim=True)) ** 2).mean(-1), False),
+    "layer_norm": (lambda x: F.layer_norm(x, x.shape[-1:]), True),
+}
+
+
+@pytest.mark.parametrize("name", list(ONE_PASS_LESS))
+def test_looped_rows_fold_the_second_level_into_the_first_pass(name):
+    """Softmax's sum (online softmax) and a variance's sum of squares (Welford) are accumulated
+    in the pass that computes the max or the sum, so a looped kernel reads the row once for both."""
+    fn, writes_rows = ONE_PASS_LESS[name]
+    x = torch.randn(5, 37) * 3 + 50
+    with gjit.config.scope(reduction="looped", rblock=8):
+        cm = check(fn, x, kernels=1)
+        report = gjit.explain(cm, x)
+    assert "in the pass before" in report.kernels[0].source
+    passes = 2 if writes_rows else 1
+    assert report.traffic.gjit == report.traffic.ideal + (passes - 1) * x.numel() * 4, report.traffic
+
+
+def edge_rows(cols: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(8, cols, dtype=dtype) * 5
+    x[0, : cols // 2 + 1] = -float("inf")  # lanes see only -inf in the first chunks, then finite values
+    x[1, -1] = 60.0  # the row's max in the last chunk: every lane's sum is rescaled to it
+    x[2] = -float("inf")  # only -inf: NaN, as exp(x - max) is in eager
+    x[3, 4] = float("inf")
+    x[4, cols // 2] = float("nan")
+    x[5, ::2] = -float("inf")
+    x[6] = 2.0 ** (100 if dtype == torch.float32 else 600)  # constant, its square overflows: variance 0
+    x[7] += 1e4  # a large mean: each lane's Welford mean is kept small, relative to its first element
+    return x, torch.ones(cols, cols, dtype=torch.bool).triu(1)[:8]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_online_softmax_and_welford_at_edge_values(dtype):
+    """Each lane's running max starts at -inf and grows chunk by chunk; NaN, inf and all -inf rows
+    give what eager's two passes give."""
+    # lanes with several elements; lanes with none; long rows (CUDA C: several per thread)
+    for cols, rblock in ((19, 4), (19, 32), (1000, 64)):
+        x, causal = edge_rows(cols, dtype)
+        with gjit.config.scope(reduction="looped", rblock=rblock):
+            check(
+                lambda t, m: (
+                    F.softmax(t, -1),
+                    F.log_softmax(t, -1),
+                    F.softmax(t.masked_fill(m, -float("inf")), -1),
+                    (t - t.amax(-1, keepdim=True)).exp().sum(-1),
+                    t.var(-1),
+                    # not rows 6 (eager squares it: NaN) and 7 (x - mean is off by the mean's ulp)
+                    F.layer_norm(t[:6], t.shape[-1:]),
+                ),
+                x,
+                causal,
+            )
+
+
 ARG = {
     "argmax_last": lambda x: x.argmax(-1),
     "argmin_middle": lambda x: x.argmin(1),
