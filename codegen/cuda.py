@@ -267,7 +267,7 @@ class CudaEmitter:
         if self.in_registers(r):
             return self.node_value(r.name)
         names = {sym: self.emit(value) for sym, value, _ in r.indirect}
-        self.loaded.add((r.name, self.pass_id, bool(names)))
+        self.note_load(r, bool(names))
         arg = self.in_args.setdefault(r.name, f"in_ptr{len(self.in_args)}")
         text = self.index(self.subst(self.layout(r.name).offset_of(r.index)), names)
         return self.load(arg, text, self.layout(r.name).dtype)

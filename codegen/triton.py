@@ -256,7 +256,8 @@ class KernelWriter:
         self.counter = 0
         self.debug_asserts = False  # bounds checks emitted: compile with debug=True
         self.pass_id = 0  # which pass over memory a load belongs to (looped reductions make several)
-        self.loaded: set[tuple[str, int, bool]] = set()  # (buffer, pass, indirect)
+        # (buffer, pass, indirect, per row): per row, a reduction kernel reads one element a row
+        self.loaded: set[tuple[str, int, bool, bool]] = set()
 
     @property
     def decorator(self) -> str:
@@ -335,7 +336,7 @@ class KernelWriter:
         if self.in_registers(r):
             return self.node_value(r.name)
         names = self.indirect(r)
-        self.loaded.add((r.name, self.pass_id, bool(names)))
+        self.note_load(r, bool(names))
         arg = self.in_args.setdefault(r.name, f"in_ptr{len(self.in_args)}")
         offset = self.subst(self.layout(r.name).offset_of(r.index))
         text = self.index(offset, names)
@@ -348,6 +349,10 @@ class KernelWriter:
         else:
             load = f"tl.load({arg} + ({text}) + {self.block_zeros}, {self.mask})"
         return self.tmp(("load", arg, text, self.mask), load)
+
+    def note_load(self, r: Read, indirect: bool) -> None:
+        rvars = getattr(self, "rvars", set())
+        self.loaded.add((r.name, self.pass_id, indirect, bool(rvars) and not ir.free_symbols(r) & rvars))
 
     def indirect(self, r: Read) -> dict[sympy.Symbol, str]:
         """Emit the data an indirect read indexes with; in debug mode, assert it is in bounds."""
@@ -453,7 +458,7 @@ class KernelWriter:
     ) -> KernelSource:
         """An assembled kernel (of either language) with what it fuses, takes, moves and assumes."""
         nodes = self.region.inlined + self.region.nodes
-        read, written = self.traffic(sympy.Mul(*sizes.values()))
+        read, written = self.traffic(sympy.Mul(*sizes.values()), sizes["xnumel"])
         return KernelSource(
             name=name,
             source=source + "\n",
@@ -472,16 +477,25 @@ class KernelWriter:
             **extra,
         )
 
-    def traffic(self, elements: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
+    def traffic(self, elements: sympy.Expr, rows: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
         """Modeled bytes (read, written): each buffer once per pass over it, but never more
-        elements than the kernel visits (a slice or a gather reads only what it uses)."""
+        elements than the kernel visits (a slice or a gather reads only what it uses; a per-row
+        read of a reduction kernel, one element a row)."""
 
         def nbytes(name: str, limit: sympy.Expr | None = None) -> sympy.Expr:
             lay = self.layout(name)
             numel = sympy.Mul(*lay.size) if lay.size else sympy.Integer(1)
             return (numel if limit is None else sympy.Min(numel, limit)) * lay.dtype.itemsize
 
-        read = sum((nbytes(n, elements) for n, _, _ in self.loaded), sympy.Integer(0))
+        full = {(n, p, ind) for n, p, ind, per_row in self.loaded if not per_row}
+        read = sum(
+            (
+                nbytes(n, rows if per_row else elements)
+                for n, p, ind, per_row in self.loaded
+                if not (per_row and (n, p, ind) in full)  # the row's pass reads it anyway
+            ),
+            sympy.Integer(0),
+        )
         written = sum((nbytes(n) for n in self.region.stores), sympy.Integer(0))
         return read, written
 

@@ -92,6 +92,10 @@ def _embedding(n: int) -> tuple[Any, tuple]:
     return (lambda w, i: w[i] * 2, (_r(1000, 64), torch.randint(0, 1000, (n, 32))))
 
 
+def _cross_entropy(n: int) -> tuple[Any, tuple]:
+    return (lambda x, y: F.cross_entropy(x, y), (_r(n, 32000), torch.randint(0, 32000, (n,))))
+
+
 def _qkv(n: int) -> tuple:
     return tuple(_r(2, 4, n, 32) for _ in range(3))
 
@@ -113,6 +117,7 @@ CASES = [
     # rows past gjit.config.persistent_max: looped kernels, two passes over the row
     Case("softmax_vocab", _fn(lambda x: torch.softmax(x, -1), (N, 32000)), (16,), "reduction", (4096,)),
     Case("layer_norm_wide", _fn(lambda x: F.layer_norm(x, (8192,)), (N, 8192)), (64,), "reduction", (2**14,)),
+    Case("cross_entropy", _cross_entropy, (16,), "reduction", (4096,)),
     Case("sum_last", _fn(lambda x: x.sum(-1), (N, 512)), (256,), "reduction", (2**19,)),
     Case("sum_first", _fn(lambda x: x.sum(0), (512, N)), (256,), "reduction", (2**19,)),
     Case("mean_middle", _fn(lambda x: x.mean(1), (8, N, 64)), (256,), "reduction"),

@@ -3,7 +3,8 @@
 Rules, in order:
   1. inline: a node that need not be in memory and that no consumer reads element-for-
      element (same size, identity index) is recomputed inside each consumer (broadcasts,
-     reshapes and transposes of cheap pointwise values cost no kernel and no memory);
+     reshapes and transposes of cheap pointwise values cost no kernel and no memory; a gather
+     of a few reads' value reads those at the gathered indices);
   2. vertical: a node joins its producer's region when both have the same iteration space
      and every read between them is element-for-element;
   3. horizontal: regions of the same iteration space that read a common buffer merge, so
@@ -96,6 +97,17 @@ def _identity(read: Read, size: ir.Index) -> bool:
     return read.index == ir.index_vars(len(size))
 
 
+def _gatherable(node: ComputeNode) -> bool:
+    """Can a gather of `node` recompute it at the gathered indices instead of reading it from
+    memory (cross_entropy's gather of log_softmax then reads the logits, not a written
+    log_softmax)? Its reads must be few (each is repeated per gathered element), and it must not
+    use its index as data or in a mask: only reads can index with gathered data."""
+    body = node.body
+    if any(isinstance(e, (ir.IndexValue, ir.Masked)) for e in ir.walk(body)):
+        return False
+    return len({r.name for r in ir.reads(body)}) <= 4
+
+
 class Fusion:
     def __init__(self, graph: LoopGraph):
         self.graph = graph
@@ -125,15 +137,17 @@ class Fusion:
         # consumers come after producers, so walking backwards decides every consumer first
         inline: set[str] = set()
         identity_consumers: dict[str, int] = {name: 0 for name in self.compute}
-        # data-indexed reads need their source in memory
+        # read at data-dependent indices (gather, embedding), directly or through inlined nodes
         indirect = {r.name for n in self.compute.values() for r in ir.reads(n.body) if r.indirect}
         for name in reversed(list(self.compute)):
             node = self.compute[name]
             reduction = isinstance(node, ReduceNode)
-            kept = name in self.graph.needed_in_memory or name in indirect
+            kept = name in self.graph.needed_in_memory or (name in indirect and not _gatherable(node))
             if not reduction and not kept and identity_consumers[name] == 0:
                 inline.add(name)
                 log.debug("inline %s into its consumers: no consumer reads it element-for-element", name)
+                if name in indirect:  # its reads happen at the consumer's gathered indices
+                    indirect |= {r.name for r in ir.reads(node.body)}
                 continue
             if reduction:
                 continue  # a producer read only by reductions is inlined into their bodies
@@ -153,7 +167,8 @@ class Fusion:
                 producer = self.compute[r.name]
                 mapping = dict(zip(ir.index_vars(len(producer.size)), r.index))
                 inner = ir.substitute(producer.body, lambda rr: rr, lambda e: e.xreplace(mapping))
-                self.expanded[r] = self.expand(inner, inline)
+                # read at gathered indices, the producer's own reads index with the same data
+                self.expanded[r] = self.expand(ir.bind(inner, r.indirect), inline)
             return self.expanded[r]
 
         return ir.substitute(body, on_read, lambda e: e)

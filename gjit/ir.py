@@ -156,6 +156,17 @@ def substitute(
     return go(expr)
 
 
+def bind(expr: Expr, bindings: Sequence[tuple[sympy.Symbol, Expr, sympy.Expr]]) -> Expr:
+    """Attach the data each indirect symbol stands for to the reads that index with it."""
+
+    def on_read(r: Read) -> Expr:
+        used = set().union(*(sympy.sympify(i).free_symbols for i in r.index)) if r.index else set()
+        extra = tuple(b for b in bindings if b[0] in used and b not in r.indirect)
+        return Read(r.dtype, r.name, r.index, r.indirect + extra) if extra else r
+
+    return substitute(expr, on_read, lambda e: e)
+
+
 def format_expr(expr: Expr) -> str:
     """One-line readable form, used in IR dumps and error messages."""
     if isinstance(expr, Read):

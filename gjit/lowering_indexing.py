@@ -41,17 +41,6 @@ def indirect_symbol() -> sympy.Symbol:
     return sympy.Symbol(f"ind{next(_symbols)}", integer=True)
 
 
-def bind(expr: Expr, bindings: list[tuple[sympy.Symbol, Expr, sympy.Expr]]) -> Expr:
-    """Attach the data each indirect symbol stands for to the reads that index with it."""
-
-    def on_read(r: ir.Read) -> Expr:
-        used = set().union(*(sympy.sympify(i).free_symbols for i in r.index)) if r.index else set()
-        extra = tuple(b for b in bindings if b[0] in used and b not in r.indirect)
-        return ir.Read(r.dtype, r.name, r.index, r.indirect + extra) if extra else r
-
-    return ir.substitute(expr, on_read, lambda e: e)
-
-
 def index_value(index: TensorValue, at: Index, size: sympy.Expr, wrap: bool) -> Expr:
     if index.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
         raise Unsupported(f"indexing with a {index.dtype} tensor (boolean masks have data-dependent sizes)")
@@ -64,7 +53,7 @@ def index_value(index: TensorValue, at: Index, size: sympy.Expr, wrap: bool) -> 
 
 
 def gather_from(x: TensorValue, src: list, bindings: list) -> Expr:
-    return bind(x.load(tuple(src)), bindings)
+    return ir.bind(x.load(tuple(src)), bindings)
 
 
 @register_lowering(aten.embedding.default)

@@ -21,6 +21,10 @@ import gjit
 from gjit import runtime_cuda
 from helpers import check, run_compiled
 from model_zoo import MODELS
+from test_indexing import (  # noqa: F401
+    test_cross_entropy_gathers_from_the_logits_not_a_written_log_softmax,
+    test_gathered_nodes_that_use_their_index_are_written_first,
+)
 from test_models import check_model
 from test_pointwise_ops import (  # noqa: F401
     test_activation,

@@ -44,6 +44,32 @@ def test_one_element_index_fused_with_a_reduction():
     check(lambda x, i: torch.gather(x, 0, i), x, i, kernels=1)
 
 
+@pytest.mark.parametrize("mode", ["persistent", "looped"])
+def test_cross_entropy_gathers_from_the_logits_not_a_written_log_softmax(mode):
+    """nll_loss gathers log_softmax at the labels: the gather recomputes log_softmax there from the
+    logits and the row's max and sum, so the full log_softmax is never written and the logits are
+    read once (a looped kernel folds the sum into the max's pass)."""
+    x, y = torch.randn(8, 40) * 3, torch.randint(0, 40, (8,))
+    y[3] = -100  # ignored: the gather must not read at -100
+    with gjit.config.scope(reduction=mode, rblock=16):
+        # mean: the row statistics, then the mean over rows; past the ideal, per row, the max
+        # and sum written and read and the gathered logit. none: one kernel; the gathered logit
+        for reduction, kernels, extra_per_row in (("mean", 2, 5), ("none", 1, 1)):
+            fn = lambda x, y, r=reduction: F.cross_entropy(x, y, reduction=r)
+            cm = check(fn, x, y, kernels=kernels)
+            traffic = gjit.explain(cm, x, y).traffic
+            assert traffic.gjit == traffic.ideal + 8 * 4 * extra_per_row, traffic
+
+
+def test_gathered_nodes_that_use_their_index_are_written_first():
+    """A masked (cat) or index-valued (arange) node cannot be recomputed at gathered indices: it
+    is written, then gathered."""
+    x, i = torch.randn(4, 6), torch.randint(0, 12, (4, 3))
+    check(lambda x, i: torch.gather(torch.cat([x, x.cos()], 1) * 2, 1, i), x, i, kernels=2)
+    check(lambda x, i: torch.gather(x + torch.arange(6.0), 1, i % 6), x, i, kernels=2)
+    check(lambda w, i: F.embedding(i, w.exp() * 2), torch.randn(10, 8), i, kernels=1)  # recomputed
+
+
 def test_out_of_range_index_is_a_clear_error_in_debug_mode():
     w = torch.randn(10, 8)
     cm = gjit.compile(lambda w, i: F.embedding(i, w) * 2)
