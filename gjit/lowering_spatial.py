@@ -7,8 +7,9 @@ max_pool2d's iteration space is the output's dims plus (kh, kw); each element re
 ceil_mode window past the edge) is -inf, as in eager. So the op is one ReduceNode that fusion
 treats like any other: the BatchNorm + ReLU before it becomes its prologue, one kernel.
 
-Nearest upsampling by a whole factor reads input element (i // factor) for output element i, and
-flip reads (size - 1 - i): pointwise reads at other indices, fused into their consumers.
+Nearest upsampling by a whole factor reads input element (i // factor) for output element i,
+flip reads (size - 1 - i), and constant padding reads (i - before) where that is inside the
+input: pointwise reads at other indices, fused into their consumers.
 """
 
 from __future__ import annotations
@@ -20,7 +21,16 @@ import torch
 from torch.utils._sympy.functions import FloorDiv
 
 from gjit.ir import Const, Expr, Index, IndexValue, Masked
-from gjit.lowering import Lowering, TensorValue, Unsupported, cast, meta_layout, register_lowering, to_sympy
+from gjit.lowering import (
+    Lowering,
+    TensorValue,
+    Unsupported,
+    cast,
+    meta_layout,
+    python_scalar,
+    register_lowering,
+    to_sympy,
+)
 from gjit.lowering_pointwise import op
 
 aten = torch.ops.aten
@@ -141,3 +151,29 @@ def flip(ctx: Lowering, x: TensorValue, dims):
     return ctx.pointwise(
         lambda idx: x.load(tuple(x.size[d] - 1 - i if d in flipped else i for d, i in enumerate(idx)))
     )
+
+
+@register_lowering(aten.constant_pad_nd.default)
+def constant_pad_nd(ctx: Lowering, x: TensorValue, pad, value=0):
+    """F.pad(mode="constant"): element i reads x at i - before where that is inside x, else
+    `value`; pairs (before, after) from the last dim back; a negative pad crops."""
+    rank = len(x.size)
+    if len(pad) % 2 or len(pad) // 2 > rank:
+        raise Unsupported(f"constant_pad_nd with {len(pad)} pad values for {rank} dims")
+    dtype = ctx.out_val.dtype
+    if dtype.is_complex:
+        raise Unsupported("constant_pad_nd of a complex tensor")
+    before = [sympy.Integer(0)] * rank
+    after = [sympy.Integer(0)] * rank
+    for k in range(len(pad) // 2):
+        before[rank - 1 - k], after[rank - 1 - k] = to_sympy(pad[2 * k]), to_sympy(pad[2 * k + 1])
+
+    def body(idx: Index) -> Expr:
+        at = tuple(i - b for i, b in zip(idx, before))
+        inside = [sympy.Ge(a, 0) for a, b in zip(at, before) if not b.is_nonpositive]
+        inside += [sympy.Lt(a, n) for a, n, e in zip(at, x.size, after) if not e.is_nonpositive]
+        if not inside:  # only cropped
+            return x.load(at)
+        return Masked(dtype, sympy.And(*inside), x.load(at), python_scalar(value, dtype))
+
+    return ctx.pointwise(body)

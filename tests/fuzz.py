@@ -635,6 +635,7 @@ class Generator:
             (f"torch.arange({a}.shape[{d}], dtype=torch.float32) * 0.5", (a,), True),
             (f"torch.zeros_like({a}) + {a}.mean()", (a,), False),
             (f"torch.ones({a}.shape[-1], dtype={a}.dtype)", (a,), True),
+            (f"F.pad({a}, ({rng.randint(-1, 2)}, {rng.randint(-1, 2)}), value=2)", (a,), True),
         ]
         expr, operands, keeps = rng.choice(choices)
         return expr, operands, False, keeps

@@ -65,6 +65,7 @@ from test_reductions import (  # noqa: F401
 )
 from test_views import (  # noqa: F401
     test_cat,
+    test_constant_pad_is_index_math,
     test_flip_reads_the_mirrored_index,
     test_nearest_upsampling_by_whole_factors_is_index_math,
     test_view_chain,

@@ -127,6 +127,22 @@ def check_model(name: str, record_property) -> tuple[gjit.CompiledFunction, tupl
     return cm, inputs
 
 
+def test_gpt2_loss_gathers_from_the_logits_and_never_writes_log_softmax():
+    """HF's causal-LM loss: labels shifted with F.pad(value=-100), cross_entropy over the vocabulary.
+    The gather of log_softmax at the labels recomputes it from the logits, so one kernel stores
+    each row's max and sum and none stores log_softmax; the pad is index math in a kernel."""
+    model, (ids,) = gpt2("sdpa")
+    labels = ids.clone()
+    labels[0, :3] = -100  # ignored positions
+    fn = lambda ids, labels: model(ids, labels=labels).loss
+    cm, report, errors = compile_against_eager("gpt2-loss", fn, (ids, labels))
+    assert max(errors) < TOLERANCE, f"max |gjit - eager| / max |eager| = {max(errors):.2e}"
+    assert {short(e.op) for e in report.externs} == {"addmm", "mm", "scaled_dot_product_attention", "cumsum"}
+    stores = [set(k.source.split("# stores: ")[1].split("\n")[0].split(", ")) for k in report.kernels]
+    assert {"_log_softmax_max", "_log_softmax_sum"} in stores
+    assert not any("_log_softmax" in s for s in stores)
+
+
 # HF models built with use_cache=True (the default) return a DynamicCache, which torch.export
 # cannot flatten: gjit must say so clearly (name the type and the fix) or run eagerly and log why.
 

@@ -270,6 +270,28 @@ def test_nearest_upsampling_by_whole_factors_is_index_math():
         assert report.kernels if scale != 1.5 else not report.kernels
 
 
+PADS = {
+    "last_dim": (lambda t: F.pad(t, (1, 2)) * 2, torch.randn(3, 4, 5)),
+    "two_dims_value": (lambda t: F.pad(t, (1, 2, 0, 3), value=-1.5).sin(), torch.randn(3, 4, 5)),
+    "crop_and_pad": (lambda t: F.pad(t, (-1, 2, 1, -2, 2, 0)), torch.randn(3, 4, 5)),
+    "crop_only": (lambda t: F.pad(t, (-1, -2)) + 1, torch.randn(3, 4, 5)),
+    "nan_value": (lambda t: F.pad(t, (1, 1), value=float("nan")), torch.randn(3, 4)),
+    "int64": (lambda t: F.pad(t, (2, 1), value=7), torch.randint(0, 9, (3, 4))),
+    "bool": (lambda t: F.pad(t, (2, 1), value=1), torch.rand(3, 4) > 0.5),
+    "half": (lambda t: F.pad(t, (2, 1), value=0.5), torch.randn(3, 4).half()),
+    "zero_size": (lambda t: F.pad(t, (1, 1)), torch.randn(3, 0)),
+    "of_a_transpose": (lambda t: F.pad(t.t(), (1, 1, 2, 0)), torch.randn(4, 6)),
+}
+
+
+@pytest.mark.parametrize("name", list(PADS))
+def test_constant_pad_is_index_math(name):
+    """F.pad(mode="constant") reads x at i - before where that is inside x, else the value: one
+    kernel with its consumers; negative pads crop."""
+    fn, x = PADS[name]
+    check(fn, x, kernels=1)
+
+
 def test_flip_of_complex_is_an_extern():
     x = torch.randn(3, 4, dtype=torch.complex64)
     cm = check(lambda t: t.flip(-1), x)
