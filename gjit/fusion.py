@@ -145,9 +145,11 @@ class Fusion:
             kept = name in self.graph.needed_in_memory or (name in indirect and not _gatherable(node))
             if not reduction and not kept and identity_consumers[name] == 0:
                 inline.add(name)
-                log.debug("inline %s into its consumers: no consumer reads it element-for-element", name)
                 if name in indirect:  # its reads happen at the consumer's gathered indices
                     indirect |= {r.name for r in ir.reads(node.body)}
+                    log.debug("inline %s into its consumers: recomputed at the gathered indices", name)
+                else:
+                    log.debug("inline %s into its consumers: no consumer reads it element-for-element", name)
                 continue
             if reduction:
                 continue  # a producer read only by reductions is inlined into their bodies
