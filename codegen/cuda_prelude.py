@@ -126,14 +126,14 @@ __device__ __forceinline__ T gjit_online_sum_exp_final(T total, T peak, T row_pe
     return row_peak == (T)(-GJIT_INF) ? (T)GJIT_NAN : row;
 }
 
-// Welford's running count, mean and M2 per thread, of x minus the thread's first element (the
-// mean stays small where the row's is large), and the row's sum of (x - row_mean)**2 from
-// them, for any row_mean.
+// Welford's running count, mean and M2 per thread of (x - the thread's first element) / 2 (the
+// mean stays small where the row's is large; halving keeps the difference of two finite values
+// finite), and the row's sum of (x - row_mean)**2 from them.
 template <typename T>
 __device__ __forceinline__ void gjit_welford_add(T& count, T& first, T& mean, T& m2, T x) {
     if (count == T(0)) first = x;
     count += T(1);
-    const T d = x - first;
+    const T d = x * T(0.5) - first * T(0.5);
     const T delta = d - mean;
     mean += delta / count;
     m2 += delta * (d - mean);
@@ -141,8 +141,8 @@ __device__ __forceinline__ void gjit_welford_add(T& count, T& first, T& mean, T&
 
 template <typename T>
 __device__ __forceinline__ T gjit_welford_final(T count, T first, T mean, T m2, T row_mean) {
-    const T dev = (first - row_mean) + mean;
-    return gjit_block_reduce(count > T(0) ? m2 + count * dev * dev : T(0), GjitSum(), T(0));
+    const T dev = (first * T(0.5) - row_mean * T(0.5)) + mean;
+    return T(4) * gjit_block_reduce(count > T(0) ? m2 + count * dev * dev : T(0), GjitSum(), T(0));
 }
 
 // (value, index) pairs: is (v1, i1) the better one? Threads and lanes with no element hold

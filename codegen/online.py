@@ -6,9 +6,10 @@ only a per-row value of the first level in a form that can be carried along inst
   softmax: sum(exp(a - max(a))). Each lane keeps a running max and the sum of exp(a - that
       max), rescaling the sum when its max grows (online softmax); at the end every lane's sum
       is rescaled to the row's max.
-  variance: sum((a - mu)**2) for a per-row mu of the first level (the mean). Each lane keeps
-      Welford's count, mean and M2; sum over lanes of M2 + count * (mean - mu)**2 is the row's
-      sum for any mu, so mu is only needed after the pass.
+  variance: sum((a - mu)**2) for mu = sum(a) / n, the row's mean. Each lane keeps Welford's
+      count, mean and M2 (of its values minus its first one, halved so that no difference
+      overflows); sum over lanes of M2 + count * (mean - mu)**2 is the row's sum, so mu is only
+      needed after the pass.
 
 Either way the row is read once less (softmax and layer_norm: two passes instead of three).
 The match is on the region's IR, so a softmax or variance written out by hand folds too.
@@ -18,8 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import sympy
+
 from gjit import ir
-from gjit.ir import Expr, Op, Read, ReduceNode
+from gjit.ir import Expr, IndexValue, Op, Read, ReduceNode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,16 +32,38 @@ class Online:
     value: Expr  # `a`, the row's element, in the region's space
 
 
-def resolved(writer, e: Expr) -> Expr:
-    """`e` with reads of full-row members replaced by their bodies, so that a chain of members
-    (a softmax written as amax, sub, exp, sum) matches like one body."""
+def resolved(writer, e: Expr, per_row_too: bool = False) -> Expr:
+    """`e` with reads of full-row members (and with `per_row_too`, of per-row members that are
+    not reductions) replaced by their bodies, so that a chain of members (a softmax written as
+    amax, sub, exp, sum) matches like one body."""
 
     def on_read(r: Read) -> Expr:
-        if writer.in_registers(r) and writer.is_full(r.name):
-            return resolved(writer, writer.bodies[r.name])
+        if not writer.in_registers(r) or isinstance(writer.nodes[r.name], ReduceNode):
+            return r
+        if writer.is_full(r.name) or per_row_too:
+            return resolved(writer, writer.bodies[r.name], per_row_too)
         return r
 
     return ir.substitute(e, on_read, lambda i: i)
+
+
+def is_row_mean(writer, shift: Expr, value: Expr) -> bool:
+    """Is `shift` sum(value) / (the row's length), the mean of the same row? Welford's values
+    are relative to each lane's own first element, so an infinite element is NaN there: right
+    only when the shift is the mean (then eager's x - mean is NaN too)."""
+    shift = resolved(writer, shift, per_row_too=True)
+    if not (isinstance(shift, Op) and shift.name == "truediv" and isinstance(shift.args[0], Read)):
+        return False
+    total, n = shift.args
+    node = writer.nodes.get(total.name)
+    if not (isinstance(node, ReduceNode) and node.reduce_type == "sum" and writer.in_registers(total)):
+        return False
+    if node.dtype != shift.dtype or resolved(writer, writer.bodies[total.name]) != value:
+        return False
+    if isinstance(n, Op) and n.name == "to_dtype":
+        n = n.args[0]
+    row = sympy.Mul(*[writer.space.full[k] for k in writer.space.reduced])
+    return isinstance(n, IndexValue) and sympy.simplify(n.expr - row) == 0
 
 
 def expr_level(writer, e: Expr) -> int:
@@ -80,6 +105,8 @@ def match(writer, node: ReduceNode) -> Online | None:
             return None
         if resolved(writer, writer.bodies[shift.name]) != value:
             return None
+    elif not is_row_mean(writer, shift, value):
+        return None
     if max(expr_level(writer, value) + 1, expr_level(writer, shift)) >= writer.level[node.name]:
         return None
     return Online(kind, shift, value)
@@ -95,5 +122,7 @@ def fold(writer) -> dict[str, Online]:
         if isinstance(node, ReduceNode) and (online := match(writer, node)):
             found[node.name] = online
             level = max(expr_level(writer, online.value) + 1, expr_level(writer, online.shift))
+            # online softmax rescales with its max's running value: both in the same loop
+            assert online.kind != "softmax" or writer.level[online.shift.name] == level, node.name
             writer.level[node.name] = level
     return found

@@ -114,6 +114,7 @@ class Fusion:
         self.compute = graph.compute_nodes()
         self.order = {n.name: k for k, n in enumerate(graph.nodes)}
         self.expanded: dict[Read, Expr] = {}
+        self.memory_readers: dict[str, bool] = {}  # reads_memory, per node
 
     def run(self) -> list[Step]:
         inline = self.choose_inlined()
@@ -142,7 +143,8 @@ class Fusion:
         for name in reversed(list(self.compute)):
             node = self.compute[name]
             reduction = isinstance(node, ReduceNode)
-            kept = name in self.graph.needed_in_memory or (name in indirect and not _gatherable(node))
+            gatherable = _gatherable(node) and self.reads_memory(name)
+            kept = name in self.graph.needed_in_memory or (name in indirect and not gatherable)
             if not reduction and not kept and identity_consumers[name] == 0:
                 inline.add(name)
                 if name in indirect:  # its reads happen at the consumer's gathered indices
@@ -158,6 +160,17 @@ class Fusion:
                 if producer is not None and producer.size == node.size and _identity(r, node.size):
                     identity_consumers[r.name] += 1
         return inline
+
+    def reads_memory(self, name: str) -> bool:
+        """Does `name`'s value read a buffer or a reduction, itself or through its producers?
+        Those are never inlined: a gather that recomputes it keeps a read to check the gathered
+        index against (a gather of a value made of constants is written first)."""
+        if name not in self.compute or isinstance(self.compute[name], ReduceNode):
+            return True
+        if name not in self.memory_readers:
+            reads = {r.name for r in ir.reads(self.compute[name].body)}
+            self.memory_readers[name] = any(self.reads_memory(r) for r in reads)
+        return self.memory_readers[name]
 
     def expand(self, body: Expr, inline: set[str]) -> Expr:
         """Substitute inlined producers (recursively) into `body`."""

@@ -62,6 +62,7 @@ from test_reductions import (  # noqa: F401
     test_reduction,
     test_softmax_is_stable_for_large_inputs,
     test_vector_norm,
+    test_welford_only_for_the_row_mean_and_without_overflow,
 )
 from test_views import (  # noqa: F401
     test_cat,

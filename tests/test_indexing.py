@@ -78,6 +78,14 @@ def test_out_of_range_index_is_a_clear_error_in_debug_mode():
         run_compiled(cm, w, torch.tensor([1, 12]))
     with pytest.raises(Exception, match="index out of bounds"):
         run_compiled(cm, w, torch.tensor([-1, 3]))
+    # a gathered broadcast value is recomputed from a read that does not use the index: the check
+    # goes with that read; a value made only of constants is written first, then gathered
+    c, i = torch.randn(6, 1), torch.tensor([[0, 20]] * 6)
+    for fn in (lambda c, i: torch.gather(c.expand(6, 9) * 2, 1, i), lambda c, i: torch.gather(
+            torch.ones(6, 9) * 2, 1, i)):  # fmt: skip
+        run_compiled(fn, c, i.clamp(max=8))
+        with pytest.raises(Exception, match="index out of bounds"):
+            run_compiled(fn, c, i)
 
 
 def test_boolean_mask_indexing_runs_eagerly_and_correctly():

@@ -187,6 +187,19 @@ def test_online_softmax_and_welford_at_edge_values(dtype):
             )
 
 
+def test_welford_only_for_the_row_mean_and_without_overflow():
+    """Review finds: a sum of squares around another per-row value (the max) is not folded (an inf
+    element would make Welford's lane NaN where eager's square is inf), and two finite values whose
+    difference overflows give eager's inf variance, not NaN."""
+    x = torch.randn(2, 13)
+    x[0, 2] = -float("inf")
+    big = torch.zeros(2, 40)
+    big[:, 0], big[:, 20] = 2e38, -2e38
+    with gjit.config.scope(reduction="looped", rblock=4):
+        check(lambda t: ((t - t.amax(-1, keepdim=True)) ** 2).sum(-1), x)
+        check(lambda t: t.var(-1), big)  # (eager's layer_norm of it is NaN: not compared)
+
+
 ARG = {
     "argmax_last": lambda x: x.argmax(-1),
     "argmin_middle": lambda x: x.argmin(1),
