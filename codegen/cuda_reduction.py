@@ -252,5 +252,6 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
             blocks={"XBLOCK": 1, "RBLOCK": self.threads},
             rnumel=rnumel,
             persistent=self.persistent,
+            passes=1 if self.persistent else self.pass_id,
             launch_blocks=launch_blocks,
         )

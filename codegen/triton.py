@@ -202,6 +202,7 @@ class KernelSource:
     bytes_written: sympy.Expr = sympy.Integer(0)
     rnumel: sympy.Expr | None = None  # reduction kernels: elements reduced per output element
     persistent: bool = False  # reduction kernels: the whole row in one block (needs rnumel <= RBLOCK)
+    passes: int = 1  # looped reduction kernels: loops over each row, each reading it from memory
     # block sizes the wrapper computes at launch (Python over xnumel / rnumel), overriding `blocks`
     launch_blocks: dict[str, str] = dataclasses.field(default_factory=dict)
     # (condition over size symbols, why): what this kernel relies on beyond its example sizes;

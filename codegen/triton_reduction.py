@@ -436,5 +436,6 @@ class ReductionWriter(KernelWriter):
             index_dtype=index_dtype,
             rnumel=rnumel,
             persistent=persistent,
+            passes=1 if persistent else self.pass_id,
             launch_blocks=launch_blocks,
         )

@@ -147,7 +147,7 @@ class Fusion:
             kept = name in self.graph.needed_in_memory or (name in indirect and not gatherable)
             if not reduction and not kept and identity_consumers[name] == 0:
                 inline.add(name)
-                if name in indirect:  # its reads happen at the consumer's gathered indices
+                if name in indirect:  # its reads follow the gathered index: treat them all as gathered
                     indirect |= {r.name for r in ir.reads(node.body)}
                     log.debug("inline %s into its consumers: recomputed at the gathered indices", name)
                 else:

@@ -29,6 +29,7 @@ class KernelInfo:
     path: str
     bytes_read: int = 0  # modeled, at this call's sizes
     bytes_written: int = 0
+    passes: int = 1  # looped reduction kernels: loops over each row, each reading it from memory
 
 
 @dataclasses.dataclass
@@ -91,6 +92,7 @@ def build_report(entry: Any, sizes: tuple = ()) -> Report:
             program.graph.kernel_paths.get(k.name, ""),
             int(sympy.sympify(k.bytes_read).subs(hints)),
             int(sympy.sympify(k.bytes_written).subs(hints)),
+            k.passes,
         )
         for k in program.kernels
     ]
@@ -131,7 +133,12 @@ def perf_hints(program: CompiledProgram, specialized: list[str]) -> list[str]:
     for name, k in kernels.items():
         if k.rnumel is not None and not k.persistent:
             hints.append(
-                f"{name} is a looped reduction (rows of {k.rnumel}): it reads its input once per pass"
+                f"{name} is a looped reduction (rows of {k.rnumel}): "
+                + (
+                    "one pass over each row, in chunks"
+                    if k.passes == 1
+                    else f"{k.passes} passes over each row, each reading it from memory"
+                )
             )
         if k.index_dtype == "tl.int64":
             hints.append(f"{name} uses int64 offsets (sizes can reach 2**31, or a size is data-dependent)")

@@ -148,6 +148,7 @@ def test_looped_rows_fold_the_second_level_into_the_first_pass(name):
         report = gjit.explain(cm, x)
     assert "in the pass before" in report.kernels[0].source
     passes = 2 if writes_rows else 1
+    assert report.kernels[0].passes == passes
     assert report.traffic.gjit == report.traffic.ideal + (passes - 1) * x.numel() * 4, report.traffic
 
 
