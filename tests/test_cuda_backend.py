@@ -35,6 +35,7 @@ from test_pointwise_ops import (  # noqa: F401
     test_cast_float_nan_inf,
     test_cast_to_half_rounds_through_float32,
     test_clamp,
+    test_comparisons_convert_operands_to_their_common_dtype,
     test_constants,
     test_float64,
     test_integer_division_signs,

@@ -411,6 +411,18 @@ def test_pow_tensor_exponent_int_base_float_exponent():
     check_lowered(torch.pow, make(I64, low=0, high=5), make(F32, low=-2, high=2), kernels=1)
 
 
+def test_comparisons_convert_operands_to_their_common_dtype():
+    """Eager compares bfloat16 x with bfloat16(0.3) = 0.30078125, not 0.3 (the fuzzer's find:
+    bf16 > float32 0-d tensor), and an int32 tensor with 2**40 wrapped to int32, as ATen does."""
+    x = torch.tensor([0.30078125, 0.298828125, 1.0], dtype=torch.bfloat16)
+    h = torch.tensor([0.300048828125, 0.2998046875], dtype=torch.float16)
+    i, u = torch.tensor([1, 2, 3], dtype=torch.int32), torch.tensor([1, 200], dtype=torch.uint8)
+    check(lambda x, t: (x == 0.3, x > t, x <= t, x != 0.3), x, torch.tensor(0.3), kernels=1)
+    check(lambda h: (h == 0.3, h < 0.3), h, kernels=1)
+    check(lambda i, t: (i > 2**40, i < t, i == 2.0), i, torch.tensor(2.5), kernels=1)
+    check(lambda u: (u > 300, u == -56, u > -1), u, kernels=1)
+
+
 def test_type_promotion():
     def fn(i64, i32, f16, f32_0d, b):
         return (
