@@ -79,6 +79,7 @@ def per_row(writer, e: Expr) -> bool:
 
 
 def match(writer, node: ReduceNode) -> Online | None:
+    """How sum `node` folds into the pass before its own, or None if it does not."""
     body = writer.bodies[node.name]
     if node.reduce_type != "sum" or not body.dtype.is_floating_point:
         return None
