@@ -165,8 +165,10 @@ def gjit_revision() -> str:
 
 
 def document(rows: list[dict[str, Any]]) -> str:
-    models = "\n".join(f"- `{r['name']}`: {DESCRIPTIONS[r['name']]}" for r in rows if r["name"] in MODELS)
-    more = "\n".join(f"- `{r['name']}`: {DESCRIPTIONS[r['name']]}" for r in rows if r["name"] in MORE_MODELS)
+    listing = lambda group: "\n".join(
+        f"- `{r['name']}`: {DESCRIPTIONS[r['name']]}" for r in rows if r["name"] in group
+    )
+    models, more = listing(MODELS), listing(MORE_MODELS)
     over = [r["name"] for r in rows if r["kernels"] > r["inductor"]]
     target = (
         "every model meets it"

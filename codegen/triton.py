@@ -257,6 +257,7 @@ class KernelWriter:
         self.counter = 0
         self.debug_asserts = False  # bounds checks emitted: compile with debug=True
         self.pass_id = 0  # which pass over memory a load belongs to (looped reductions make several)
+        self.rvars: set[sympy.Symbol] = set()  # reduced index variables (reduction kernels)
         # (buffer, pass, indirect, per row): per row, a reduction kernel reads one element a row
         self.loaded: set[tuple[str, int, bool, bool]] = set()
 
@@ -352,8 +353,8 @@ class KernelWriter:
         return self.tmp(("load", arg, text, self.mask), load)
 
     def note_load(self, r: Read, indirect: bool) -> None:
-        rvars = getattr(self, "rvars", set())
-        self.loaded.add((r.name, self.pass_id, indirect, bool(rvars) and not ir.free_symbols(r) & rvars))
+        per_row = bool(self.rvars) and not ir.free_symbols(r) & self.rvars
+        self.loaded.add((r.name, self.pass_id, indirect, per_row))
 
     def indirect(self, r: Read) -> dict[sympy.Symbol, str]:
         """Emit the data an indirect read indexes with; in debug mode, assert it is in bounds."""

@@ -160,17 +160,16 @@ def bind(expr: Expr, bindings: Sequence[tuple[sympy.Symbol, Expr, sympy.Expr]]) 
     """Attach the data each indirect symbol stands for to the reads that index with it. A binding
     no read indexes with (a gather of a broadcast value) goes to the first read, so that its
     bounds check is still made."""
-    attached: set[sympy.Symbol] = set()
 
     def on_read(r: Read) -> Expr:
         used = set().union(*(sympy.sympify(i).free_symbols for i in r.index)) if r.index else set()
         extra = tuple(b for b in bindings if b[0] in used and b not in r.indirect)
-        attached.update(b[0] for b in extra)
         return Read(r.dtype, r.name, r.index, r.indirect + extra) if extra else r
 
     out = substitute(expr, on_read, lambda e: e)
-    unused = tuple(b for b in bindings if b[0] not in attached)
-    first = next((r for r in reads(out) if not set(unused) <= set(r.indirect)), None)
+    bound = {b for r in reads(out) for b in r.indirect}
+    unused = tuple(b for b in bindings if b not in bound)
+    first = next(iter(reads(out)), None)
     if not unused or first is None:
         return out
     with_checks = Read(first.dtype, first.name, first.index, first.indirect + unused)

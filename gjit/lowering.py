@@ -423,9 +423,22 @@ def broadcast_index(
 
 
 def load_as(
-    arg: Any, dtype: torch.dtype, index: Index, out_size: Index, known_one: Callable | None = None
+    arg: Any,
+    dtype: torch.dtype,
+    index: Index,
+    out_size: Index,
+    known_one: Callable | None = None,
+    via: torch.dtype | None = None,
 ) -> Expr:
-    """Read a tensor argument (broadcast) or make a scalar constant, in the compute dtype."""
+    """Read a tensor argument (broadcast) or make a scalar constant, in the compute dtype; with
+    `via`, converted to that dtype first (a comparison's operands are rounded to their common
+    dtype: bfloat16 x == 0.3 compares x with bfloat16(0.3) = 0.30078125)."""
+    if via is not None:
+        if isinstance(arg, (bool, int, float)):
+            wrapped = torch.tensor(arg, dtype=torch.float64 if isinstance(arg, float) else None)
+            arg = wrapped.to(via).item()
+        else:
+            return cast(load_as(arg, via, index, out_size, known_one), dtype)
     if isinstance(arg, TensorValue):
         return cast(arg.load(broadcast_index(arg, index, out_size, known_one)), dtype)
     if isinstance(arg, (torch.SymInt, torch.SymFloat, torch.SymBool)):

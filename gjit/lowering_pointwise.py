@@ -42,11 +42,17 @@ def where(cond: Expr, a: Expr, b: Expr) -> Op:
     return Op(a.dtype, "where", (cond, a, b))
 
 
-def pointwise(ctx: Lowering, args: list, fn: Callable[..., Expr], kind=KIND.DEFAULT) -> TensorValue:
-    """Lower the current node as `fn(*args)` with ATen's promotion `kind`."""
+def pointwise(
+    ctx: Lowering, args: list, fn: Callable[..., Expr], kind=KIND.DEFAULT, via_common: bool = False
+) -> TensorValue:
+    """Lower the current node as `fn(*args)` with ATen's promotion `kind`; `via_common`: the
+    operands are first converted to their common dtype, as eager's comparisons do."""
     compute, _ = promote(args, kind)
+    via = promote(args, KIND.DEFAULT)[1] if via_common else None
     out_size = tuple(to_sympy(s) for s in ctx.out_val.shape)
-    return ctx.pointwise(lambda idx: fn(*(load_as(a, compute, idx, out_size, ctx.known_one) for a in args)))
+    return ctx.pointwise(
+        lambda idx: fn(*(load_as(a, compute, idx, out_size, ctx.known_one, via) for a in args))
+    )
 
 
 def _is_float(dtype: torch.dtype) -> bool:
@@ -280,29 +286,12 @@ def float_predicate(ctx: Lowering, a):
 # ----------------------------------------------------------------------------------------------
 
 
-def _in_common_dtype(arg, common: torch.dtype, compute: torch.dtype, idx, out_size, known_one) -> Expr:
-    """An operand of a comparison as eager compares it: converted to the operands' common dtype
-    first (bfloat16 x == 0.3 compares x with bfloat16(0.3) = 0.30078125), then to the compute
-    dtype."""
-    if isinstance(arg, (bool, int, float)):
-        wrapped = torch.tensor(arg, dtype=torch.float64 if isinstance(arg, float) else None)
-        rounded = wrapped.to(common).item()
-        return Const(compute, python_scalar(rounded, compute))
-    return cast(load_as(arg, common, idx, out_size, known_one), compute)
-
-
 for _name in ("eq", "ne", "lt", "le", "gt", "ge"):
 
     def _cmp(ctx: Lowering, a, b, _name=_name):
-        compute, _ = promote([a, b], KIND.ALWAYS_BOOL)
-        _, common = promote([a, b], KIND.DEFAULT)
-        out_size = tuple(to_sympy(s) for s in ctx.out_val.shape)
-
-        def body(idx: Index) -> Expr:
-            x, y = (_in_common_dtype(t, common, compute, idx, out_size, ctx.known_one) for t in (a, b))
-            return op(_name, x, y, dtype=torch.bool)
-
-        return ctx.pointwise(body)
+        return pointwise(
+            ctx, [a, b], lambda x, y: op(_name, x, y, dtype=torch.bool), KIND.ALWAYS_BOOL, via_common=True
+        )
 
     register_lowering(getattr(aten, _name).Tensor, getattr(aten, _name).Scalar)(_cmp)
 

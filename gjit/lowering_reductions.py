@@ -1,8 +1,8 @@
 """Reduction lowerings: sum/mean/amax/amin/prod/any, var/var_mean, softmax, log_softmax,
 layer_norm, group_norm and vector norms become ReduceNodes plus pointwise nodes around them;
 fusion puts each into one kernel (group_norm into two: its output is not in the grouped space).
-Reduced-precision inputs accumulate in float32, as eager does; variance is two-pass (mean first,
-then the sum of squared deviations), which is numerically stable.
+Reduced-precision inputs accumulate in float32, as eager does; variance is the mean, then the sum
+of squared deviations from it (two levels; a looped kernel folds them into one pass, Welford).
 """
 
 from __future__ import annotations
@@ -313,7 +313,7 @@ def group_norm(ctx: Lowering, x: TensorValue, weight, bias, n, c, hxw, groups: i
         lambda idx: (idx[0], idx[1] * per + idx[2], *idx[3:]),
     )  # fmt: skip
     dims = tuple(range(2, rank + 1))
-    at = lambda idx: (idx[0], FloorDiv(idx[1], per), *[sympy.Integer(0)] * (rank - 1))  # noqa: E731
+    at = lambda idx: (idx[0], FloorDiv(idx[1], per), *[sympy.Integer(0)] * (rank - 1))
     m, rstd, normalized = _normalize(ctx, x, grouped, dims, eps, at, weight, bias, lambda idx: (idx[1],))
     out, out_mean, out_rstd = ctx.out_val
     return [

@@ -32,6 +32,7 @@ from gjit.lowering import (
     to_sympy,
 )
 from gjit.lowering_pointwise import op
+from gjit.lowering_reductions import acc_dtype
 
 aten = torch.ops.aten
 
@@ -42,6 +43,18 @@ def _pair(value, default: tuple[int, int]) -> tuple[int, int]:
     if isinstance(value, int):
         return (value, value)
     return (value[0], value[0]) if len(value) == 1 else (value[0], value[1])
+
+
+def _window_read(x: TensorValue, idx: Index, step, pad, dil, acc: torch.dtype, outside: float) -> Expr:
+    """Element (kh, kw) of output (.., oh, ow)'s window: the input at oh * stride - padding +
+    kh * dilation (and the same for w), or `outside` where that is not in the input."""
+    rank = len(x.size)
+    lead = rank - 2
+    at = [idx[lead + d] * step[d] - pad[d] + idx[rank + d] * dil[d] for d in range(2)]
+    inside = sympy.And(
+        *[c for d in range(2) for c in (sympy.Ge(at[d], 0), sympy.Lt(at[d], x.size[lead + d]))]
+    )
+    return Masked(acc, inside, cast(x.load(tuple(idx[:lead]) + tuple(at)), acc), outside)
 
 
 @register_lowering(aten.max_pool2d_with_indices.default)
@@ -58,16 +71,8 @@ def max_pool2d(
     kernel = _pair(kernel_size, (1, 1))
     step, pad, dil = _pair(stride, kernel), _pair(padding, (0, 0)), _pair(dilation, (1, 1))
     rank = len(x.size)
-    lead = rank - 2
-    acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-
-    def window(idx: Index) -> Expr:
-        at = [idx[lead + d] * step[d] - pad[d] + idx[rank + d] * dil[d] for d in range(2)]
-        inside = sympy.And(
-            *[c for d in range(2) for c in (sympy.Ge(at[d], 0), sympy.Lt(at[d], x.size[lead + d]))]
-        )
-        return Masked(acc, inside, cast(x.load(tuple(idx[:lead]) + tuple(at)), acc), float("-inf"))
-
+    acc = acc_dtype(x.dtype)
+    window = lambda idx: _window_read(x, idx, step, pad, dil, acc, float("-inf"))
     full = tuple(to_sympy(s) for s in out.shape) + tuple(sympy.Integer(k) for k in kernel)
     values = ctx.reduction(window, full, (rank, rank + 1), "max", out.dtype, False, layout=meta_layout(out))
     unused = ctx.pointwise(lambda idx: Const(torch.int64, 0), meta_layout(indices), suffix="_indices")
@@ -94,15 +99,8 @@ def avg_pool2d(
     step, pad = _pair(stride, kernel), _pair(padding, (0, 0))
     rank = len(x.size)
     lead = rank - 2
-    acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-
-    def window(idx: Index) -> Expr:
-        at = [idx[lead + d] * step[d] - pad[d] + idx[rank + d] for d in range(2)]
-        inside = sympy.And(
-            *[c for d in range(2) for c in (sympy.Ge(at[d], 0), sympy.Lt(at[d], x.size[lead + d]))]
-        )
-        return Masked(acc, inside, cast(x.load(tuple(idx[:lead]) + tuple(at)), acc), 0.0)
-
+    acc = acc_dtype(x.dtype)
+    window = lambda idx: _window_read(x, idx, step, pad, (1, 1), acc, 0.0)
     full = tuple(to_sympy(s) for s in out.shape) + tuple(sympy.Integer(k) for k in kernel)
     total = ctx.reduction(window, full, (rank, rank + 1), "sum", acc, False, suffix="_sum")
 
@@ -161,8 +159,6 @@ def constant_pad_nd(ctx: Lowering, x: TensorValue, pad, value=0):
     if len(pad) % 2 or len(pad) // 2 > rank:
         raise Unsupported(f"constant_pad_nd with {len(pad)} pad values for {rank} dims")
     dtype = ctx.out_val.dtype
-    if dtype.is_complex:
-        raise Unsupported("constant_pad_nd of a complex tensor")
     before = [sympy.Integer(0)] * rank
     after = [sympy.Integer(0)] * rank
     for k in range(len(pad) // 2):
