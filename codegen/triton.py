@@ -511,11 +511,8 @@ class KernelWriter:
         call large enough to overflow recompiles (and gets int64 offsets) instead of wrapping.
         """
         spans = [numel]
-        for name in (
-            set(self.in_args)
-            | set(self.region.stores)
-            | {r.name for b in self.region.bodies.values() for r in ir.reads(b)}
-        ):
+        reads = [r.name for b in self.region.bodies.values() for r in ir.reads(b)]
+        for name in dict.fromkeys([*self.in_args, *self.region.stores, *reads]):  # in a fixed order
             lay = self.layout(name)
             spans.append(sum(((s - 1) * st for s, st in zip(lay.size, lay.stride)), sympy.Integer(1)))
         spans = [sympy.expand(s) for s in spans]
