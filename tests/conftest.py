@@ -3,9 +3,14 @@ import torch
 
 import gjit
 
+TIERS = ("cpu", "compile_only", "gpu")  # pyproject.toml's markers: every test is in at least one
+
 
 def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()
+    untiered = [item.nodeid for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
+    if untiered:
+        raise pytest.UsageError(f"tests without a tier marker ({', '.join(TIERS)}): {untiered[:10]}")
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))

@@ -54,18 +54,38 @@ def assert_same(actual: torch.Tensor, expected: torch.Tensor, reference: torch.T
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True)
 
 
-def run_compiled(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, gjit.CompiledFunction]:
+def run_compiled(
+    fn: Any, *args: Any, expect_eager: bool | None = None, **kwargs: Any
+) -> tuple[Any, gjit.CompiledFunction]:
+    """One call through the generated kernels (Triton's interpreter, poisoned buffers).
+
+    `expect_eager=False`: the call must run compiled; True: it must run eagerly (capture failed,
+    the recompile limit, autograd); None: either (the test checks what it expects itself)."""
     cm = fn if isinstance(fn, gjit.CompiledFunction) else gjit.compile(fn)
+    eager_before = gjit.stats()["eager_runs"]
     with gjit.config.scope(interpret=True, debug=True):
         out = cm(*args, **kwargs)
+    ran_eagerly = gjit.stats()["eager_runs"] > eager_before
+    if expect_eager is True:
+        assert ran_eagerly, "expected gjit to run this call eagerly, but it ran compiled"
+    elif expect_eager is False:
+        assert not ran_eagerly, (
+            f"gjit ran this call eagerly, not compiled: {cm.eager_reason or 'see GJIT_LOGS=recompiles'}"
+        )
     return out, cm
 
 
-def check(fn: Any, *args: Any, kernels: int | None = None, **kwargs: Any) -> gjit.CompiledFunction:
-    """Compile `fn`, run it through the generated kernels, compare every output with eager."""
+def check(
+    fn: Any, *args: Any, kernels: int | None = None, expect_eager: bool = False, **kwargs: Any
+) -> gjit.CompiledFunction:
+    """Compile `fn`, run it through the generated kernels, compare every output with eager.
+
+    The compiled path must have run: a call that gjit ran eagerly instead (capture failed, the
+    recompile limit) fails the check, unless the test says so with `expect_eager=True`, and then
+    it fails when the call did not run eagerly."""
     model = fn.model if isinstance(fn, gjit.CompiledFunction) else fn
     expected = model(*args, **kwargs)
-    out, cm = run_compiled(fn, *args, **kwargs)
+    out, cm = run_compiled(fn, *args, expect_eager=expect_eager, **kwargs)
     reference = None
     if any(
         isinstance(t, torch.Tensor) and t.dtype in LOW_PRECISION for t in pytree.tree_leaves((args, kwargs))
