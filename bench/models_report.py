@@ -213,7 +213,7 @@ Columns:
   `torch.no_grad()`, default inductor on CPU. **On CPU inductor generates C++ (OpenMP) kernels, not
   Triton**; its CPU scheduler fuses differently from its Triton one, so this count is a reference,
   not the count inductor would reach on a GPU. Inductor's externs (matmul, conv, sdpa) are not counted.
-- **modeled KB**: `gjit.explain(...).traffic` (gjit/perf_model.py) at these sizes: bytes gjit's
+- **modeled KB**: `gjit.explain(...).traffic` (gjit/debug/byte_model.py) at these sizes: bytes gjit's
   kernels and externs move, eager's (one kernel per non-view ATen op, reading its inputs and writing
   its outputs), and the ideal (graph inputs, weights included, read once; outputs written once).
 - **gjit matches eager**: gjit's output (kernels run in Triton's interpreter, poisoned buffers)

@@ -13,9 +13,9 @@ from gjit import stats as _stats
 from gjit.aot import aot
 from gjit.api import CompiledFunction, RecompileError, compile, explain
 from gjit.config import config
+from gjit.debug.report import Report
 from gjit.guards import mark_dynamic
 from gjit.logs import set_logs
-from gjit.report import Report
 
 __version__ = "0.1.0"
 

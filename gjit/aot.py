@@ -19,7 +19,7 @@ from typing import Any
 
 import triton
 
-from gjit.codegen.compile_only import compile_kernel
+from gjit.codegen.toolchain.compile_only import compile_kernel
 from gjit.config import config
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -76,7 +76,7 @@ def resource_usage(cubin_path: str) -> dict[str, int]:
 def build(kernel: Any, path: str, arch: int, out_dir: str) -> KernelBinary:
     """PTX and cubin of one kernel: Triton's pipeline, or NVRTC for a CUDA C kernel."""
     if kernel.backend == "cuda":  # CuPy's NVRTC binding, needed for this backend only
-        from gjit.codegen import nvrtc
+        from gjit.codegen.toolchain import nvrtc
 
         with open(path, encoding="utf-8") as f:
             binary = nvrtc.compile_cuda(f.read(), kernel.name, arch)

@@ -11,13 +11,14 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from gjit import dump, logs, stats
+from gjit import logs, stats
 from gjit.capture import CaptureError, bind_call, capture, forward_signature, readable
-from gjit.compiler import BACKENDS, CompiledProgram, compile_program, run_program
 from gjit.config import config
+from gjit.debug import dump
+from gjit.debug.report import Report, build_report
+from gjit.driver import BACKENDS, CompiledProgram, compile_program, run_program
 from gjit.guards import GuardBuildError, GuardSet, MissHistory, build_guards, dynamic_dims
 from gjit.guards.policy import specialized_dims
-from gjit.report import Report, build_report
 from gjit.stats import timed
 
 log = logs.logger("capture")
@@ -313,7 +314,7 @@ class CompiledFunction:
         return self.dump_dir if self.dump_dir is not None else config.dump_dir
 
     def _dump(self, entry: Entry, index: int, report: Report) -> None:
-        """Write every compile stage of this entry under the dump folder (see gjit/dump.py)."""
+        """Write every compile stage of this entry under the dump folder (see gjit/debug/dump.py)."""
         program, captured, t = entry.program, entry.program.captured, entry.program.timings
         path = dump.folder_for(self._dump_root(), self._name(), index)
         files = {

@@ -6,7 +6,7 @@
     python -m gjit.bench --cases softmax gpt2 --json out.json --png out.png
 
 Per case: kernels gjit launches (and externs), ATen ops eager launches, kernels torch.compile
-generates; modeled bytes gjit / ideal / eager (gjit/perf_model.py); cold compile time (export
+generates; modeled bytes gjit / ideal / eager (gjit/debug/byte_model.py); cold compile time (export
 to runnable, every kernel built for sm_90 included, into empty caches) and warm compile time (a
 second gjit.compile: export, then the on-disk cache entry and Triton's binaries; bench/warm_start.py
 measures it across processes, per stage) next to torch.compile's first call; host

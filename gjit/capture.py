@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import sympy
 import torch
 import torch.utils._pytree as pytree
 from torch.export import Dim, ExportedProgram, ShapesCollection
@@ -347,3 +348,16 @@ def forward_signature(model: Any) -> inspect.Signature | None:
         return inspect.signature(target)
     except (TypeError, ValueError):
         return None
+
+
+def size_hints(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, int]:
+    """The example value of every size symbol (used only for choices, never baked in)."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        sizes = list(val.shape) if isinstance(val, torch.Tensor) else [val]
+        for s in sizes:
+            if isinstance(s, torch.SymInt):
+                env = s.node.shape_env
+                values = getattr(env, "backed_var_to_val", None) or env.var_to_val
+                return {k: int(v) for k, v in values.items()}
+    return {}

@@ -8,17 +8,18 @@ from typing import Any
 import sympy
 import torch
 
-from gjit import cache, logs, stats
-from gjit.capture import CapturedProgram
-from gjit.check import RegionChecker
-from gjit.codegen.cuda import generate_cuda_kernel
-from gjit.codegen.triton import KernelSource, generate_kernel, kernel_name
+from gjit import logs, stats
+from gjit.capture import CapturedProgram, size_hints
+from gjit.codegen.common import KernelSource, kernel_name
+from gjit.codegen.generate import BACKENDS, generate_kernel
 from gjit.config import config
+from gjit.debug.check import RegionChecker
 from gjit.fusion import Region, Step, fuse
 from gjit.guards.builder import input_symbols
 from gjit.ir import LoopGraph
-from gjit.lowering import lower_graph
-from gjit.runtime import CompiledGraph
+from gjit.lowering.graph import lower_graph
+from gjit.runtime import disk_cache as cache
+from gjit.runtime.graph import CompiledGraph
 from gjit.stats import timed
 from gjit.wrapper import WrapperWriter
 
@@ -64,9 +65,6 @@ class CompiledProgram:
         return self._analysis
 
 
-BACKENDS = ("triton", "cupy")
-
-
 def backend() -> str:
     name = config.backend
     if name not in BACKENDS:
@@ -74,24 +72,11 @@ def backend() -> str:
     return name
 
 
-def size_hints(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, int]:
-    """The example value of every size symbol (used only for choices, never baked in)."""
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        sizes = list(val.shape) if isinstance(val, torch.Tensor) else [val]
-        for s in sizes:
-            if isinstance(s, torch.SymInt):
-                env = s.node.shape_env
-                values = getattr(env, "backed_var_to_val", None) or env.var_to_val
-                return {k: int(v) for k, v in values.items()}
-    return {}
-
-
 def compile_program(
     captured: CapturedProgram, timings: dict[str, float], check: bool = False
 ) -> CompiledProgram:
     """Kernels + wrapper for a captured program: from the on-disk cache when an entry with the
-    same key is there (gjit/cache.py), else compiled and stored. `check` compiles fresh: the
+    same key is there (gjit/runtime/disk_cache.py), else compiled and stored. `check` compiles fresh: the
     per-kernel checker needs the schedule, and a check exists to test what codegen emits now."""
     gm = captured.graph_module
     symbols = input_symbols(captured.user_vals)
@@ -131,8 +116,7 @@ def compile_graph(
     with timed("codegen", timings):
         hints = size_hints(gm)
         regions = [s for s in steps if isinstance(s, Region)]
-        generate = generate_cuda_kernel if backend() == "cupy" else generate_kernel
-        kernels = [generate(r, loop_graph, hints, k) for k, r in enumerate(regions)]
+        kernels = [generate_kernel(r, loop_graph, hints, k, backend()) for k, r in enumerate(regions)]
     # wrapper: the schedule -> one Python call function
     with timed("wrapper", timings):
         by_name = {k.name: k for k in kernels}

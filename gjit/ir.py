@@ -62,12 +62,34 @@ class IndexValue(Expr):
 
 @dataclasses.dataclass(frozen=True)
 class Op(Expr):
-    """Pointwise operation `name` (a key of the codegen emitter tables) on `args`."""
+    """Pointwise operation `name` (one of OPS) on `args`."""
 
     name: str
     args: tuple[Expr, ...]
     # Non-Expr parameters of the op (target dtype of a cast, ...), hashable.
     params: tuple[Any, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.name not in OPS:
+            raise ValueError(f"gjit: {self.name!r} is not an IR op (gjit.ir.OPS)")
+
+
+# Every pointwise op of the IR. Each has an emitter in both kernel languages (TritonOverrides in
+# codegen/triton/pointwise.py, CudaOverrides in codegen/cuda/pointwise.py), except `to_dtype`, a
+# cast to params[0] that each printer spells with its own conversion rules.
+OPS = frozenset(
+    {
+        *("add", "sub", "mul", "truediv", "truncdiv", "floordiv", "remainder", "fmod", "pow"),
+        *("neg", "abs", "maximum", "minimum", "fmax", "fmin", "atan2", "copysign"),
+        *("exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "sigmoid"),
+        *("sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh"),
+        *("erf", "erfinv", "floor", "ceil", "trunc", "round", "frac", "signbit"),
+        *("isnan", "isinf", "isfinite", "eq", "ne", "lt", "le", "gt", "ge"),
+        *("logical_and", "logical_or", "logical_xor", "logical_not"),
+        *("bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "lshift", "rshift"),
+        *("where", "to_dtype"),
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)

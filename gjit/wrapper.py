@@ -16,10 +16,10 @@ import sympy
 import torch
 
 from gjit import ir
+from gjit.codegen.common import KernelSource
 from gjit.codegen.printer import pyexpr
-from gjit.codegen.triton import KernelSource
 from gjit.fusion import Region, Step
-from gjit.lowering import to_sympy
+from gjit.lowering.registry import to_sympy
 
 
 class WrapperError(RuntimeError):

@@ -1,5 +1,4 @@
-"""Hand-written Triton kernel templates that codegen fills in (gjit.kernels).
-
-Empty in this version: matmul and convolution run as ATen externs. Templates with fused
-epilogues land here with their own tests.
+"""Hand-written kernel code that codegen uses (gjit.kernels): the Triton helpers that generated
+reductions call (triton_helpers.py) and the CUDA C prelude every CUDA kernel starts with
+(cuda_prelude.py). Matmul and attention templates with fused prologues and epilogues land here.
 """

@@ -2,7 +2,7 @@
 block-level reductions (warp shuffles, then one partial per warp in shared memory).
 
 Written against a small set of CUDA names so that the same kernel source also compiles as
-host C++ (codegen/cuda_host.py defines GJIT_HOST and those names, and runs each block's
+host C++ (gjit/runtime/host_emulation.py defines GJIT_HOST and those names, and runs each block's
 threads as fibers that meet at barriers): shared memory is declared only through GJIT_SHARED, threads meet
 only at __syncthreads(), and lanes exchange values only through __shfl_down_sync with a full
 mask, every lane of every warp taking part (blocks are a multiple of 32 threads).

@@ -7,9 +7,9 @@ regenerates them in its own commit and says why (process replay, as tinygrad doe
     python tests/golden.py --check    # compare only; exit 1 and show a diff when one differs
 
 tests/test_golden.py runs the comparison in CI. Each program is compiled with fixed knobs (the
-defaults below, whatever the environment says) and called once through the eager fallback: what codegen and the wrapper
-writer produce is recorded, with the kernels' launch metadata (signature, blocks, traffic,
-assumptions), which the wrapper and the guards depend on.
+defaults below, whatever the environment says) and called once through the eager fallback: what
+codegen and the wrapper writer produce is recorded, with the kernels' launch metadata (signature,
+blocks, traffic, assumptions), which the wrapper and the guards depend on.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The on-disk compile cache (gjit/cache.py): warm starts across processes, concurrent writers,
+"""The on-disk compile cache (gjit/runtime/disk_cache.py): warm starts across processes, concurrent writers,
 damaged entries, what the key covers, and the sympy codec that replaces pickle."""
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ import torch
 import torch.utils._sympy.functions as torch_sympy
 
 import gjit
-from gjit import cache
+from gjit.runtime import disk_cache as cache
 from helpers import check
+
+pytestmark = pytest.mark.cpu
 
 
 @pytest.fixture

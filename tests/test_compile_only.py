@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import gjit
-from gjit.codegen.compile_only import compile_kernel
+from gjit.codegen.toolchain.compile_only import compile_kernel
 from helpers import check
 from test_fusion import ResidualMLP, ten_op_chain
 

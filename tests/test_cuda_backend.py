@@ -1,7 +1,7 @@
 """backend="cupy": the Triton backend's op, view, reduction and model tests, run again with every
 region emitted as CUDA C, plus what only this backend has.
 
-No GPU here: each kernel runs on the host emulation of codegen/cuda_host.py (the same source
+No GPU here: each kernel runs on the host emulation of gjit/runtime/host_emulation.py (the same source
 compiled as C++, a block's threads as fibers meeting at __syncthreads and warp shuffles), and
 every kernel the model tests generate is compiled for sm_90 with NVRTC (`compile_only`).
 The imported test functions are collected here too; the autouse fixture switches the backend
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import gjit
-from gjit import runtime_cuda
+from gjit.runtime import cuda as runtime_cuda
 from helpers import check, run_compiled
 from model_zoo import MODELS
 from test_indexing import (  # noqa: F401
@@ -74,7 +74,7 @@ from test_views import (  # noqa: F401
     test_view_then_pointwise,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+pytestmark = [pytest.mark.cpu, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 
 
 @pytest.fixture(autouse=True)

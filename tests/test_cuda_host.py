@@ -1,5 +1,5 @@
 """Hand-written CUDA C kernels (CUDA_PRELUDE + one kernel, the CUDA backend's conventions) run on
-the CPU through codegen/cuda_host.py and match eager; the same sources compile with NVRTC for
+the CPU through gjit/runtime/host_emulation.py and match eager; the same sources compile with NVRTC for
 sm_90 without spills."""
 
 import math
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import gjit
-from gjit.codegen.cuda_host import HostCompileError, HostKernelError, host_kernel, host_kernels
-from gjit.codegen.cuda_prelude import CUDA_PRELUDE
+from gjit.kernels.cuda_prelude import CUDA_PRELUDE
+from gjit.runtime.host_emulation import HostCompileError, HostKernelError, host_kernel, host_kernels
 
 SIN = """
 extern "C" __global__ void __launch_bounds__(256) gjit_poi_fused_sin_add_0(const float* __restrict__ in_ptr0,
@@ -472,7 +472,7 @@ def test_launches_at_once_from_two_threads_are_independent():
 @pytest.mark.parametrize("name", list(KERNELS), ids=list(KERNELS))
 def test_kernels_compile_with_nvrtc_without_spills(name):
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    from gjit.codegen.nvrtc import compile_cuda, resource_usage
+    from gjit.codegen.toolchain.nvrtc import compile_cuda, resource_usage
 
     binary = compile_cuda(CUDA_PRELUDE + KERNELS[name][0], name, arch=90)
     assert ".target sm_90" in binary.ptx and f".entry {name}(" in binary.ptx
@@ -485,7 +485,7 @@ def test_kernels_compile_with_nvrtc_without_spills(name):
 @pytest.mark.compile_only
 def test_nvrtc_error_has_log_and_numbered_source():
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    from gjit.codegen.nvrtc import CudaCompileError, compile_cuda
+    from gjit.codegen.toolchain.nvrtc import CudaCompileError, compile_cuda
 
     source = CUDA_PRELUDE + SIN.replace("float tmp1 = sinf(tmp0);", "float tmp1 = sinf(tmp0)")
     with pytest.raises(CudaCompileError) as error:

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from gjit.codegen.triton import KernelWriter
-from gjit.runtime import gjit_alloc_poisoned
+from gjit.codegen.triton.pointwise import KernelWriter
+from gjit.runtime.graph import gjit_alloc_poisoned
 from helpers import check
 
 pytestmark = pytest.mark.cpu

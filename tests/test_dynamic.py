@@ -13,13 +13,15 @@ from gjit.guards import build_guards
 from helpers import assert_same, run_compiled
 from model_zoo import gpt2, max_rel_err
 
+pytestmark = pytest.mark.cpu
+
 
 def compiles() -> int:
     return gjit.stats()["compiles"]
 
 
-def check_call(cm: gjit.CompiledFunction, *args):
-    out, _ = run_compiled(cm, *args)
+def check_call(cm: gjit.CompiledFunction, *args, expect_eager: bool = False):
+    out, _ = run_compiled(cm, *args, expect_eager=expect_eager)
     expected = cm.model(*args)
     for a, e in zip(
         out if isinstance(out, tuple) else (out,), expected if isinstance(expected, tuple) else (expected,)
@@ -280,7 +282,7 @@ def test_persistent_reduction_with_a_dynamic_row_sizes_its_block_at_launch():
 
 
 def test_identical_kernels_are_shared_between_entries():
-    from gjit import runtime
+    from gjit.runtime import graph as runtime
 
     def f(x, mode):
         return x.sin() * 2 if mode == "a" else x.sin() * 2

@@ -88,10 +88,13 @@ def test_out_of_range_index_is_a_clear_error_in_debug_mode():
             run_compiled(fn, c, i)
 
 
-def test_boolean_mask_indexing_runs_eagerly_and_correctly():
-    # a boolean mask gives a data-dependent size: not lowered, still correct
+def test_boolean_mask_indexing_is_an_extern_and_correct():
+    """A boolean mask gives a data-dependent size: the indexing is an extern, the rest a kernel."""
     x = torch.randn(5, 4)
-    check(lambda x, m: x[m] * 2, x, x > 0)
+    cm = check(lambda x, m: x[m] * 2, x, x > 0, kernels=1)
+    assert [e.reason for e in gjit.explain(cm, x, x > 0).externs] == [
+        "lowering refused: boolean mask indexing has a data-dependent size"
+    ]
 
 
 def test_writes_through_indices_are_named_externs():
@@ -111,7 +114,7 @@ def test_cumsum_is_a_named_extern():
 
 
 def test_indexing_kernels_compile_for_sm90():
-    from gjit.codegen.compile_only import compile_kernel
+    from gjit.codegen.toolchain.compile_only import compile_kernel
 
     for case in ("embedding_then_layer_norm", "gather", "advanced_two_tensors"):
         fn, args = CASES[case]

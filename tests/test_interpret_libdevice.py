@@ -1,4 +1,4 @@
-"""The interpreter's stand-ins for libdevice (codegen/interpret.py) are as precise as libdevice:
+"""The interpreter's stand-ins for libdevice (gjit/runtime/interpret.py) are as precise as libdevice:
 every symbol the lowerings emit, through a compiled kernel that calls it, against a float64
 reference, over the op's domain and its extremes (signed zeros, infinities, NaN, domain edges,
 values past float32's range)."""
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import gjit
-from gjit.codegen import interpret
-from gjit.codegen.triton import TritonOverrides
+from gjit.codegen.triton.pointwise import TritonOverrides
+from gjit.runtime import interpret
 from helpers import run_compiled
 
 # NaN/Inf inputs make the interpreter's numpy math warn (overflow, invalid value): intended here

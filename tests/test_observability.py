@@ -11,7 +11,7 @@ import torch
 
 import gjit
 from gjit import logs
-from gjit.codegen.triton import TritonOverrides
+from gjit.codegen.triton.pointwise import TritonOverrides
 from helpers import run_compiled
 from model_zoo import gpt2
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import gjit
-from gjit.codegen.compile_only import compile_kernel
+from gjit.codegen.toolchain.compile_only import compile_kernel
 from helpers import check
 
 pytestmark = pytest.mark.cpu

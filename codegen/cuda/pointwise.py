@@ -5,7 +5,7 @@ walks the iteration space with a grid-stride loop, so any grid is correct (the l
 it), sizes are kernel arguments, and masked reads (cat, pad) become `if` blocks so nothing is
 loaded out of bounds. fp16/bf16 are storage types; math runs in float, as in eager. The
 analysis (index plan, int32/int64 offsets and their guards, modeled bytes, the header) is the
-Triton writer's: only the printing differs. Reductions are in codegen/cuda_reduction.py.
+Triton writer's: only the printing differs. Reductions are in codegen/cuda/reduction.py.
 """
 
 from __future__ import annotations
@@ -17,18 +17,10 @@ import sympy
 import torch
 
 from gjit import ir
+from gjit.codegen.common import INFIX, KernelSource, constant, hint, next_power_of_2
 from gjit.codegen.indexing import coalesce
 from gjit.codegen.printer import ExprPrinter
-from gjit.codegen.triton import (
-    INFIX,
-    KernelSource,
-    KernelWriter,
-    _constant,
-    hint,
-    kernel_name,
-    next_power_of_2,
-)
-from gjit.fusion import Region
+from gjit.codegen.triton.pointwise import KernelWriter
 from gjit.ir import Const, Expr, IndexValue, Masked, Op, Read
 
 C_TYPES = {
@@ -145,7 +137,7 @@ def _bitwise_not(a: str, t: torch.dtype) -> str:
 
 
 # Per-op emitters: IR op name -> C expression. Arguments are printed operands; the last one is
-# the dtype of the result (the compute dtype). The Triton table is codegen/triton.py's.
+# the dtype of the result (the compute dtype). The Triton table is codegen/triton/pointwise.py's.
 CudaOverrides: dict[str, Callable[..., str]] = {
     "truncdiv": lambda a, b, t: f"({a} / {b})",
     "floordiv": _floordiv,
@@ -223,9 +215,9 @@ class CudaEmitter:
     def emit(self, e: Expr) -> str:
         if isinstance(e, Const):
             return literal(e.value, e.dtype)
-        if isinstance(e, Op) and e.name == "to_dtype" and _constant(e.args[0]) is not None:
+        if isinstance(e, Op) and e.name == "to_dtype" and constant(e.args[0]) is not None:
             # a constant (a size, a fill value) under a cast: cast it now, rounding as ATen does
-            value = torch.tensor(_constant(e.args[0]), dtype=e.args[0].dtype).to(e.params[0]).item()
+            value = torch.tensor(constant(e.args[0]), dtype=e.args[0].dtype).to(e.params[0]).item()
             return literal(value, e.params[0])
         if isinstance(e, IndexValue):
             expr = self.subst(e.expr)
@@ -406,15 +398,3 @@ class CudaKernelWriter(CudaEmitter, KernelWriter):
             + [f"        {ln}" for ln in body]
             + ["    }", "    return;", "}"]
         )  # fmt: skip
-
-
-def generate_cuda_kernel(
-    region: Region, graph: ir.LoopGraph, hints: dict[sympy.Symbol, int], index: int
-) -> KernelSource:
-    name = kernel_name(region, index)
-    region.name = name
-    if region.reduction is not None:
-        from gjit.codegen.cuda_reduction import CudaReductionWriter
-
-        return CudaReductionWriter(region, graph, hints).generate(name)
-    return CudaKernelWriter(region, graph, hints).generate(name)

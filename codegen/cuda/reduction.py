@@ -21,11 +21,12 @@ import sympy
 import torch
 
 from gjit.codegen import online
-from gjit.codegen.cuda import C_TYPES, THREADS, CudaEmitter, literal, threads_for, to_dtype
-from gjit.codegen.triton import hint
-from gjit.codegen.triton_reduction import WELFORD, ReductionWriter
+from gjit.codegen.common import hint
+from gjit.codegen.cuda.pointwise import C_TYPES, THREADS, CudaEmitter, literal, threads_for, to_dtype
+from gjit.codegen.triton.reduction import ReductionWriter
 from gjit.config import config
 from gjit.ir import Read, ReduceNode
+from gjit.kernels.triton_helpers import WELFORD
 
 FUNCTORS = {"sum": "GjitSum", "prod": "GjitProd", "max": "GjitMax", "min": "GjitMin"}
 

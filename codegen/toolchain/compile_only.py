@@ -11,13 +11,13 @@ from __future__ import annotations
 import triton
 from triton.backends.compiler import GPUTarget
 
-from gjit.codegen.triton import KernelSource
-from gjit.runtime import load_module
+from gjit.codegen.common import KernelSource
+from gjit.codegen.toolchain.files import import_file
 
 
 def compile_kernel(kernel: KernelSource, path: str, arch: int = 90, aligned: bool = True):
     """Compile `kernel` (its source file at `path`) for sm_<arch>; returns Triton's CompiledKernel."""
-    fn = getattr(load_module(path, interpret=False), kernel.name)
+    fn = getattr(import_file(path), kernel.name)
     params = [p for p in kernel.signature if p not in kernel.blocks]
     attrs = {}
     if aligned:

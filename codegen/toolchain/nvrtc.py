@@ -16,7 +16,7 @@ import re
 
 from cupy_backends.cuda.libs import nvrtc
 
-from gjit.codegen.cuda_host import numbered
+from gjit.codegen.common import numbered
 
 OPTIONS = ["--std=c++17", "-Xptxas=-v"]  # -v: ptxas reports registers and spills in the log
 

@@ -3,13 +3,11 @@
 Sizes and symbolic strides are kernel arguments, so the same source serves every size an
 entry admits; Triton's own launcher then specializes each call on 16-divisibility and
 alignment. Math that core `tl` lacks goes through libdevice (on the CPU interpreter,
-`gjit.codegen.interpret` gives libdevice's symbols numpy implementations).
+`gjit.runtime.interpret` gives libdevice's symbols numpy implementations).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import math
 import re
 from collections.abc import Callable
@@ -18,6 +16,7 @@ import sympy
 import torch
 
 from gjit import ir
+from gjit.codegen.common import INFIX, KernelSource, constant, hint, next_power_of_2, source_line, unique
 from gjit.codegen.indexing import XINDEX, coalesce
 from gjit.codegen.printer import TritonPrinter
 from gjit.config import config
@@ -83,23 +82,6 @@ def _minmax(fn: str) -> Callable[[str, str, torch.dtype], str]:
 
     return emit
 
-
-# Ops both kernel languages spell as one infix operator with the same meaning.
-INFIX = {
-    "add": "+",
-    "sub": "-",
-    "mul": "*",
-    "truediv": "/",
-    "eq": "==",
-    "ne": "!=",
-    "lt": "<",
-    "le": "<=",
-    "gt": ">",
-    "ge": ">=",
-    "bitwise_and": "&",
-    "bitwise_or": "|",
-    "bitwise_xor": "^",
-}
 
 # Per-op emitters: IR op name -> source text. Arguments are already-printed operands; the
 # last argument is the dtype of the result (the compute dtype).
@@ -183,59 +165,6 @@ def literal(value, dtype: torch.dtype) -> str:
     return f"tl.full([1], {v}, {TL_DTYPES[dtype]})"
 
 
-@dataclasses.dataclass
-class KernelSource:
-    """A generated kernel and how the wrapper calls it."""
-
-    name: str
-    source: str
-    in_args: list[str]  # buffer / node names read, in pointer-argument order
-    out_args: list[str]  # node names stored
-    size_args: list[sympy.Symbol]  # symbols passed by value
-    numel: sympy.Expr  # xnumel: the number of programs' elements along x
-    index_dtype: str
-    aten_nodes: list[str]  # "name: aten.op" per fused node
-    source_lines: list[str]
-    signature: dict[str, str]  # parameter -> Triton type ("*fp32", "i32", "constexpr")
-    blocks: dict[str, int] = dataclasses.field(default_factory=dict)  # constexpr block sizes at launch
-    bytes_read: sympy.Expr = sympy.Integer(0)  # modeled: each buffer once per pass over it
-    bytes_written: sympy.Expr = sympy.Integer(0)
-    rnumel: sympy.Expr | None = None  # reduction kernels: elements reduced per output element
-    persistent: bool = False  # reduction kernels: the whole row in one block (needs rnumel <= RBLOCK)
-    passes: int = 1  # looped reduction kernels: loops over each row, each reading it from memory
-    # block sizes the wrapper computes at launch (Python over xnumel / rnumel), overriding `blocks`
-    launch_blocks: dict[str, str] = dataclasses.field(default_factory=dict)
-    # (condition over size symbols, why): what this kernel relies on beyond its example sizes;
-    # the entry's guards check them (a call that breaks one recompiles)
-    assumptions: list[tuple[sympy.Basic, str]] = dataclasses.field(default_factory=list)
-    backend: str = "triton"  # or "cuda": CUDA C for NVRTC / CuPy (codegen/cuda.py)
-
-    @property
-    def cache_key(self) -> str:
-        return hashlib.sha256(self.source.encode()).hexdigest()[:16]
-
-
-def source_line(node: torch.fx.Node) -> str | None:
-    """'file.py:12 in forward: code' from the node's user stack trace: its innermost frame in a real
-    file (a torch.cond branch's trace ends in FX-generated code)."""
-    trace = node.meta.get("stack_trace")
-    if not trace:
-        return None
-    lines = [ln for ln in trace.strip().splitlines() if ln.strip()]
-    for k in range(len(lines) - 1, -1, -1):
-        ln = lines[k].strip()
-        if ln.startswith("File "):
-            parts = ln.split(",")
-            path = parts[0][len("File ") :].strip().strip('"')
-            if path.startswith("<"):  # FX-generated code (<eval_with_key>.N): not the user's line
-                continue
-            lineno = parts[1].strip().removeprefix("line ").strip() if len(parts) > 1 else "?"
-            func = parts[2].strip().removeprefix("in ").strip() if len(parts) > 2 else "?"
-            code = lines[k + 1].strip() if k + 1 < len(lines) else ""
-            return f"{path.rsplit('/', 1)[-1]}:{lineno} in {func}: {code}"
-    return None
-
-
 class KernelWriter:
     """Emits one region's kernel: index setup, CSE'd expression lines, stores."""
 
@@ -297,8 +226,8 @@ class KernelWriter:
             return literal(e.value, e.dtype)
         if isinstance(e, IndexValue) and sympy.sympify(e.expr).is_number:
             return literal(e.expr, e.dtype)
-        if isinstance(e, Op) and e.name == "to_dtype" and _constant(e.args[0]) is not None:
-            return literal(_constant(e.args[0]), e.params[0])  # a constant (size) under a cast
+        if isinstance(e, Op) and e.name == "to_dtype" and constant(e.args[0]) is not None:
+            return literal(constant(e.args[0]), e.params[0])  # a constant (size) under a cast
         if isinstance(e, IndexValue):
             expr = self.subst(e.expr)
             if sympy.sympify(expr).is_number:  # e.g. the index of a size-1 dim
@@ -470,7 +399,7 @@ class KernelWriter:
             numel=sizes["xnumel"],
             index_dtype=index_dtype,
             aten_nodes=[f"{n.name}: {n.fx_node.target}" for n in nodes],
-            source_lines=_unique(source_line(n.fx_node) for n in nodes),
+            source_lines=unique(source_line(n.fx_node) for n in nodes),
             signature=signature,
             blocks=blocks,
             bytes_read=read,
@@ -537,21 +466,13 @@ class KernelWriter:
     def header(self, name: str, nodes: list[ir.ComputeNode], numel: sympy.Expr) -> list[str]:
         out = [f"# kernel: {name}", "# fused ATen nodes:"]
         out += [f"#   {n.name} = {n.fx_node.target}  {ir.dtype_str(n.dtype)}{list(n.size)}" for n in nodes]
-        lines = _unique(source_line(n.fx_node) for n in nodes)
+        lines = unique(source_line(n.fx_node) for n in nodes)
         if lines:
             out.append("# user source:")
             out += [f"#   {ln}" for ln in lines]
         out.append(f"# iteration space: {list(self.region.size)} (numel {numel})")
         out.append(f"# stores: {', '.join(self.region.stores)}")
         return out
-
-
-def _unique(items) -> list[str]:
-    out: list[str] = []
-    for it in items:
-        if it and it not in out:
-            out.append(it)
-    return out
 
 
 KERNEL_PRELUDE = """import triton
@@ -576,42 +497,6 @@ def _number(text: str) -> bool | int | float | None:
     return None
 
 
-def _constant(e: Expr):
-    """The Python number `e` always is, or None."""
-    if isinstance(e, Const):
-        return e.value
-    if isinstance(e, IndexValue) and sympy.sympify(e.expr).is_number:
-        return int(e.expr) if e.dtype != torch.bool else bool(e.expr)
-    return None
-
-
-def hint(expr: sympy.Expr, hints: dict[sympy.Symbol, int]) -> int:
-    value = sympy.sympify(expr).subs(hints)
-    return int(value) if value.is_number else 2**31
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 if n <= 1 else 2 ** (n - 1).bit_length()
-
-
 def xblock_for(numel: sympy.Expr, hints: dict[sympy.Symbol, int]) -> int:
     """Pointwise block size: the configured one, smaller for small (example) sizes."""
     return max(16, min(config.xblock, next_power_of_2(hint(numel, hints))))
-
-
-def kernel_name(region: Region, index: int) -> str:
-    ops = "_".join(region.aten_ops()[:6]) or "copy"
-    kind = "red" if region.reduction is not None else "poi"
-    return f"gjit_{kind}_fused_{ops}_{index}"
-
-
-def generate_kernel(
-    region: Region, graph: ir.LoopGraph, hints: dict[sympy.Symbol, int], index: int
-) -> KernelSource:
-    name = kernel_name(region, index)
-    region.name = name
-    if region.reduction is not None:
-        from gjit.codegen.triton_reduction import ReductionWriter
-
-        return ReductionWriter(region, graph, hints).generate(name)
-    return KernelWriter(region, graph, hints).generate(name)

@@ -7,15 +7,18 @@ The same report feeds the dump folder's report.json and the `perf_hints` log art
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sympy
 import torch
 
-from gjit.compiler import CompiledProgram, size_hints
+from gjit.capture import size_hints
+from gjit.debug.byte_model import Traffic, traffic
 from gjit.fusion import Region
 from gjit.ir import ExternNode
-from gjit.perf_model import Traffic, traffic
+
+if TYPE_CHECKING:  # the driver makes the program a report describes
+    from gjit.driver import CompiledProgram
 
 UNBACKED_HINT = 8192  # a data-dependent size has no example value; the byte model assumes this
 

@@ -10,15 +10,15 @@ index_add) stay externs, with that reason in `gjit.explain(...).externs`.
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 import sympy
 import torch
 
 from gjit import ir
 from gjit.ir import Const, Expr, Index, Op
-from gjit.lowering import (
+from gjit.lowering.registry import (
     EXTERN_REASONS,
-    Lowering,
     TensorValue,
     Unsupported,
     broadcast_index,
@@ -26,6 +26,9 @@ from gjit.lowering import (
     register_lowering,
     to_sympy,
 )
+
+if TYPE_CHECKING:  # the walk that calls the lowerings; it imports this module
+    from gjit.lowering.graph import Lowering
 
 aten = torch.ops.aten
 _symbols = itertools.count()

@@ -7,13 +7,15 @@ of squared deviations from it (two levels; a looped kernel folds them into one p
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import sympy
 import torch
 from torch.utils._sympy.functions import FloorDiv
 
 from gjit.ir import Const, Expr, Index, IndexValue
-from gjit.lowering import (
-    Lowering,
+from gjit.lowering.pointwise import op
+from gjit.lowering.registry import (
     TensorValue,
     Unsupported,
     ViewValue,
@@ -22,7 +24,9 @@ from gjit.lowering import (
     meta_layout,
     register_lowering,
 )
-from gjit.lowering_pointwise import op
+
+if TYPE_CHECKING:  # the walk that calls the lowerings; it imports this module
+    from gjit.lowering.graph import Lowering
 
 aten = torch.ops.aten
 

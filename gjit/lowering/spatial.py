@@ -15,14 +15,16 @@ input: pointwise reads at other indices, fused into their consumers.
 from __future__ import annotations
 
 import operator
+from typing import TYPE_CHECKING
 
 import sympy
 import torch
 from torch.utils._sympy.functions import FloorDiv
 
 from gjit.ir import Const, Expr, Index, IndexValue, Masked
-from gjit.lowering import (
-    Lowering,
+from gjit.lowering.pointwise import op
+from gjit.lowering.reductions import acc_dtype
+from gjit.lowering.registry import (
     TensorValue,
     Unsupported,
     cast,
@@ -31,8 +33,9 @@ from gjit.lowering import (
     register_lowering,
     to_sympy,
 )
-from gjit.lowering_pointwise import op
-from gjit.lowering_reductions import acc_dtype
+
+if TYPE_CHECKING:  # the walk that calls the lowerings; it imports this module
+    from gjit.lowering.graph import Lowering
 
 aten = torch.ops.aten
 

@@ -7,13 +7,24 @@ op on the base buffer: zero-copy, with eager's strides.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import sympy
 import torch
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 from torch.utils._sympy.value_ranges import bound_sympy
 
 from gjit.ir import Index
-from gjit.lowering import Lowering, TensorValue, Unsupported, broadcast_index, register_lowering, to_sympy
+from gjit.lowering.registry import (
+    TensorValue,
+    Unsupported,
+    broadcast_index,
+    register_lowering,
+    to_sympy,
+)
+
+if TYPE_CHECKING:  # the walk that calls the lowerings; it imports this module
+    from gjit.lowering.graph import Lowering
 
 aten = torch.ops.aten
 ZERO = sympy.Integer(0)

@@ -4,7 +4,7 @@ so one generated wrapper serves both backends.
 On CUDA tensors a kernel is compiled by NVRTC for the device's arch (the cubin cached on disk,
 content-addressed) and launched through CuPy on torch's current stream, tensors passed by
 pointer (no copies). On CPU tensors (`gjit.config.interpret`) the same source runs on the host
-emulation of gjit/codegen/cuda_host.py. Kernels are grid-stride loops, so the launcher may cap
+emulation of gjit/runtime/host_emulation.py. Kernels are grid-stride loops, so the launcher may cap
 the grid; the host run caps it low, so that each emulated block does more of the work.
 """
 
@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from gjit import logs
-from gjit.codegen.cuda_prelude import CUDA_PRELUDE
-from gjit.codegen.triton import KernelSource
+from gjit.codegen.common import KernelSource
 from gjit.config import config
+from gjit.kernels.cuda_prelude import CUDA_PRELUDE
 
 cache_log = logs.logger("cache")
 
@@ -31,8 +31,8 @@ _SCALARS = {"int": np.int32, "long long": np.int64, "float": np.float32, "double
 
 def cubin_for(source: str, name: str, arch: int) -> bytes:
     """NVRTC's cubin of `source` for sm_<arch>, from the on-disk cache when it is there."""
-    from gjit.codegen.nvrtc import compile_cuda
-    from gjit.runtime import atomic_write
+    from gjit.codegen.toolchain.files import atomic_write
+    from gjit.codegen.toolchain.nvrtc import compile_cuda
 
     digest = hashlib.sha256(f"{arch}\0{source}".encode()).hexdigest()[:20]
     path = os.path.join(config.cache_dir, "cubins", digest[:2], f"{name}_{digest}_sm{arch}.cubin")
@@ -70,7 +70,7 @@ class CudaKernel:
     def launch(self, grid: int, threads: int, args: tuple) -> None:
         if self.interpret:
             if self._host is None:
-                from gjit.codegen.cuda_host import host_kernels
+                from gjit.runtime.host_emulation import host_kernels
 
                 built = host_kernels([(k.source(), k.kernel.name, k.params) for k in self.group])
                 for k, host in zip(self.group, built):

@@ -33,9 +33,10 @@ import torch.utils._sympy.functions as torch_sympy
 import triton
 
 from gjit import logs, stats
-from gjit.codegen.triton import KernelSource, source_line
+from gjit.codegen.common import KernelSource, source_line
+from gjit.codegen.toolchain.files import atomic_write
 from gjit.config import config
-from gjit.runtime import CompiledGraph, atomic_write
+from gjit.runtime.graph import CompiledGraph
 
 cache_log = logs.logger("cache")
 

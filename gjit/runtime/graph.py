@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import importlib.util
 import os
-import sys
-import tempfile
 import types
 from collections.abc import Callable
 from typing import Any
@@ -22,10 +18,13 @@ from typing import Any
 import torch
 import triton
 
-from gjit import logs, runtime_cuda
-from gjit.codegen import interpret as interpret_libdevice
-from gjit.codegen.triton import KERNEL_PRELUDE, KernelSource
+from gjit import logs
+from gjit.codegen.common import KernelSource
+from gjit.codegen.toolchain.files import import_file, write_source
+from gjit.codegen.triton.pointwise import KERNEL_PRELUDE
 from gjit.config import config
+from gjit.runtime import cuda as runtime_cuda
+from gjit.runtime import interpret as interpret_libdevice
 
 cache_log = logs.logger("cache")
 
@@ -34,59 +33,14 @@ cache_log = logs.logger("cache")
 # ----------------------------------------------------------------------------------------------
 
 
-def atomic_write(path: str, data: str | bytes) -> None:
-    """Write through a temp file in the same folder, then rename: readers see all of it or nothing."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:20]
-
-
-def write_source(kind: str, name: str, source: str, ext: str = ".py") -> str:
-    """Write `source` under the cache dir, content-addressed, atomically. A file already there is
-    reused only if its content still matches its name; a damaged one is logged and rewritten."""
-    digest = _digest(source)
-    path = os.path.join(config.cache_dir, kind, digest[:2], f"{name}_{digest}{ext}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            intact = _digest(f.read()) == digest
-    except FileNotFoundError:
-        cache_log.info("on-disk miss: writing %s %s to %s", kind, name, path)
-    except (OSError, UnicodeDecodeError) as e:
-        cache_log.warning("gjit: unreadable cached %s %s (%s); rewriting it", kind, path, e)
-    else:
-        if intact:
-            cache_log.info("on-disk hit: %s %s is already at %s", kind, name, path)
-            return path
-        cache_log.warning("gjit: the cached %s %s does not match its content hash; rewriting it", kind, path)
-    atomic_write(path, source)
-    return path
-
-
 def load_module(path: str, extra: dict[str, Any] | None = None, interpret: bool = False) -> types.ModuleType:
     """Import a generated file; with `interpret`, its @triton.jit kernels become interpreted."""
-    name = "gjit_generated_" + os.path.basename(path)[:-3] + ("_interp" if interpret else "")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    module.__dict__.update(extra or {})
-    sys.modules[name] = module  # inspect.getsource needs the module registered
-    if interpret:
-        interpret_libdevice.install()
-        with triton.knobs.runtime.scope():
-            triton.knobs.runtime.interpret = True
-            spec.loader.exec_module(module)
-    else:
-        spec.loader.exec_module(module)
-    return module
+    if not interpret:
+        return import_file(path, extra)
+    interpret_libdevice.install()
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = True
+        return import_file(path, extra, suffix="_interp")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ has its own state, so launches from two Python threads may run at once.
 
 Three kinds of files, in config.cache_dir/cuda_host/, each named by the hash of what built it
 and written whole (temporary file, then os.replace): the runtime .so (launcher, fibers,
-barriers; codegen/cuda_host_runtime.py), built once; HOST_HEADER and its precompiled form
+barriers; gjit/runtime/host_runtime.py), built once; HOST_HEADER and its precompiled form
 (.gch), built once, so that a kernel does not parse <cmath> again; and one .so per program
 (its kernels, compiled in one g++ run), linked against the runtime. A g++ run takes about
 0.06 s plus 0.01-0.02 s per kernel (about twice that without the .gch, which g++ skips when it
@@ -41,8 +41,9 @@ import threading
 
 import torch
 
-from gjit.codegen.cuda_host_runtime import HOST_HEADER, RUNTIME_SOURCE
+from gjit.codegen.common import numbered
 from gjit.config import config
+from gjit.runtime.host_runtime import HOST_HEADER, RUNTIME_SOURCE
 
 HOST_THREADS = min(os.cpu_count() or 1, 16)  # blocks run this many at a time
 # The runtime exports only its GJIT_API entry points.
@@ -103,10 +104,6 @@ class HostCompileError(RuntimeError):
 
 class HostKernelError(RuntimeError):
     pass
-
-
-def numbered(source: str) -> str:
-    return "\n".join(f"{n:4d}  {line}" for n, line in enumerate(source.splitlines(), 1))
 
 
 def _strip_type(ctype: str) -> str:

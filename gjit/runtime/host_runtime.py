@@ -1,4 +1,4 @@
-"""The C++ text of the host emulation of codegen/cuda_host.py, in two parts.
+"""The C++ text of the host emulation of gjit/runtime/host_emulation.py, in two parts.
 
 RUNTIME_SOURCE is compiled once into gjit_host_runtime-<hash>.so: the launcher, the fibers
 (ucontext) that run a block's CUDA threads, barriers, shuffles, shared memory and the errors.

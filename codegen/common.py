@@ -1,0 +1,124 @@
+"""What every kernel printer shares: the record of a generated kernel (`KernelSource`), kernel
+names, the user source line of an FX node, and small helpers over sizes and constants.
+
+Both printers (codegen/triton/, codegen/cuda/) and everything after codegen (wrapper, runtime,
+disk cache, debug) read kernels through `KernelSource`, so it lives here, below them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import sympy
+import torch
+
+from gjit.fusion import Region
+from gjit.ir import Const, Expr, IndexValue
+
+# Ops both kernel languages spell as one infix operator with the same meaning.
+INFIX = {
+    "add": "+",
+    "sub": "-",
+    "mul": "*",
+    "truediv": "/",
+    "eq": "==",
+    "ne": "!=",
+    "lt": "<",
+    "le": "<=",
+    "gt": ">",
+    "ge": ">=",
+    "bitwise_and": "&",
+    "bitwise_or": "|",
+    "bitwise_xor": "^",
+}
+
+
+@dataclasses.dataclass
+class KernelSource:
+    """A generated kernel and how the wrapper calls it."""
+
+    name: str
+    source: str
+    in_args: list[str]  # buffer / node names read, in pointer-argument order
+    out_args: list[str]  # node names stored
+    size_args: list[sympy.Symbol]  # symbols passed by value
+    numel: sympy.Expr  # xnumel: the number of programs' elements along x
+    index_dtype: str
+    aten_nodes: list[str]  # "name: aten.op" per fused node
+    source_lines: list[str]
+    signature: dict[str, str]  # parameter -> Triton type ("*fp32", "i32", "constexpr")
+    blocks: dict[str, int] = dataclasses.field(default_factory=dict)  # constexpr block sizes at launch
+    bytes_read: sympy.Expr = sympy.Integer(0)  # modeled: each buffer once per pass over it
+    bytes_written: sympy.Expr = sympy.Integer(0)
+    rnumel: sympy.Expr | None = None  # reduction kernels: elements reduced per output element
+    persistent: bool = False  # reduction kernels: the whole row in one block (needs rnumel <= RBLOCK)
+    passes: int = 1  # looped reduction kernels: loops over each row, each reading it from memory
+    # block sizes the wrapper computes at launch (Python over xnumel / rnumel), overriding `blocks`
+    launch_blocks: dict[str, str] = dataclasses.field(default_factory=dict)
+    # (condition over size symbols, why): what this kernel relies on beyond its example sizes;
+    # the entry's guards check them (a call that breaks one recompiles)
+    assumptions: list[tuple[sympy.Basic, str]] = dataclasses.field(default_factory=list)
+    backend: str = "triton"  # or "cuda": CUDA C for NVRTC / CuPy (codegen/cuda/pointwise.py)
+
+    @property
+    def cache_key(self) -> str:
+        return hashlib.sha256(self.source.encode()).hexdigest()[:16]
+
+
+def source_line(node: torch.fx.Node) -> str | None:
+    """'file.py:12 in forward: code' from the node's user stack trace: its innermost frame in a real
+    file (a torch.cond branch's trace ends in FX-generated code)."""
+    trace = node.meta.get("stack_trace")
+    if not trace:
+        return None
+    lines = [ln for ln in trace.strip().splitlines() if ln.strip()]
+    for k in range(len(lines) - 1, -1, -1):
+        ln = lines[k].strip()
+        if ln.startswith("File "):
+            parts = ln.split(",")
+            path = parts[0][len("File ") :].strip().strip('"')
+            if path.startswith("<"):  # FX-generated code (<eval_with_key>.N): not the user's line
+                continue
+            lineno = parts[1].strip().removeprefix("line ").strip() if len(parts) > 1 else "?"
+            func = parts[2].strip().removeprefix("in ").strip() if len(parts) > 2 else "?"
+            code = lines[k + 1].strip() if k + 1 < len(lines) else ""
+            return f"{path.rsplit('/', 1)[-1]}:{lineno} in {func}: {code}"
+    return None
+
+
+def kernel_name(region: Region, index: int) -> str:
+    ops = "_".join(region.aten_ops()[:6]) or "copy"
+    kind = "red" if region.reduction is not None else "poi"
+    return f"gjit_{kind}_fused_{ops}_{index}"
+
+
+def hint(expr: sympy.Expr, hints: dict[sympy.Symbol, int]) -> int:
+    value = sympy.sympify(expr).subs(hints)
+    return int(value) if value.is_number else 2**31
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 2 ** (n - 1).bit_length()
+
+
+def constant(e: Expr):
+    """The Python number `e` always is, or None."""
+    if isinstance(e, Const):
+        return e.value
+    if isinstance(e, IndexValue) and sympy.sympify(e.expr).is_number:
+        return int(e.expr) if e.dtype != torch.bool else bool(e.expr)
+    return None
+
+
+def unique(items) -> list[str]:
+    out: list[str] = []
+    for it in items:
+        if it and it not in out:
+            out.append(it)
+    return out
+
+
+def numbered(source: str) -> str:
+    """`source` with line numbers, for compile errors that point into it."""
+    return "\n".join(f"{n:4d}  {line}" for n, line in enumerate(source.splitlines(), 1))

@@ -1,0 +1,1 @@
+"""The CUDA C printer (backend="cupy"): pointwise kernels (pointwise.py) and reductions (reduction.py)."""

@@ -1,0 +1,30 @@
+"""Codegen's entry: one region -> one kernel, by the writer of its backend and kind."""
+
+from __future__ import annotations
+
+import sympy
+
+from gjit import ir
+from gjit.codegen.common import KernelSource, kernel_name
+from gjit.codegen.cuda.pointwise import CudaKernelWriter
+from gjit.codegen.cuda.reduction import CudaReductionWriter
+from gjit.codegen.triton.pointwise import KernelWriter
+from gjit.codegen.triton.reduction import ReductionWriter
+from gjit.fusion import Region
+
+BACKENDS = ("triton", "cupy")
+WRITERS = {  # (backend, a reduction region?) -> writer class
+    ("triton", False): KernelWriter,
+    ("triton", True): ReductionWriter,
+    ("cupy", False): CudaKernelWriter,
+    ("cupy", True): CudaReductionWriter,
+}
+
+
+def generate_kernel(
+    region: Region, graph: ir.LoopGraph, hints: dict[sympy.Symbol, int], index: int, backend: str
+) -> KernelSource:
+    """The kernel of `region`, the `index`-th of its graph; names the region after it."""
+    region.name = kernel_name(region, index)
+    writer = WRITERS[backend, region.reduction is not None]
+    return writer(region, graph, hints).generate(region.name)

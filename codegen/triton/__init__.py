@@ -1,0 +1,1 @@
+"""The Triton printer: pointwise kernels (pointwise.py) and reduction kernels (reduction.py)."""

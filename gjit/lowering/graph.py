@@ -1,0 +1,252 @@
+"""Lowering: ATen FX graph -> loop IR (`ir.LoopGraph`).
+
+The walk looks each node's op up in the registry (gjit/lowering/registry.py). Pointwise ops
+become `ComputeNode`s, views become index functions (no copy), and every op without a
+lowering becomes an `ExternNode` that the wrapper runs through eager ATen: that is logged,
+never an error.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import sympy
+import torch
+
+from gjit import ir
+from gjit.ir import Expr, Index
+
+# the lowering modules register their functions on import
+from gjit.lowering import copies, indexing, pointwise, reductions, spatial, views  # noqa: F401
+from gjit.lowering.registry import (
+    EXTERN_REASONS,
+    IGNORED,
+    LOWERINGS,
+    SYM_TYPES,
+    ExternResults,
+    TensorValue,
+    Unsupported,
+    ViewValue,
+    cast,
+    complex_reason,
+    contiguous_layout,
+    float_size_reason,
+    meta_layout,
+    to_sympy,
+    to_sympy_any,
+)
+
+log = logging.getLogger("gjit.lowering")
+aten = torch.ops.aten
+
+
+class Lowering:
+    def __init__(self, gm: torch.fx.GraphModule):
+        self.gm = gm
+        self.values: dict[torch.fx.Node, Any] = {}
+        self.buffers: dict[str, ir.Buffer] = {}
+        self.nodes: list[ir.ComputeNode | ir.ExternNode] = []
+        self.views: dict[str, ir.ViewNode] = {}
+        self.needed: set[str] = set()
+        self.node: torch.fx.Node | None = None  # the FX node being lowered
+        self.known_symbols: set[sympy.Symbol] = set()  # symbols bound by inputs or earlier externs
+        self.aliases: dict[str, str] = {}
+
+    # -- helpers used by the lowering functions ------------------------------------------------
+
+    @property
+    def out_val(self) -> torch.Tensor:
+        return self.node.meta["val"]
+
+    @functools.cached_property
+    def shape_env(self):
+        """The ShapeEnv behind the graph's symbolic sizes (None when every size is static)."""
+        for node in self.gm.graph.nodes:
+            val = node.meta.get("val")
+            for s in getattr(val, "shape", None) or [val]:
+                if isinstance(s, torch.SymInt):
+                    return s.node.shape_env
+        return None
+
+    def known_one(self, size: sympy.Expr) -> bool:
+        """Is `size` 1 for every size the shape env admits (its ranges and export's guards)? A
+        broadcast dim can be symbolic, e.g. x[:, : x.shape[1] // 2] + x with x.shape[1] in [2, 3].
+        Never adds a guard."""
+        if size == 1:
+            return True
+        if sympy.sympify(size).is_number or self.shape_env is None:
+            return False
+        return bool(self.shape_env._maybe_evaluate_static(sympy.Eq(size, 1)))
+
+    @property
+    def aten_name(self) -> str:
+        return getattr(self.node.target, "__name__", str(self.node.target)).split(".")[0]
+
+    def pointwise(
+        self, body_fn: Callable[[Index], Expr], layout: ir.Layout | None = None, suffix: str = ""
+    ) -> TensorValue:
+        """Make a ComputeNode whose element at index `i` is `body_fn(i)`: the current node's
+        result, or (with `layout` and `suffix`) an intermediate value of a multi-node lowering."""
+        layout = layout or meta_layout(self.out_val)
+        idx = ir.index_vars(len(layout.size))
+        body = cast(body_fn(idx), layout.dtype)
+        name = self.node.name + suffix
+        self.nodes.append(ir.ComputeNode(name, layout, body, self.node, self.aten_name))
+        return TensorValue(name, layout.size, layout.dtype)
+
+    def reduction(
+        self,
+        body_fn: Callable[[Index], Expr],
+        full_size: Index,
+        reduced: Sequence[int],
+        reduce_type: str,
+        dtype: torch.dtype,
+        keepdim: bool,
+        layout: ir.Layout | None = None,
+        suffix: str = "",
+    ) -> TensorValue:
+        """Make a ReduceNode: `reduce_type` of `body_fn(full index)` over the dims `reduced`."""
+        reduced = tuple(sorted(reduced))
+        if layout is None:
+            size = tuple(
+                1 if k in reduced else s for k, s in enumerate(full_size) if keepdim or k not in reduced
+            )
+            layout = contiguous_layout(tuple(sympy.sympify(s) for s in size), dtype)
+        idx = ir.index_vars(len(full_size))
+        body = body_fn(idx)
+        name = self.node.name + suffix
+        node = ir.ReduceNode(
+            name, layout, body, self.node, self.aten_name, tuple(full_size), reduced, reduce_type, keepdim
+        )
+        self.nodes.append(node)
+        return TensorValue(name, layout.size, layout.dtype)
+
+    def view(
+        self, base: TensorValue, reindex: Callable[[Index], Index], element: int | None = None
+    ) -> ViewValue:
+        """A view of `base`; `element` picks one view of an op that returns several (split)."""
+        val = self.out_val if element is None else self.out_val[element]
+        name = self.node.name if element is None else f"{self.node.name}_piece{element}"
+        self.views[name] = ir.ViewNode(name, self.node, base.name, element)
+        return ViewValue(name, tuple(to_sympy(s) for s in val.shape), val.dtype, base, reindex)
+
+    # -- the walk ------------------------------------------------------------------------------
+
+    def run(self) -> ir.LoopGraph:
+        outputs: list[str | None] = []
+        for node in self.gm.graph.nodes:
+            self.node = node
+            if node.op == "placeholder":
+                self.values[node] = self.placeholder(node)
+            elif node.op == "get_attr":
+                self.values[node] = None  # a torch.cond branch: compiled on its own by the compiler
+            elif node.op == "call_function":
+                self.values[node] = self.call_function(node)
+                value = self.values[node]
+                if isinstance(value, TensorValue) and value.name != node.name:
+                    self.aliases[node.name] = value.name
+            elif node.op == "output":
+                for out in node.args[0]:
+                    value = self.values.get(out) if isinstance(out, torch.fx.Node) else None
+                    if isinstance(value, TensorValue):
+                        self.require(value)
+                        outputs.append(value.name)
+                    else:
+                        outputs.append(None)
+            else:
+                raise NotImplementedError(f"FX op {node.op} ({node.format_node()})")
+        return ir.LoopGraph(
+            self.buffers, self.nodes, self.views, outputs, self.gm.graph, self.needed, self.aliases
+        )
+
+    def placeholder(self, node: torch.fx.Node) -> Any:
+        val = node.meta.get("val")
+        self.know(val)
+        if isinstance(val, torch.Tensor):
+            layout = meta_layout(val)
+            self.buffers[node.name] = ir.Buffer(node.name, layout, "input")
+            return TensorValue(node.name, layout.size, layout.dtype)
+        return val  # SymInt / constants: used as scalars
+
+    def call_function(self, node: torch.fx.Node) -> Any:
+        target = node.target
+        if target is operator.getitem:
+            base = self.values[node.args[0]]
+            if isinstance(base, ExternResults):
+                return self.extern_output(node)
+            return base[node.args[1]]
+        if target in IGNORED:
+            return None
+        val = node.meta.get("val")
+        if isinstance(val, SYM_TYPES) and not (to_sympy_any(val).free_symbols - self.known_symbols):
+            return val  # size arithmetic (sym_size, operator.mul, ...): a sympy expression, no op to run
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: self.values[n])
+        fn = LOWERINGS.get(target)
+        reason = EXTERN_REASONS.get(target) or float_size_reason(val) or complex_reason(node)
+        if fn is not None and reason is None:
+            try:
+                return fn(self, *args, **kwargs)
+            except Unsupported as e:
+                reason = f"lowering refused: {e}"
+        if reason is None:
+            reason = f"no lowering for {target}"
+        return self.extern(node, reason)
+
+    def require(self, value: TensorValue) -> None:
+        """The wrapper needs this value as a real tensor: mark it (and a view's bases) in memory."""
+        self.needed.add(value.name)
+        if isinstance(value, ViewValue):
+            self.require(value.base)
+
+    def extern(self, node: torch.fx.Node, reason: str) -> Any:
+        tensor_args = []
+
+        def visit(a: Any) -> Any:
+            value = self.values.get(a) if isinstance(a, torch.fx.Node) else None
+            if isinstance(value, TensorValue):
+                self.require(value)
+                tensor_args.append(value.name)
+            return a
+
+        torch.fx.node.map_arg((node.args, node.kwargs), visit)
+        self.nodes.append(ir.ExternNode(node.name, node, reason, tensor_args))
+        log.info("extern %s = %s: %s", node.name, node.target, reason)
+        val = node.meta.get("val")
+        self.know(val)
+        if isinstance(val, torch.Tensor):
+            layout = meta_layout(val)
+            self.buffers[node.name] = ir.Buffer(node.name, layout, "extern")
+            return TensorValue(node.name, layout.size, layout.dtype)
+        if isinstance(val, (list, tuple)):
+            return ExternResults(node.name)  # read through getitem nodes, each its own buffer
+        return val
+
+    def know(self, val: Any) -> None:
+        """Record the size symbols a runtime value binds (inputs, extern results, .item())."""
+        if isinstance(val, torch.Tensor):
+            for s in (*val.shape, *val.stride()):
+                self.known_symbols |= to_sympy_any(s).free_symbols
+        elif isinstance(val, SYM_TYPES):
+            self.known_symbols |= to_sympy_any(val).free_symbols
+        elif isinstance(val, (list, tuple)):
+            for v in val:
+                self.know(v)
+
+    def extern_output(self, node: torch.fx.Node) -> Any:
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return val
+        layout = meta_layout(val)
+        self.buffers[node.name] = ir.Buffer(node.name, layout, "extern")
+        self.nodes.append(
+            ir.ExternNode(node.name, node, "element of an extern's result", [node.args[0].name])
+        )
+        return TensorValue(node.name, layout.size, layout.dtype)
+
+
+def lower_graph(gm: torch.fx.GraphModule) -> ir.LoopGraph:
+    return Lowering(gm).run()

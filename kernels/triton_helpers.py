@@ -1,0 +1,51 @@
+"""Hand-written Triton helpers that generated reduction kernels call: NaN-propagating max/min,
+product, first-index argmax/argmin, online softmax and Welford's variance per lane.
+
+Each is Triton source text that codegen copies into a kernel's file when the kernel uses it
+(a generated kernel file stands alone: Triton's JIT and interpreter read it by itself).
+"""
+
+HELPERS = {
+    "max_nan": "@triton.jit\ndef _max_nan(a, b):\n    return tl.maximum(a, b, tl.PropagateNan.ALL)\n",
+    "min_nan": "@triton.jit\ndef _min_nan(a, b):\n    return tl.minimum(a, b, tl.PropagateNan.ALL)\n",
+    "mul": "@triton.jit\ndef _mul(a, b):\n    return a * b\n",
+    # first index of the max / min; NaN counts as the max (and the min), as in eager
+    "argmax": "@triton.jit\ndef _argmax(v1, i1, v2, i2):\n"
+    "    nan1 = v1 != v1\n    nan2 = v2 != v2\n"
+    "    better = (v1 > v2) | (nan1 & (nan2 == 0))\n    same = (v1 == v2) | (nan1 & nan2)\n"
+    "    take = better | (same & (i1 < i2))\n    return tl.where(take, v1, v2), tl.where(take, i1, i2)\n",
+    # online softmax (codegen/online.py): per lane, the sum of exp(x - peak) for its running max
+    # `peak`, rescaled when the max grows; a lane that has seen only -inf (or nothing) holds 0
+    "online_sum_exp": "@triton.jit\ndef _online_sum_exp(total, peak, x):\n"
+    "    new_peak = tl.maximum(peak, x, tl.PropagateNan.ALL)\n"
+    "    scale = tl.where(peak == new_peak, 1.0, tl.exp(peak - new_peak))\n"
+    "    term = tl.where(new_peak == float('-inf'), 0.0, tl.exp(x - new_peak))\n"
+    "    return total * scale + term\n",
+    # the row's sum, every lane rescaled to the row's max; a row of only -inf sums to NaN, as
+    # exp(x - max) does in eager
+    "online_sum_exp_final": "@triton.jit\ndef _online_sum_exp_final(total, peak, row_peak):\n"
+    "    scaled = tl.where(peak == row_peak, total, total * tl.exp(peak - row_peak))\n"
+    "    row = tl.sum(scaled, 1)[:, None]\n"
+    "    return tl.where(row_peak == float('-inf'), float('nan'), row)\n",
+    # Welford's running count, mean and M2 per lane of (x - the lane's first element) / 2: the
+    # mean stays small where the row's is large (a float32 mean of 1e4 is only good to 1e-3), and
+    # halving keeps the difference of two finite values finite (eager's squares may reach inf)
+    "welford_add": "@triton.jit\ndef _welford_add(count, first, mean, m2, x, active):\n"
+    "    first = tl.where(active & (count == 0), x, first)\n"
+    "    count = count + tl.where(active, 1.0, 0.0)\n"
+    "    d = x * 0.5 - first * 0.5\n"
+    "    delta = tl.where(active, d - mean, 0.0)\n"
+    "    mean = mean + delta / tl.maximum(count, 1.0)\n"
+    "    m2 = m2 + delta * tl.where(active, d - mean, 0.0)\n"
+    "    return count, first, mean, m2\n",
+    # the row's sum of (x - row_mean)**2 from its lanes' (count, first, mean, M2)
+    "welford_final": "@triton.jit\ndef _welford_final(count, first, mean, m2, row_mean):\n"
+    "    dev = (first * 0.5 - row_mean * 0.5) + mean\n"
+    "    return 4.0 * tl.sum(tl.where(count > 0, m2 + count * dev * dev, 0.0), 1)[:, None]\n",
+    "argmin": "@triton.jit\ndef _argmin(v1, i1, v2, i2):\n"
+    "    nan1 = v1 != v1\n    nan2 = v2 != v2\n"
+    "    better = (v1 < v2) | (nan1 & (nan2 == 0))\n    same = (v1 == v2) | (nan1 & nan2)\n"
+    "    take = better | (same & (i1 < i2))\n    return tl.where(take, v1, v2), tl.where(take, i1, i2)\n",
+}
+
+WELFORD = ("count", "first", "mean", "m2")  # a variance's accumulators per lane (_welford_add)
