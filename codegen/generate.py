@@ -10,9 +10,9 @@ from gjit.codegen.cuda.pointwise import CudaKernelWriter
 from gjit.codegen.cuda.reduction import CudaReductionWriter
 from gjit.codegen.triton.pointwise import KernelWriter
 from gjit.codegen.triton.reduction import ReductionWriter
+from gjit.config import CompileOptions
 from gjit.fusion import Region
 
-BACKENDS = ("triton", "cupy")
 WRITERS = {  # (backend, a reduction region?) -> writer class
     ("triton", False): KernelWriter,
     ("triton", True): ReductionWriter,
@@ -22,9 +22,9 @@ WRITERS = {  # (backend, a reduction region?) -> writer class
 
 
 def generate_kernel(
-    region: Region, graph: ir.LoopGraph, hints: dict[sympy.Symbol, int], index: int, backend: str
+    region: Region, graph: ir.LoopGraph, hints: dict[sympy.Symbol, int], index: int, options: CompileOptions
 ) -> KernelSource:
     """The kernel of `region`, the `index`-th of its graph; names the region after it."""
     region.name = kernel_name(region, index)
-    writer = WRITERS[backend, region.reduction is not None]
-    return writer(region, graph, hints).generate(region.name)
+    writer = WRITERS[options.backend, region.reduction is not None]
+    return writer(region, graph, hints, options).generate(region.name)

@@ -13,10 +13,10 @@ import torch.utils._pytree as pytree
 
 from gjit import logs, stats
 from gjit.capture import CaptureError, bind_call, capture, forward_signature, readable
-from gjit.config import config
+from gjit.config import BACKENDS, CompileOptions, config
 from gjit.debug import dump
 from gjit.debug.report import Report, build_report
-from gjit.driver import BACKENDS, CompiledProgram, compile_program, run_program
+from gjit.driver import CompiledProgram, compile_program, run_program
 from gjit.guards import GuardBuildError, GuardSet, MissHistory, build_guards, dynamic_dims
 from gjit.guards.policy import specialized_dims
 from gjit.stats import timed
@@ -274,9 +274,8 @@ class CompiledFunction:
         except CaptureError as e:  # warned about in _run_eager, once the model ran fine eagerly
             self._capture_failed = str(e)
             return None
-        check = config.check if self.check is None else self.check
-        with config.scope(backend=self.backend or config.backend):
-            program = compile_program(captured, timings, check=check)
+        options = CompileOptions.from_config(backend=self.backend, check=self.check)
+        program = compile_program(captured, timings, options)
         try:
             with timed("guards", timings):
                 guards = build_guards(
@@ -320,12 +319,8 @@ class CompiledFunction:
         files = {
             "01_core_aten.txt": dump.stage_header("run_decompositions (core ATen)", t.get("decompose"))
             + readable(captured.graph_module),
-            "02_loop_ir.txt": dump.stage_header("lower (gjit/lowering.py)", t.get("lower"))
-            + program.loop_graph.format(),
-            "03_regions.txt": dump.stage_header("fuse (gjit/fusion.py)", t.get("fuse"))
-            + dump.regions_text(program.steps),
+            **program.dumped(),
             "03_regions.dot": dump.regions_dot(captured.graph_module, program.steps),
-            "wrapper.py": program.graph.wrapper_source,
             "guards.txt": dump.stage_header("guards (guards/builder.py)", t.get("guards"))
             + entry.guards.format()
             + "\n\n"
@@ -336,8 +331,6 @@ class CompiledFunction:
             files["00_exported.txt"] = dump.stage_header(
                 "torch.export.export (non-strict)", t.get("export")
             ) + readable(captured.exported.graph_module)
-        for k in program.kernels:
-            files[f"kernels/{k.name}{'.cu' if k.backend == 'cuda' else '.py'}"] = k.source
         dump.write(path, files)
         logs.logger("output_code").info(
             "%s entry %d: compile stages written to %s", self._name(), index, path

@@ -4,7 +4,8 @@
                                                          interpreter (CPU tensors); the test mode
     gjit.config.debug                 GJIT_DEBUG=1       poison freshly allocated buffers (NaN / int
                                                          sentinel) so an element a kernel forgot to
-                                                         write shows up in comparisons
+                                                         write shows up in comparisons; check the IR
+                                                         between passes
     gjit.config.cache_dir             GJIT_CACHE_DIR     the on-disk cache: compiled graphs, kernel and
                                                          wrapper sources (default ~/.cache/gjit)
     gjit.config.cache                 GJIT_CACHE=0       turn the on-disk compile cache off (on by default)
@@ -27,6 +28,7 @@ Tests override knobs with ``with gjit.config.scope(interpret=True): ...``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -97,7 +99,7 @@ class Config:
     debug = _Knob(
         "GJIT_DEBUG",
         _env_bool("GJIT_DEBUG", False),
-        "poison newly allocated buffers so unwritten elements are caught",
+        "poison new buffers so unwritten elements are caught; bounds checks; IR checks between passes",
     )
     cache_dir = _Knob(
         "GJIT_CACHE_DIR",
@@ -172,10 +174,34 @@ class Config:
         finally:
             self._overrides = saved
 
-    def snapshot(self) -> dict[str, Any]:
-        """The knob values that change generated code or how it runs (part of a cache key)."""
-        names = ("backend", "interpret", "debug", "xblock", "reduction", "persistent_max", "rblock", "check")
-        return {name: getattr(self, name) for name in names}
-
 
 config = Config()
+
+BACKENDS = ("triton", "cupy")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileOptions:
+    """What one compile is asked for: built once where a compile starts (gjit.compile's arguments
+    over the knobs above), then passed down the passes as an argument. Codegen and the wrapper
+    read these, never the global config."""
+
+    backend: str = "triton"
+    check: bool = False  # GJIT_CHECK: the wrapper reports every kernel's stores to the checker
+    debug: bool = False  # GJIT_DEBUG: poisoned buffers, bounds checks on gathered indices
+    xblock: int = 1024
+    reduction: str = "auto"
+    persistent_max: int = 1024
+    rblock: int = 64
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"gjit: unknown backend {self.backend!r}: expected one of {BACKENDS}")
+
+    @classmethod
+    def from_config(cls, **given: Any) -> CompileOptions:
+        """The knobs' values, with what a caller gave (None: not given) on top."""
+        values = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls)}
+        values.update({k: v for k, v in given.items() if v is not None})
+        return cls(**values)
+

@@ -1,20 +1,23 @@
-"""The driver: one compile of a graph, every pass in order, each timed under its name."""
+"""The driver: one compile of a graph, every pass in order, one line each (compile_graph), each
+timed, logged (GJIT_LOGS=passes), verified under GJIT_DEBUG and dumped under its name."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import sympy
 import torch
 
-from gjit import logs, stats
+from gjit import ir, logs, stats
 from gjit.capture import CapturedProgram, size_hints
 from gjit.codegen.common import KernelSource, kernel_name
-from gjit.codegen.generate import BACKENDS, generate_kernel
-from gjit.config import config
+from gjit.codegen.generate import generate_kernel
+from gjit.config import CompileOptions, config
+from gjit.debug import dump
 from gjit.debug.check import RegionChecker
-from gjit.fusion import Region, Step, fuse
+from gjit.fusion import Region, Step, fuse, verify_schedule
 from gjit.guards.builder import input_symbols
 from gjit.ir import LoopGraph
 from gjit.lowering.graph import lower_graph
@@ -25,6 +28,7 @@ from gjit.wrapper import WrapperWriter
 
 output_code_log = logs.logger("output_code")
 fusion_log = logs.logger("fusion")
+passes_log = logs.logger("passes")
 
 
 @dataclasses.dataclass
@@ -64,32 +68,75 @@ class CompiledProgram:
             self._analysis = loop_graph, steps
         return self._analysis
 
+    def dumped(self) -> dict[str, str]:
+        """The dump folder's files of the driver's passes (DUMPED); a text stage starts with the
+        pass that produced it and how long it took."""
+        results = {
+            "lower": self.loop_graph,
+            "fuse": self.steps,
+            "codegen": self.kernels,
+            "wrapper": self.graph.wrapper_source,
+        }
+        files = {}
+        for name, describe in DUMPED.items():
+            for file, text in describe(results[name]).items():
+                header = dump.stage_header(name, self.timings.get(name)) if file.endswith(".txt") else ""
+                files[file] = header + text
+        return files
 
-def backend() -> str:
-    name = config.backend
-    if name not in BACKENDS:
-        raise ValueError(f"gjit: unknown backend {name!r} (GJIT_BACKEND): expected one of {BACKENDS}")
-    return name
+
+# What the dump folder shows of a pass: its result as files (name -> text), each file headed by
+# the pass that made it and how long that took. Capture's passes (export, decompose) and the
+# guards are dumped by gjit/api.py, which runs them.
+DUMPED: dict[str, Callable[[Any], dict[str, str]]] = {
+    "lower": lambda loop_graph: {"02_loop_ir.txt": loop_graph.format()},
+    "fuse": lambda steps: {"03_regions.txt": dump.regions_text(steps)},
+    "codegen": lambda kernels: {
+        f"kernels/{k.name}{'.cu' if k.backend == 'cuda' else '.py'}": k.source for k in kernels
+    },
+    "wrapper": lambda wrapper: {"wrapper.py": wrapper},
+}
+# Under GJIT_DEBUG, what each pass's result must satisfy before the next pass reads it.
+VERIFIED: dict[str, Callable[..., None]] = {
+    "lower": lambda loop_graph, gm: ir.verify(loop_graph),
+    "fuse": lambda steps, loop_graph: verify_schedule(steps, loop_graph),
+}
+
+
+@dataclasses.dataclass
+class Passes:
+    """Runs passes: each timed under its name, logged, and verified under GJIT_DEBUG."""
+
+    options: CompileOptions
+    timings: dict[str, float]
+
+    def __call__(self, name: str, fn: Callable, *args: Any) -> Any:
+        with timed(name, self.timings):
+            result = fn(*args)
+        passes_log.info("%s: %.1f ms", name, self.timings[name] * 1000)
+        if self.options.debug and name in VERIFIED:
+            VERIFIED[name](result, *args)
+        return result
 
 
 def compile_program(
-    captured: CapturedProgram, timings: dict[str, float], check: bool = False
+    captured: CapturedProgram, timings: dict[str, float], options: CompileOptions
 ) -> CompiledProgram:
     """Kernels + wrapper for a captured program: from the on-disk cache when an entry with the
-    same key is there (gjit/runtime/disk_cache.py), else compiled and stored. `check` compiles fresh: the
-    per-kernel checker needs the schedule, and a check exists to test what codegen emits now."""
+    same key is there (gjit/runtime/disk_cache.py), else compiled and stored. A checked compile is
+    fresh: the per-kernel checker needs the schedule, and a check tests what codegen emits now."""
     gm = captured.graph_module
     symbols = input_symbols(captured.user_vals)
     key = None
-    if config.cache and not check:
+    if config.cache and not options.check:
         with timed("cache", timings):
-            key = cache.graph_key(gm, symbols, size_hints(gm), captured.program.range_constraints)
+            key = cache.graph_key(gm, symbols, size_hints(gm), captured.program.range_constraints, options)
             graph = cache.load(key, gm)
         if graph is not None:
             for k in graph.kernels:
                 output_code_log.info("kernel %s from the cache: %s", k.name, graph.kernel_paths[k.name])
             return CompiledProgram(captured, graph, timings)
-    loop_graph, steps, graph = compile_graph(gm, timings, symbols, check)
+    loop_graph, steps, graph = compile_graph(gm, symbols, Passes(options, timings))
     if key is not None:
         with timed("cache_store", timings):
             cache.store(key, graph)
@@ -97,46 +144,59 @@ def compile_program(
 
 
 def compile_graph(
-    gm: torch.fx.GraphModule, timings: dict[str, float], symbols: list[sympy.Symbol], check: bool = False
+    gm: torch.fx.GraphModule, symbols: list[sympy.Symbol], run: Passes
 ) -> tuple[LoopGraph, list[Step], CompiledGraph]:
     """One FX graph -> kernels + wrapper; `symbols` are the sizes the caller passes in bound.
     The branches of a torch.cond are compiled the same way (binding their sizes themselves)."""
+    options = run.options
     # lower: ATen FX graph -> loop IR (views become index expressions, unsupported ops externs)
-    with timed("lower", timings):
-        loop_graph = lower_graph(gm)
+    loop_graph = run("lower", lower_graph, gm)
     # fuse: loop IR -> regions (one kernel each) and externs, in execution order
-    with timed("fuse", timings):
-        steps = fuse(loop_graph)
-    for step in steps:
-        if isinstance(step, Region):
-            fusion_log.info(
-                "region: %s (stores %s)", ", ".join(n.name for n in step.inlined + step.nodes), step.stores
-            )
+    steps = run("fuse", fuse, loop_graph)
     # codegen: each region -> one Triton (or CUDA C) kernel, sizes as arguments
-    with timed("codegen", timings):
-        hints = size_hints(gm)
-        regions = [s for s in steps if isinstance(s, Region)]
-        kernels = [generate_kernel(r, loop_graph, hints, k, backend()) for k, r in enumerate(regions)]
+    kernels = run("codegen", generate_kernels, steps, loop_graph, size_hints(gm), options)
     # wrapper: the schedule -> one Python call function
-    with timed("wrapper", timings):
-        by_name = {k.name: k for k in kernels}
-        wrapper = WrapperWriter(
-            loop_graph, steps, by_name, poison=config.debug, input_symbols=symbols, check=check
-        ).generate()
-    # write: sources to the cache dir (content-addressed)
-    with timed("write", timings):
-        graph = CompiledGraph(gm, kernels, wrapper)
-        graph.write()
-    if check:
+    wrapper = run("wrapper", write_wrapper, loop_graph, steps, kernels, symbols, options)
+    # write: kernel and wrapper sources to the cache dir (content-addressed)
+    graph = run("write", write_graph, gm, kernels, wrapper)
+    if options.check:
         graph.checker = region_checker(gm, loop_graph, steps)
+    for node in gm.graph.nodes:  # torch.cond branches
+        if node.op == "get_attr" and isinstance(getattr(gm, node.target), torch.fx.GraphModule):
+            graph.subgraphs[node.target] = compile_graph(getattr(gm, node.target), [], run)[2]
+    return loop_graph, steps, graph
+
+
+def generate_kernels(
+    steps: list[Step], loop_graph: LoopGraph, hints: dict[sympy.Symbol, int], options: CompileOptions
+) -> list[KernelSource]:
+    regions = [s for s in steps if isinstance(s, Region)]
+    for r in regions:
+        fusion_log.info("region: %s (stores %s)", ", ".join(n.name for n in r.inlined + r.nodes), r.stores)
+    return [generate_kernel(r, loop_graph, hints, k, options) for k, r in enumerate(regions)]
+
+
+def write_wrapper(
+    loop_graph: LoopGraph,
+    steps: list[Step],
+    kernels: list[KernelSource],
+    symbols: list[sympy.Symbol],
+    options: CompileOptions,
+) -> str:
+    by_name = {k.name: k for k in kernels}
+    return WrapperWriter(
+        loop_graph, steps, by_name, poison=options.debug, input_symbols=symbols, check=options.check
+    ).generate()
+
+
+def write_graph(gm: torch.fx.GraphModule, kernels: list[KernelSource], wrapper: str) -> CompiledGraph:
+    graph = CompiledGraph(gm, kernels, wrapper)
+    graph.write()
     stats.COUNTERS["kernels"] += len(kernels)
     for k in kernels:
         output_code_log.info("kernel %s written to %s\n%s", k.name, graph.kernel_paths[k.name], k.source)
     output_code_log.info("wrapper written to %s\n%s", graph.wrapper_path, wrapper)
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and isinstance(getattr(gm, node.target), torch.fx.GraphModule):
-            graph.subgraphs[node.target] = compile_graph(getattr(gm, node.target), timings, [], check)[2]
-    return loop_graph, steps, graph
+    return graph
 
 
 def region_checker(gm: torch.fx.GraphModule, graph: LoopGraph, steps: list[Step]) -> RegionChecker:

@@ -392,3 +392,41 @@ def _inlined_reads(body: Expr, compute: dict[str, ComputeNode], inline: set[str]
 
 def fuse(graph: LoopGraph) -> list[Step]:
     return Fusion(graph).run()
+
+
+def verify_schedule(steps: list[Step], graph: LoopGraph) -> None:
+    """The schedule is well formed (GJIT_DEBUG runs this after fusion): no node is computed by two
+    steps (a node inlined into others is recomputed, not owned), a region stores only its own
+    nodes, everything a step reads is an input, its own member, or stored by an earlier step (a
+    view, once its base is), and every output is stored. (Nodes nothing needs, like layer_norm's
+    unused mean, are dropped.)"""
+    owner: dict[str, int] = {}
+    available = {name for name, b in graph.buffers.items() if b.kind == "input"}
+
+    def ready(name: str) -> bool:
+        while name in graph.views:
+            name = graph.views[name].base
+        return name in available or name in graph.aliases
+
+    for k, step in enumerate(steps):
+        if isinstance(step, ExternNode):
+            assert step.name not in owner, f"gjit schedule: extern {step.name} runs twice"
+            late = [a for a in step.tensor_args if not ready(a)]
+            assert not late, f"gjit schedule: extern {step.name} reads {late} before any step stores it"
+            owner[step.name] = k
+            available.add(step.name)
+            continue
+        members = {n.name for n in step.nodes}
+        for n in step.nodes:
+            assert n.name not in owner, f"gjit schedule: {n.name} is computed by two steps"
+            owner[n.name] = k
+        assert set(step.stores) <= members, f"gjit schedule: {step.name} stores {step.stores}: not its own"
+        inlined = {n.name for n in step.inlined}
+        for body in step.bodies.values():
+            for r in ir.reads(body):
+                assert ready(r.name) or r.name in members or r.name in inlined, (
+                    f"gjit schedule: {step.name or 'a region'} reads {r.name} before any step stores it"
+                )
+        available |= set(step.stores)
+    missing = [o for o in graph.outputs if o is not None and not ready(o)]
+    assert not missing, f"gjit schedule: no step stores the outputs {missing}"

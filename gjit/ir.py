@@ -363,3 +363,28 @@ _SHORT = {
 
 def dtype_str(dtype: torch.dtype) -> str:
     return _SHORT.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def verify(graph: LoopGraph) -> None:
+    """The loop IR is well formed (GJIT_DEBUG runs this after lowering): each read names a buffer,
+    a view or an earlier node, with as many indices as that value has dims; each extern reads
+    values that exist before it; each output is a value of the graph."""
+    dims: dict[str, int] = {name: len(b.layout.size) for name, b in graph.buffers.items()}
+    known = set(graph.buffers) | set(graph.views)
+    for node in graph.nodes:
+        if isinstance(node, ExternNode):
+            missing = [a for a in node.tensor_args if a not in known and a not in graph.aliases]
+            assert not missing, f"gjit IR: extern {node.name} reads {missing}: nothing defines them before it"
+        else:
+            for r in reads(node.body):
+                assert r.name in known, f"gjit IR: {node.name} reads {r.name}: nothing defines it before it"
+                if r.name in dims:
+                    assert len(r.index) == dims[r.name], (
+                        f"gjit IR: {node.name} reads {r.name} with {len(r.index)} indices, "
+                        f"it has {dims[r.name]} dims"
+                    )
+            dims[node.name] = len(node.size)
+        known.add(node.name)
+    for out in graph.outputs:
+        assert out is None or out in known or out in graph.aliases, f"gjit IR: output {out} is not a value"
+

@@ -25,6 +25,7 @@ ARTIFACTS: dict[str, str] = {
     "guards": "the full guard set of each new entry, one readable line per guard",
     "recompiles": "each recompile: the nearest entry's failed guards and the decision; each eager fallback",
     "fusion": "regions formed, and every refusal as 'cannot fuse A with B: reason' (+fusion: inlining)",
+    "passes": "each compile pass (lower, fuse, codegen, wrapper, write) with the time it took",
     "output_code": "where each generated kernel and wrapper was written, and their source",
     "cache": "hits and misses of the in-memory entry cache and the on-disk source/kernel cache",
     "perf_hints": "what costs performance: externs between kernels, looped reductions, strided loads, "

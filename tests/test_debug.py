@@ -1,9 +1,15 @@
-"""The debug tooling itself: poisoned buffers must expose a kernel that skips an element."""
+"""The debug tooling itself: poisoned buffers must expose a kernel that skips an element, and the IR
+checks between passes (GJIT_DEBUG) must refuse a broken IR or schedule."""
+
+import dataclasses
 
 import pytest
 import torch
 
+from gjit import driver, ir
 from gjit.codegen.triton.pointwise import KernelWriter
+from gjit.fusion import fuse, verify_schedule
+from gjit.lowering.graph import lower_graph
 from gjit.runtime.graph import gjit_alloc_poisoned
 from helpers import check
 
@@ -31,3 +37,58 @@ def test_planted_bug_unwritten_last_element_is_caught(monkeypatch):
         check(lambda x: x * 2 + 1, torch.randn(10))
     with pytest.raises(AssertionError):
         check(lambda i: i * 2 + 1, torch.randint(0, 9, (10,)))
+
+
+# ----------------------------------------------------------------------------------------------
+# The IR checks between passes (GJIT_DEBUG)
+# ----------------------------------------------------------------------------------------------
+
+
+def _lowered(fn, *args):
+    gm = torch.export.export(fn, args).run_decompositions().graph_module
+    graph = lower_graph(gm)
+    return graph, fuse(graph)
+
+
+class _Softmax(torch.nn.Module):
+    """Three steps: the softmax kernel, the matmul extern, the relu kernel."""
+
+    def forward(self, x):
+        return ((x * 2).softmax(-1) @ x.T).relu()
+
+
+def test_ir_and_schedule_checks_pass_on_what_the_passes_make():
+    graph, steps = _lowered(_Softmax(), torch.randn(4, 6))
+    ir.verify(graph)
+    verify_schedule(steps, graph)
+
+
+def test_ir_check_refuses_a_read_of_nothing_and_a_wrong_rank():
+    graph, _ = _lowered(_Softmax(), torch.randn(4, 6))
+    node = next(n for n in graph.nodes if isinstance(n, ir.ComputeNode))
+    read = ir.reads(node.body)[0]
+    ghost = dataclasses.replace(node, body=dataclasses.replace(read, name="ghost"))
+    graph.nodes[graph.nodes.index(node)] = ghost
+    with pytest.raises(AssertionError, match="reads ghost"):
+        ir.verify(graph)
+    ranked = dataclasses.replace(node, body=dataclasses.replace(read, index=read.index[:1]))
+    graph.nodes[graph.nodes.index(ghost)] = ranked
+    with pytest.raises(AssertionError, match="with 1 indices"):
+        ir.verify(graph)
+
+
+def test_schedule_check_refuses_a_read_before_the_store_and_a_lost_output():
+    graph, steps = _lowered(_Softmax(), torch.randn(4, 6))
+    assert len(steps) == 3, steps
+    with pytest.raises(AssertionError, match="before any step stores it"):
+        verify_schedule(steps[::-1], graph)
+    with pytest.raises(AssertionError, match="stores the outputs"):
+        verify_schedule(steps[:1], graph)
+
+
+def test_debug_compiles_run_the_checks_between_passes(monkeypatch):
+    """A planted fusion bug (the schedule reversed) fails the compile under GJIT_DEBUG, naming
+    the check, instead of running wrong kernels; without debug the check costs nothing."""
+    monkeypatch.setattr(driver, "fuse", lambda graph: fuse(graph)[::-1])
+    with pytest.raises(AssertionError, match="gjit schedule"):
+        check(_Softmax(), torch.randn(4, 6))

@@ -24,7 +24,6 @@ from gjit.codegen import online
 from gjit.codegen.common import hint
 from gjit.codegen.cuda.pointwise import C_TYPES, THREADS, CudaEmitter, literal, threads_for, to_dtype
 from gjit.codegen.triton.reduction import ReductionWriter
-from gjit.config import config
 from gjit.ir import Read, ReduceNode
 from gjit.kernels.triton_helpers import WELFORD
 
@@ -188,16 +187,15 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
         rnumel = sympy.Mul(*[space.full[k] for k in space.reduced]) if space.reduced else sympy.Integer(1)
         rhint = hint(rnumel, self.hints)
         self.threads = threads_for(rhint)
-        self.persistent = config.reduction == "persistent" or (
-            config.reduction == "auto" and rhint <= config.persistent_max
-        )
+        mode, persistent_max = self.options.reduction, self.options.persistent_max
+        self.persistent = mode == "persistent" or (mode == "auto" and rhint <= persistent_max)
         launch_blocks = {}
         if rnumel.free_symbols:
             self.step = "blockDim.x"
             if self.persistent:
                 # the threads are sized at launch (a row of up to THREADS gets one element per
                 # thread); the registers hold the longest row the guard admits
-                limit = max(config.persistent_max, rhint)
+                limit = max(persistent_max, rhint)
                 self.per_thread = -(-limit // THREADS)
                 launch_blocks = {"RBLOCK": f"max(32, min({THREADS}, triton.next_power_of_2(rnumel)))"}
                 why = f"persistent reduction: a row of {rnumel} fits {self.per_thread} per thread"

@@ -19,7 +19,7 @@ from gjit import ir
 from gjit.codegen.common import INFIX, KernelSource, constant, hint, next_power_of_2, source_line, unique
 from gjit.codegen.indexing import XINDEX, coalesce
 from gjit.codegen.printer import TritonPrinter
-from gjit.config import config
+from gjit.config import CompileOptions
 from gjit.fusion import Region
 from gjit.ir import Const, Expr, IndexValue, Masked, Op, Read
 
@@ -168,8 +168,11 @@ def literal(value, dtype: torch.dtype) -> str:
 class KernelWriter:
     """Emits one region's kernel: index setup, CSE'd expression lines, stores."""
 
-    def __init__(self, region: Region, graph: ir.LoopGraph, hints: dict[sympy.Symbol, int]):
+    def __init__(
+        self, region: Region, graph: ir.LoopGraph, hints: dict[sympy.Symbol, int], options: CompileOptions
+    ):
         self.region = region
+        self.options = options
         self.graph = graph
         self.hints = hints
         self.assumptions: list[tuple[sympy.Basic, str]] = []
@@ -290,7 +293,7 @@ class KernelWriter:
         names = {}
         for sym, value, size in r.indirect:
             names[sym] = var = self.emit(value)
-            if config.debug:
+            if self.options.debug:
                 bound = self.index(self.subst(size))
                 self.debug_asserts = True
                 self.lines.append(
@@ -342,7 +345,7 @@ class KernelWriter:
             header=self.header(name, nodes, numel),
             body=setup + self.lines,
             sizes={"xnumel": numel},
-            blocks={"XBLOCK": xblock_for(numel, self.hints)},
+            blocks={"XBLOCK": xblock_for(numel, self.hints, self.options.xblock)},
             index_dtype=index_dtype,
         )
 
@@ -497,6 +500,6 @@ def _number(text: str) -> bool | int | float | None:
     return None
 
 
-def xblock_for(numel: sympy.Expr, hints: dict[sympy.Symbol, int]) -> int:
-    """Pointwise block size: the configured one, smaller for small (example) sizes."""
-    return max(16, min(config.xblock, next_power_of_2(hint(numel, hints))))
+def xblock_for(numel: sympy.Expr, hints: dict[sympy.Symbol, int], xblock: int) -> int:
+    """Pointwise block size: `xblock`, smaller for small (example) sizes."""
+    return max(16, min(xblock, next_power_of_2(hint(numel, hints))))

@@ -19,7 +19,7 @@ from gjit import ir
 from gjit.codegen import online
 from gjit.codegen.common import KernelSource, hint, next_power_of_2
 from gjit.codegen.triton.pointwise import TL_DTYPES, KernelWriter, to_dtype
-from gjit.config import config
+from gjit.config import CompileOptions
 from gjit.fusion import Region
 from gjit.ir import Read, ReduceNode
 from gjit.kernels.triton_helpers import HELPERS, WELFORD
@@ -42,8 +42,10 @@ def _identity(reduce_type: str, dtype: torch.dtype) -> str:
 class ReductionWriter(KernelWriter):
     INT_DIV = "//"  # floor division of the (non-negative) row indices
 
-    def __init__(self, region: Region, graph: ir.LoopGraph, hints: dict[sympy.Symbol, int]):
-        super().__init__(region, graph, hints)
+    def __init__(
+        self, region: Region, graph: ir.LoopGraph, hints: dict[sympy.Symbol, int], options: CompileOptions
+    ):
+        super().__init__(region, graph, hints, options)
         space = region.reduction
         self.space = space
         self.kept = [k for k in range(len(space.full)) if k not in space.reduced]
@@ -306,16 +308,16 @@ class ReductionWriter(KernelWriter):
         xnumel = sympy.Mul(*[space.full[k] for k in self.kept]) if self.kept else sympy.Integer(1)
         rnumel = sympy.Mul(*[space.full[k] for k in space.reduced]) if space.reduced else sympy.Integer(1)
         rhint = hint(rnumel, self.hints)
-        mode = config.reduction
-        persistent = mode == "persistent" or (mode == "auto" and rhint <= config.persistent_max)
-        rblock = next_power_of_2(max(rhint, 1)) if persistent else config.rblock
+        mode, persistent_max = self.options.reduction, self.options.persistent_max
+        persistent = mode == "persistent" or (mode == "auto" and rhint <= persistent_max)
+        rblock = next_power_of_2(max(rhint, 1)) if persistent else self.options.rblock
         xhint = next_power_of_2(hint(xnumel, self.hints))
         xblock = max(1, min(xhint, max(1, 1024 // rblock)))
         launch_blocks = {}
         if persistent and rnumel.free_symbols:
             # the row length varies between calls: the block is sized at launch (same source,
             # Triton specializes the constexpr), valid while a row fits one block
-            limit = max(config.persistent_max, rblock)
+            limit = max(persistent_max, rblock)
             launch_blocks = {
                 "RBLOCK": "triton.next_power_of_2(rnumel)",
                 "XBLOCK": f"max(1, min({xhint}, 1024 // RBLOCK))",

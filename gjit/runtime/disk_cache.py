@@ -35,7 +35,7 @@ import triton
 from gjit import logs, stats
 from gjit.codegen.common import KernelSource, source_line
 from gjit.codegen.toolchain.files import atomic_write
-from gjit.config import config
+from gjit.config import CompileOptions, config
 from gjit.runtime.graph import CompiledGraph
 
 cache_log = logs.logger("cache")
@@ -113,15 +113,20 @@ def graph_text(gm: torch.fx.GraphModule) -> list[str]:
 
 
 def graph_key(
-    gm: torch.fx.GraphModule, symbols: list[sympy.Symbol], hints: dict, range_constraints: dict
+    gm: torch.fx.GraphModule,
+    symbols: list[sympy.Symbol],
+    hints: dict,
+    range_constraints: dict,
+    options: CompileOptions,
 ) -> str:
-    """`symbols`: the sizes the guard binds for the wrapper; `hints`: example sizes codegen chose by."""
+    """`symbols`: the sizes the guard binds for the wrapper; `hints`: example sizes codegen chose by;
+    `options`: what the compile was asked for (backend, debug, block sizes...)."""
     parts = {
         "graph": graph_text(gm),
         "symbols": [s.name for s in symbols],
         "hints": sorted((str(k), int(v)) for k, v in hints.items()),
         "ranges": sorted(f"{k}: {v}" for k, v in range_constraints.items()),
-        "config": {k: repr(v) for k, v in config.snapshot().items()},
+        "options": {k: repr(v) for k, v in dataclasses.asdict(options).items()},
         "versions": versions(),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
