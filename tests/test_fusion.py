@@ -121,6 +121,21 @@ def test_kernel_header_names_fused_ops_and_user_lines():
     assert "b = a + y" in kernel.source
 
 
+def test_kernel_header_lists_the_assumptions_the_entry_guards():
+    """A persistent softmax over a dynamic row assumes the row fits one block and that offsets fit
+    int32: the header says so, the same lines the guards check."""
+    x = torch.randn(6, 100)
+    cm = check(lambda t: t.softmax(-1), x, kernels=1)
+    (kernel,) = cm.entries[0].program.kernels
+    header = kernel.source.split("@triton.jit")[0]
+    assert "# assumes (guarded; a call that breaks one recompiles):" in header
+    whys = [why for _, why in kernel.assumptions]
+    assert any(w.startswith("persistent reduction: a row fits one block: ") for w in whys), whys
+    assert any(w.startswith("int32 offsets: ") for w in whys), whys
+    for why in whys:
+        assert f"#   {why}\n" in header
+
+
 def test_sizes_are_kernel_arguments():
     def f(x, y):
         return x * 2 + y

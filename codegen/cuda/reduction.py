@@ -198,8 +198,9 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
                 limit = max(persistent_max, rhint)
                 self.per_thread = -(-limit // THREADS)
                 launch_blocks = {"RBLOCK": f"max(32, min({THREADS}, triton.next_power_of_2(rnumel)))"}
-                why = f"persistent reduction: a row of {rnumel} fits {self.per_thread} per thread"
-                self.assumptions.append((sympy.Le(rnumel, self.per_thread * THREADS), why))
+                row_max = self.per_thread * THREADS
+                why = f"persistent reduction: a row fits {self.per_thread} per thread: {rnumel} <= {row_max}"
+                self.assumptions.append((sympy.Le(rnumel, row_max), why))
         else:
             self.step = str(self.threads)
             self.per_thread = -(-int(rnumel) // self.threads)

@@ -474,6 +474,9 @@ class KernelWriter:
             out.append("# user source:")
             out += [f"#   {ln}" for ln in lines]
         out.append(f"# iteration space: {list(self.region.size)} (numel {numel})")
+        if self.assumptions:  # guards of the entry: a call that breaks one recompiles
+            out.append("# assumes (guarded; a call that breaks one recompiles):")
+            out += [f"#   {why}" for _, why in self.assumptions]
         out.append(f"# stores: {', '.join(self.region.stores)}")
         return out
 

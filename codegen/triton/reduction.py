@@ -323,7 +323,7 @@ class ReductionWriter(KernelWriter):
                 "XBLOCK": f"max(1, min({xhint}, 1024 // RBLOCK))",
             }
             self.assumptions.append(
-                (sympy.Le(rnumel, limit), f"persistent reduction: a row of {rnumel} fits one block")
+                (sympy.Le(rnumel, limit), f"persistent reduction: a row fits one block: {rnumel} <= {limit}")
             )
         if rnumel == 0:  # no lane is ever active: a var-free load under xrmask must stay masked
             self.base_masks = {"xmask"}
