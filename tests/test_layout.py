@@ -166,6 +166,15 @@ def test_imports_flow_down_the_pipeline():
     assert upward == []
 
 
+def test_the_two_printers_do_not_import_each_other():
+    """codegen/triton/ and codegen/cuda/ both print the plan of codegen/plan.py; neither builds on
+    the other (a CUDA fix must not hide in a Triton writer, nor the reverse)."""
+    graph = import_graph()
+    for a, b in (("gjit.codegen.cuda", "gjit.codegen.triton"), ("gjit.codegen.triton", "gjit.codegen.cuda")):
+        crossing = {m: sorted(t for t in graph[m] if t.startswith(b)) for m in graph if m.startswith(a)}
+        assert not any(crossing.values()), crossing
+
+
 def test_modules_are_small():
     long = {}
     for name, path in modules().items():

@@ -5,7 +5,8 @@ walks the iteration space with a grid-stride loop, so any grid is correct (the l
 it), sizes are kernel arguments, and masked reads (cat, pad) become `if` blocks so nothing is
 loaded out of bounds. fp16/bf16 are storage types; math runs in float, as in eager. The
 analysis (index plan, int32/int64 offsets and their guards, modeled bytes, the header) is the
-Triton writer's: only the printing differs. Reductions are in codegen/cuda/reduction.py.
+plan both backends share (codegen/plan.py): only the printing differs. Reductions are in
+codegen/cuda/reduction.py.
 """
 
 from __future__ import annotations
@@ -16,11 +17,9 @@ from collections.abc import Callable
 import sympy
 import torch
 
-from gjit import ir
 from gjit.codegen.common import INFIX, KernelSource, constant, hint, next_power_of_2
-from gjit.codegen.indexing import coalesce
+from gjit.codegen.plan import RegionPlan
 from gjit.codegen.printer import ExprPrinter
-from gjit.codegen.triton.pointwise import KernelWriter
 from gjit.ir import Const, Expr, IndexValue, Masked, Op, Read
 
 C_TYPES = {
@@ -195,22 +194,16 @@ def to_dtype(a: str, src: torch.dtype, dst: torch.dtype) -> str:
     return f"({C_TYPES[dst]})({a})"
 
 
-class CudaEmitter:
-    """The per-element printing both CUDA writers share (mixed in before a Triton writer, whose
-    analysis they keep). Values are typed C locals; a masked read is an `if` block."""
+class CudaEmitter(RegionPlan):
+    """The per-element printing both CUDA writers share (the plan: codegen/plan.py). Values are
+    typed C locals; a masked read is an `if` block."""
 
     def index(self, expr: sympy.Expr, names: dict[sympy.Symbol, str] | None = None) -> str:
         self.symbols |= sympy.sympify(expr).free_symbols - set(names or ())
         return CPrinter(names)(expr)
 
-    def declare(self, key: tuple, text: str, dtype: torch.dtype) -> str:
-        if key in self.cse:
-            return self.cse[key]
-        var = f"tmp{self.counter}"
-        self.counter += 1
-        self.cse[key] = var
-        self.lines.append(f"{C_TYPES[dtype]} {var} = {text};")
-        return var
+    def assign(self, var: str, text: str, dtype: torch.dtype) -> str:
+        return f"{C_TYPES[dtype]} {var} = {text};"
 
     def emit(self, e: Expr) -> str:
         if isinstance(e, Const):
@@ -225,7 +218,7 @@ class CudaEmitter:
                 return literal(expr, e.dtype)
             text = self.index(expr)
             value = to_dtype(f"({text})", torch.int64, e.dtype)
-            return self.declare(("index", text, e.dtype), value, e.dtype)
+            return self.tmp(("index", text, e.dtype), value, e.dtype)
         if isinstance(e, Read):
             return self.read(e)
         if isinstance(e, Op):
@@ -234,7 +227,7 @@ class CudaEmitter:
                 text = to_dtype(args[0], e.args[0].dtype, e.params[0])
             else:
                 text = CudaOverrides[e.name](*args, e.dtype)
-            return self.declare(("op", e.name, *args, e.params), text, e.dtype)
+            return self.tmp(("op", e.name, *args, e.params), text, e.dtype)
         if isinstance(e, Masked):
             return self.masked(e)
         raise TypeError(type(e))
@@ -245,7 +238,7 @@ class CudaEmitter:
         if key in self.cse:
             return self.cse[key]
         cond = self.index(self.subst(e.mask))
-        var = self.declare(key, literal(e.other, e.dtype), e.dtype)
+        var = self.tmp(key, literal(e.other, e.dtype), e.dtype)
         outer = (self.lines, self.cse, self.values)
         self.lines, self.cse, self.values = [], dict(self.cse), dict(self.values)
         body = self.emit(e.body)
@@ -265,7 +258,7 @@ class CudaEmitter:
         return self.load(arg, text, self.layout(r.name).dtype)
 
     def load(self, arg: str, offset: str, dtype: torch.dtype) -> str:
-        return self.declare(("load", arg, offset), f"{arg}[{offset}]", dtype)
+        return self.tmp(("load", arg, offset), f"{arg}[{offset}]", dtype)
 
     def store_line(self, arg: str, offset: str, value: str, src: torch.dtype, dst: torch.dtype) -> str:
         return f"{arg}[{offset}] = {to_dtype(value, src, dst)};"
@@ -293,7 +286,7 @@ class CudaEmitter:
     ) -> KernelSource:
         index_type = "int" if index_dtype == "tl.int32" else "long long"
         decls, signature = self.params(index_type, list(sizes))
-        lines = [ln.replace("# ", "// ", 1) if ln.startswith("#") else ln for ln in header]
+        lines = [f"// {ln}" for ln in header]
         lines.append(f'extern "C" __global__ void __launch_bounds__({threads}) {name}(')
         lines.append("    " + ",\n    ".join(decls) + ") {")
         lines += [f"    {ln}" for ln in body] + ["}"]
@@ -305,7 +298,7 @@ def threads_for(numel: int) -> int:
     return max(32, min(THREADS, next_power_of_2(numel)))
 
 
-class CudaKernelWriter(CudaEmitter, KernelWriter):
+class CudaKernelWriter(CudaEmitter):
     """A pointwise region: a grid-stride loop over its (coalesced) iteration space.
 
     A kernel that walks float32 buffers contiguously (one flat index) also gets a vector path:
@@ -315,14 +308,7 @@ class CudaKernelWriter(CudaEmitter, KernelWriter):
     lane: str | None = None  # x / y / z / w while the vector path's lanes are emitted
 
     def generate(self, name: str) -> KernelSource:
-        size = self.region.size
-        numel = sympy.Mul(*size) if size else sympy.Integer(1)
-        idx = ir.index_vars(len(size))
-        primary = self.layout(self.region.stores[0]).offset_of(idx) if self.region.stores else None
-        plan = coalesce(list(size), idx, self.accesses(), primary, self.hints)
-        self.subst = plan.substitute
-        self.vars = plan.vars
-        index_dtype = self.pick_index_dtype(numel)
+        numel, idx, plan, index_dtype = self.pointwise_space()
         it = "int" if index_dtype == "tl.int32" else "long long"
         self.store_all(idx)
         setup = [f"{it} {v.name} = {self.index(e)};" for v, e in zip(plan.vars, plan.var_exprs)]
@@ -333,10 +319,9 @@ class CudaKernelWriter(CudaEmitter, KernelWriter):
         body = [loop] + [f"    {ln}" for ln in setup + self.lines] + ["}"]
         vector = self.vector_path(plan.vars, idx, it) if len(plan.vars) == 1 else []
         threads = threads_for(hint(numel, self.hints))
-        nodes = self.region.inlined + self.region.nodes
         return self.cuda_source(
             name,
-            header=self.header(name, nodes, numel),
+            header=self.header(name, numel),
             body=vector + body,
             sizes={"xnumel": numel},
             threads=threads,

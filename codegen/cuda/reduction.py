@@ -21,9 +21,8 @@ import sympy
 import torch
 
 from gjit.codegen import online
-from gjit.codegen.common import hint
 from gjit.codegen.cuda.pointwise import C_TYPES, THREADS, CudaEmitter, literal, threads_for, to_dtype
-from gjit.codegen.triton.reduction import ReductionWriter
+from gjit.codegen.plan import ReductionPlan
 from gjit.ir import Read, ReduceNode
 from gjit.kernels.triton_helpers import WELFORD
 
@@ -43,10 +42,12 @@ def identity(reduce_type: str, dtype: torch.dtype) -> str:
     return literal(info.min if reduce_type == "max" else info.max, dtype)
 
 
-class CudaReductionWriter(CudaEmitter, ReductionWriter):
-    # -- loops over the row ------------------------------------------------------------------------
+class CudaReductionWriter(ReductionPlan, CudaEmitter):
+    """Prints a reduction region's kernel in CUDA C (the plan: codegen/plan.py's ReductionPlan)."""
 
     INT_DIV = "/"
+
+    # -- loops over the row ------------------------------------------------------------------------
 
     def index_line(self, name: str, expr: str) -> str:
         return f"{self.index_type} {name} = {expr};"
@@ -102,7 +103,7 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
             self.arrays += 1
             self.prologue.append(f"{C_TYPES[dtype]} {array}[{self.per_thread}];")
             self.lines.append(f"{array}[k] = {arg}[{offset}];")
-        return self.declare(("load", arg, offset), f"{array}[k]", dtype)
+        return self.tmp(("load", arg, offset), f"{array}[k]", dtype)
 
     def masked(self, e):
         self.mask_depth += 1
@@ -163,13 +164,13 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
             elif node.reduce_type in ("argmax", "argmin"):
                 is_max = str(node.reduce_type == "argmax").lower()
                 call = f"gjit_block_argreduce({a}, idx_{node.name}, {is_max}, {init})"
-                self.values[node.name] = self.declare(("final", node.name), call, torch.int64)
+                self.values[node.name] = self.tmp(("final", node.name), call, torch.int64)
                 continue
             else:
                 reduced = f"gjit_block_reduce({a}, {FUNCTORS[node.reduce_type]}(), {init})"
-            value = self.declare(("final", node.name), reduced, acc)
+            value = self.tmp(("final", node.name), reduced, acc)
             cast = to_dtype(value, acc, node.dtype)
-            self.values[node.name] = self.declare(("cast", node.name), cast, node.dtype)
+            self.values[node.name] = self.tmp(("cast", node.name), cast, node.dtype)
 
     def store(self, name: str) -> None:
         value = self.node_value(name)
@@ -182,20 +183,15 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
     # -- the kernel ------------------------------------------------------------------------------------
 
     def generate(self, name: str):
-        space = self.space
-        xnumel = sympy.Mul(*[space.full[k] for k in self.kept]) if self.kept else sympy.Integer(1)
-        rnumel = sympy.Mul(*[space.full[k] for k in space.reduced]) if space.reduced else sympy.Integer(1)
-        rhint = hint(rnumel, self.hints)
+        xnumel, rnumel, rhint, self.persistent = self.row_shape()
         self.threads = threads_for(rhint)
-        mode, persistent_max = self.options.reduction, self.options.persistent_max
-        self.persistent = mode == "persistent" or (mode == "auto" and rhint <= persistent_max)
         launch_blocks = {}
         if rnumel.free_symbols:
             self.step = "blockDim.x"
             if self.persistent:
                 # the threads are sized at launch (a row of up to THREADS gets one element per
                 # thread); the registers hold the longest row the guard admits
-                limit = max(persistent_max, rhint)
+                limit = max(self.options.persistent_max, rhint)
                 self.per_thread = -(-limit // THREADS)
                 launch_blocks = {"RBLOCK": f"max(32, min({THREADS}, triton.next_power_of_2(rnumel)))"}
                 row_max = self.per_thread * THREADS
@@ -211,11 +207,10 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
         index_dtype = self.pick_index_dtype(xnumel * rnumel)
         self.index_type = "int" if index_dtype == "tl.int32" else "long long"
         self.lines = self.var_lines("xindex", self.kept)
-        reductions = [n for n in self.region.nodes if isinstance(n, ReduceNode)]
         if not self.persistent:
             self.online = online.fold(self)
-        for level in sorted({self.level[n.name] for n in reductions}):
-            self.reduce_level([n for n in reductions if self.level[n.name] == level])
+        for level in self.reductions_by_level():
+            self.reduce_level(level)
         full_stores = [s for s in self.region.stores if self.is_full(s)]
         if full_stores:
             self.enter_loop()
@@ -231,8 +226,6 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
             + [f"    {ln}" for ln in self.prologue + self.lines]
             + ["}"]
         )
-        nodes = self.region.inlined + self.region.nodes
-        header = self.header(name, nodes, xnumel)
         shape = "looped"
         if self.persistent:
             at_most = "up to " if launch_blocks else ""
@@ -240,11 +233,10 @@ class CudaReductionWriter(CudaEmitter, ReductionWriter):
         threads = f"{self.threads} threads per row"
         if launch_blocks:
             threads = f"up to {THREADS} threads per row, sized at launch"
-        header.insert(-1, f"# reduction: {rnumel} elements per row, {shape}, {threads}")
-        header[-1:-1] = self.online_header()
+        reduction = [f"reduction: {rnumel} elements per row, {shape}, {threads}", *self.online_header()]
         return self.cuda_source(
             name,
-            header=header,
+            header=self.header(name, xnumel, reduction),
             body=body,
             sizes={"xnumel": xnumel, "rnumel": rnumel},
             threads=THREADS if launch_blocks else self.threads,

@@ -16,8 +16,8 @@ import sympy
 import torch
 
 from gjit import ir
-from gjit.codegen.common import INFIX, KernelSource, constant, hint, next_power_of_2, source_line, unique
-from gjit.codegen.indexing import XINDEX, coalesce
+from gjit.codegen.common import INFIX, KernelSource, constant, hint, next_power_of_2
+from gjit.codegen.plan import RegionPlan
 from gjit.codegen.printer import TritonPrinter
 from gjit.config import CompileOptions
 from gjit.fusion import Region
@@ -165,47 +165,21 @@ def literal(value, dtype: torch.dtype) -> str:
     return f"tl.full([1], {v}, {TL_DTYPES[dtype]})"
 
 
-class KernelWriter:
-    """Emits one region's kernel: index setup, CSE'd expression lines, stores."""
+class KernelWriter(RegionPlan):
+    """Prints one region's kernel in Triton: index setup, CSE'd expression lines, stores."""
 
     def __init__(
         self, region: Region, graph: ir.LoopGraph, hints: dict[sympy.Symbol, int], options: CompileOptions
     ):
-        self.region = region
-        self.options = options
-        self.graph = graph
-        self.hints = hints
-        self.assumptions: list[tuple[sympy.Basic, str]] = []
-        self.lines: list[str] = []
-        self.cse: dict[tuple, str] = {}
-        self.in_args: dict[str, str] = {}
-        self.out_args: dict[str, str] = {}
-        self.values: dict[str, str] = {}  # region node -> its tmp variable
+        super().__init__(region, graph, hints, options)
         self.printer = TritonPrinter()
-        self.mask = "xmask"
         self.base_masks = {"xmask"}  # masks under which a var-free offset is a plain scalar load
         self.block_zeros = "tl.zeros([XBLOCK], tl.int32)"
-        self.symbols: set[sympy.Symbol] = set()  # size symbols the kernel body uses
-        self.counter = 0
         self.debug_asserts = False  # bounds checks emitted: compile with debug=True
-        self.pass_id = 0  # which pass over memory a load belongs to (looped reductions make several)
-        self.rvars: set[sympy.Symbol] = set()  # reduced index variables (reduction kernels)
-        # (buffer, pass, indirect, per row): per row, a reduction kernel reads one element a row
-        self.loaded: set[tuple[str, int, bool, bool]] = set()
 
     @property
     def decorator(self) -> str:
         return "@triton.jit(debug=True)" if self.debug_asserts else "@triton.jit"
-
-    # -- layouts --------------------------------------------------------------------------------
-
-    def layout(self, name: str) -> ir.Layout:
-        if name in self.graph.buffers:
-            lay = self.graph.buffers[name].layout
-            # kernels get data_ptr(), which already includes the storage offset
-            return ir.Layout(lay.size, lay.stride, sympy.Integer(0), lay.dtype)
-        node = self.graph.compute_nodes()[name]
-        return ir.Layout(node.layout.size, node.layout.stride, sympy.Integer(0), node.layout.dtype)
 
     # -- expressions ----------------------------------------------------------------------------
 
@@ -215,14 +189,8 @@ class KernelWriter:
         self.symbols |= sympy.sympify(expr).free_symbols - set(names or ())
         return TritonPrinter(names)(expr) if names else self.printer(expr)
 
-    def tmp(self, key: tuple, text: str) -> str:
-        if key in self.cse:
-            return self.cse[key]
-        var = f"tmp{self.counter}"
-        self.counter += 1
-        self.cse[key] = var
-        self.lines.append(f"{var} = {text}")
-        return var
+    def assign(self, var: str, text: str, dtype=None) -> str:
+        return f"{var} = {text}"
 
     def emit(self, e: Expr) -> str:
         if isinstance(e, Const):
@@ -262,10 +230,6 @@ class KernelWriter:
             return self.tmp(("masked", mask, body), f"tl.where({mask}, {body}, {literal(e.other, e.dtype)})")
         raise TypeError(type(e))
 
-    def in_registers(self, r: Read) -> bool:
-        """Is this read of a region member at its own element (so the member's value is reused)?"""
-        return r.name in self.region.bodies and r.index == ir.index_vars(len(self.region.size))
-
     def read(self, r: Read) -> str:
         if self.in_registers(r):
             return self.node_value(r.name)
@@ -284,10 +248,6 @@ class KernelWriter:
             load = f"tl.load({arg} + ({text}) + {self.block_zeros}, {self.mask})"
         return self.tmp(("load", arg, text, self.mask), load)
 
-    def note_load(self, r: Read, indirect: bool) -> None:
-        per_row = bool(self.rvars) and not ir.free_symbols(r) & self.rvars
-        self.loaded.add((r.name, self.pass_id, indirect, per_row))
-
     def indirect(self, r: Read) -> dict[sympy.Symbol, str]:
         """Emit the data an indirect read indexes with; in debug mode, assert it is in bounds."""
         names = {}
@@ -302,32 +262,10 @@ class KernelWriter:
                 )
         return names
 
-    def node_value(self, name: str) -> str:
-        if name not in self.values:
-            self.values[name] = self.emit(self.region.bodies[name])
-        return self.values[name]
-
     # -- the kernel -----------------------------------------------------------------------------
 
-    def accesses(self) -> list[sympy.Expr]:
-        out = []
-        for body in self.region.bodies.values():
-            for r in ir.reads(body):
-                if not (r.name in self.region.bodies and r.index == ir.index_vars(len(r.index))):
-                    out.append(self.layout(r.name).offset_of(r.index))
-        idx = ir.index_vars(len(self.region.size))
-        out += [self.layout(name).offset_of(idx) for name in self.region.stores]
-        return out
-
     def generate(self, name: str) -> KernelSource:
-        size = self.region.size
-        numel = sympy.Mul(*size) if size else sympy.Integer(1)
-        idx = ir.index_vars(len(size))
-        primary = self.layout(self.region.stores[0]).offset_of(idx) if self.region.stores else None
-        plan = coalesce(list(size), idx, self.accesses(), primary, self.hints)
-        self.subst = plan.substitute
-        self.vars = plan.vars
-        index_dtype = self.pick_index_dtype(numel)
+        numel, idx, plan, index_dtype = self.pointwise_space()
         setup = self.index_setup(plan, index_dtype)
         for node in self.region.stores:
             value = self.node_value(node)
@@ -339,10 +277,9 @@ class KernelWriter:
             if not self.depends_on_index(self.region.bodies[node]):
                 value = f"tl.where(xmask, {value}, {value})"
             self.lines.append(f"tl.store({arg} + ({offset}), {value}, xmask)")
-        nodes = self.region.inlined + self.region.nodes
         return self.kernel_source(
             name,
-            header=self.header(name, nodes, numel),
+            header=comment(self.header(name, numel)),
             body=setup + self.lines,
             sizes={"xnumel": numel},
             blocks={"XBLOCK": xblock_for(numel, self.hints, self.options.xblock)},
@@ -376,85 +313,6 @@ class KernelWriter:
         )
         return self.kernel_record(name, source, sizes, signature, blocks, index_dtype, **extra)
 
-    def kernel_size_symbols(self) -> list[sympy.Symbol]:
-        """The size symbols the kernel takes as arguments, in parameter order."""
-        return sorted(self.symbols - set(self.vars) - {XINDEX}, key=lambda s: s.name)
-
-    def kernel_record(
-        self,
-        name: str,
-        source: str,
-        sizes: dict[str, sympy.Expr],
-        signature: dict[str, str],
-        blocks: dict[str, int],
-        index_dtype: str,
-        **extra,
-    ) -> KernelSource:
-        """An assembled kernel (of either language) with what it fuses, takes, moves and assumes."""
-        nodes = self.region.inlined + self.region.nodes
-        read, written = self.traffic(sympy.Mul(*sizes.values()), sizes["xnumel"])
-        return KernelSource(
-            name=name,
-            source=source + "\n",
-            in_args=list(self.in_args),
-            out_args=list(self.out_args),
-            size_args=self.kernel_size_symbols(),
-            numel=sizes["xnumel"],
-            index_dtype=index_dtype,
-            aten_nodes=[f"{n.name}: {n.fx_node.target}" for n in nodes],
-            source_lines=unique(source_line(n.fx_node) for n in nodes),
-            signature=signature,
-            blocks=blocks,
-            bytes_read=read,
-            bytes_written=written,
-            assumptions=list(self.assumptions),
-            **extra,
-        )
-
-    def traffic(self, elements: sympy.Expr, rows: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
-        """Modeled bytes (read, written): each buffer once per pass over it, but never more
-        elements than the kernel visits (a slice or a gather reads only what it uses; a per-row
-        read of a reduction kernel, one element a row)."""
-
-        def nbytes(name: str, limit: sympy.Expr | None = None) -> sympy.Expr:
-            lay = self.layout(name)
-            numel = sympy.Mul(*lay.size) if lay.size else sympy.Integer(1)
-            return (numel if limit is None else sympy.Min(numel, limit)) * lay.dtype.itemsize
-
-        full = {(n, p, ind) for n, p, ind, per_row in self.loaded if not per_row}
-        read = sum(
-            (
-                nbytes(n, rows if per_row else elements)
-                for n, p, ind, per_row in self.loaded
-                if not (per_row and (n, p, ind) in full)  # the row's pass reads it anyway
-            ),
-            sympy.Integer(0),
-        )
-        written = sum((nbytes(n) for n in self.region.stores), sympy.Integer(0))
-        return read, written
-
-    def depends_on_index(self, body: Expr) -> bool:
-        return any(isinstance(e, (Read, IndexValue)) for e in ir.walk(body))
-
-    def pick_index_dtype(self, numel: sympy.Expr) -> str:
-        """int32 unless some element offset of this kernel can reach 2**31 at the example sizes.
-
-        With symbolic sizes int32 is an assumption: each span becomes a guard of the entry, so a
-        call large enough to overflow recompiles (and gets int64 offsets) instead of wrapping.
-        """
-        spans = [numel]
-        reads = [r.name for b in self.region.bodies.values() for r in ir.reads(b)]
-        for name in dict.fromkeys([*self.in_args, *self.region.stores, *reads]):  # in a fixed order
-            lay = self.layout(name)
-            spans.append(sum(((s - 1) * st for s, st in zip(lay.size, lay.stride)), sympy.Integer(1)))
-        spans = [sympy.expand(s) for s in spans]
-        worst = max(int(s.subs(self.hints)) if s.free_symbols <= set(self.hints) else 2**63 for s in spans)
-        if worst >= 2**31:
-            return "tl.int64"
-        for span in dict.fromkeys(s for s in spans if s.free_symbols):
-            self.assumptions.append((sympy.Lt(span, 2**31), f"int32 offsets: {span} < 2**31"))
-        return "tl.int32"
-
     def index_setup(self, plan, index_dtype: str) -> list[str]:
         pid = "tl.program_id(0)" if index_dtype == "tl.int32" else "tl.program_id(0).to(tl.int64)"
         lines = [
@@ -466,19 +324,10 @@ class KernelWriter:
             lines.append(f"{var.name} = {self.index(expr)}")
         return lines
 
-    def header(self, name: str, nodes: list[ir.ComputeNode], numel: sympy.Expr) -> list[str]:
-        out = [f"# kernel: {name}", "# fused ATen nodes:"]
-        out += [f"#   {n.name} = {n.fx_node.target}  {ir.dtype_str(n.dtype)}{list(n.size)}" for n in nodes]
-        lines = unique(source_line(n.fx_node) for n in nodes)
-        if lines:
-            out.append("# user source:")
-            out += [f"#   {ln}" for ln in lines]
-        out.append(f"# iteration space: {list(self.region.size)} (numel {numel})")
-        if self.assumptions:  # guards of the entry: a call that breaks one recompiles
-            out.append("# assumes (guarded; a call that breaks one recompiles):")
-            out += [f"#   {why}" for _, why in self.assumptions]
-        out.append(f"# stores: {', '.join(self.region.stores)}")
-        return out
+
+
+def comment(lines: list[str]) -> list[str]:
+    return [f"# {ln}" for ln in lines]
 
 
 KERNEL_PRELUDE = """import triton

@@ -18,10 +18,11 @@ import torch
 from gjit import ir
 from gjit.codegen import online
 from gjit.codegen.common import KernelSource, hint, next_power_of_2
-from gjit.codegen.triton.pointwise import TL_DTYPES, KernelWriter, to_dtype
+from gjit.codegen.plan import ReductionPlan
+from gjit.codegen.triton.pointwise import TL_DTYPES, KernelWriter, comment, to_dtype
 from gjit.config import CompileOptions
 from gjit.fusion import Region
-from gjit.ir import Read, ReduceNode
+from gjit.ir import ReduceNode
 from gjit.kernels.triton_helpers import HELPERS, WELFORD
 
 
@@ -39,79 +40,16 @@ def _identity(reduce_type: str, dtype: torch.dtype) -> str:
     return small if reduce_type == "max" else big
 
 
-class ReductionWriter(KernelWriter):
-    INT_DIV = "//"  # floor division of the (non-negative) row indices
+class ReductionWriter(ReductionPlan, KernelWriter):
+    """Prints a reduction region's kernel in Triton (the plan: codegen/plan.py's ReductionPlan)."""
 
     def __init__(
         self, region: Region, graph: ir.LoopGraph, hints: dict[sympy.Symbol, int], options: CompileOptions
     ):
         super().__init__(region, graph, hints, options)
-        space = region.reduction
-        self.space = space
-        self.kept = [k for k in range(len(space.full)) if k not in space.reduced]
-        c = space.vars
-        self.vars = list(c)
-        self.subst = lambda e: e
         self.block_zeros = "tl.zeros([XBLOCK, RBLOCK], tl.int32)"
         self.base_masks = {"xmask", "xrmask"}
         self.helpers: set[str] = set()
-        self.bodies = {}
-        self.nodes = {n.name: n for n in region.nodes}
-        for name, body in region.bodies.items():
-            mapping = space.placement(self.nodes[name])
-            self.bodies[name] = ir.substitute(
-                body, lambda r: r, lambda e, m=mapping: sympy.sympify(e).xreplace(m)
-            )
-        self.rvars = {c[k] for k in space.reduced}
-        self.level = {}
-        for name in sorted(self.bodies, key=lambda n: [m.name for m in region.nodes].index(n)):
-            self.level[name] = self.node_level(name)
-        self.scopes: list[tuple[list[str], dict, dict, str]] = []
-        self.online: dict[str, online.Online] = {}  # sums folded into an earlier loop
-
-    # -- classification ----------------------------------------------------------------------------
-
-    def node_level(self, name: str) -> int:
-        deps = [r.name for r in ir.reads(self.bodies[name]) if r.name in self.bodies]
-        base = max((self.level[d] for d in deps), default=0)
-        return base + 1 if isinstance(self.nodes[name], ReduceNode) else base
-
-    def is_full(self, name: str) -> bool:
-        if isinstance(self.nodes[name], ReduceNode):
-            return False
-        return any(
-            sympy.sympify(i).free_symbols & self.rvars for i in self.space.value_index(self.nodes[name])
-        )
-
-    # -- reads ---------------------------------------------------------------------------------------
-
-    def in_registers(self, r: Read) -> bool:
-        return r.name in self.bodies and r.index == self.space.value_index(self.nodes[r.name])
-
-    def node_value(self, name: str) -> str:
-        if name in self.values:
-            return self.values[name]
-        if isinstance(self.nodes[name], ReduceNode):
-            raise AssertionError(f"reduction {name} read before its loop finished")
-        if self.is_full(name):
-            self.values[name] = self.emit(self.bodies[name])
-            return self.values[name]
-        if not self.scopes:
-            # persistent: an outer value is one per row, [XBLOCK, 1], whatever lanes read it
-            # (under xrmask its loads would be [XBLOCK, RBLOCK], which its store cannot take)
-            full_mask, self.mask = self.mask, "xmask" if self.mask == "xrmask" else self.mask
-            self.values[name] = self.emit(self.bodies[name])
-            self.mask = full_mask
-            return self.values[name]
-        # an outer value needed inside a loop is computed before the loop, once per row
-        inner = (self.lines, self.cse, self.mask)
-        self.lines, self.cse, _, self.mask = self.scopes[-1]
-        value = self.emit(self.bodies[name])
-        outer_values = self.scopes[-1][2]
-        outer_values[name] = value
-        self.lines, self.cse, self.mask = inner
-        self.values[name] = value
-        return value
 
     # -- loops -----------------------------------------------------------------------------------------
 
@@ -131,17 +69,6 @@ class ReductionWriter(KernelWriter):
         self.lines, self.cse, self.values, self.mask = self.scopes.pop()
         self.lines.append("for roffset in range(0, rnumel, RBLOCK):")
         self.lines += [f"    {ln}" for ln in body]
-
-    def var_lines(self, index: str, dims: list[int]) -> list[str]:
-        sizes = [self.space.full[k] for k in dims]
-        out = []
-        for j, k in enumerate(dims):
-            inner = sympy.Mul(*sizes[j + 1 :]) if j + 1 < len(sizes) else sympy.Integer(1)
-            expr = f"{index} {self.INT_DIV} ({self.index(inner)})" if inner != 1 else index
-            if j > 0:
-                expr = f"({expr}) % ({self.index(sizes[j])})"
-            out.append(self.index_line(f"c{k}", expr))
-        return out
 
     def index_line(self, name: str, expr: str) -> str:
         return f"{name} = {expr}"
@@ -280,13 +207,6 @@ class ReductionWriter(KernelWriter):
             final = f"_welford_final({', '.join(f'{acc}_{n}' for acc in WELFORD)}, {shift})"
         self.finish(node, self.tmp(("final", n), final))
 
-    def online_header(self) -> list[str]:
-        what = {"softmax": "online softmax, rescaled to", "welford": "Welford, around"}
-        return [
-            f"# {n}: in the pass before ({what[f.kind]} {ir.format_expr(f.shift)})"
-            for n, f in self.online.items()
-        ]
-
     # -- stores ------------------------------------------------------------------------------------------
 
     def store(self, name: str) -> None:
@@ -305,11 +225,7 @@ class ReductionWriter(KernelWriter):
 
     def generate(self, name: str) -> KernelSource:
         space = self.space
-        xnumel = sympy.Mul(*[space.full[k] for k in self.kept]) if self.kept else sympy.Integer(1)
-        rnumel = sympy.Mul(*[space.full[k] for k in space.reduced]) if space.reduced else sympy.Integer(1)
-        rhint = hint(rnumel, self.hints)
-        mode, persistent_max = self.options.reduction, self.options.persistent_max
-        persistent = mode == "persistent" or (mode == "auto" and rhint <= persistent_max)
+        xnumel, rnumel, rhint, persistent = self.row_shape()
         rblock = next_power_of_2(max(rhint, 1)) if persistent else self.options.rblock
         xhint = next_power_of_2(hint(xnumel, self.hints))
         xblock = max(1, min(xhint, max(1, 1024 // rblock)))
@@ -317,7 +233,7 @@ class ReductionWriter(KernelWriter):
         if persistent and rnumel.free_symbols:
             # the row length varies between calls: the block is sized at launch (same source,
             # Triton specializes the constexpr), valid while a row fits one block
-            limit = max(persistent_max, rblock)
+            limit = max(self.options.persistent_max, rblock)
             launch_blocks = {
                 "RBLOCK": "triton.next_power_of_2(rnumel)",
                 "XBLOCK": f"max(1, min({xhint}, 1024 // RBLOCK))",
@@ -334,8 +250,6 @@ class ReductionWriter(KernelWriter):
             "xindex = xoffset + tl.arange(0, XBLOCK)[:, None]",
             "xmask = xindex < xnumel",
         ] + self.var_lines("xindex", self.kept)
-        reductions = [n for n in self.region.nodes if isinstance(n, ReduceNode)]
-        levels = sorted({self.level[n.name] for n in reductions})
         full_stores = [s for s in self.region.stores if self.is_full(s)]
         outer_stores = [s for s in self.region.stores if not self.is_full(s)]
         if persistent:
@@ -345,19 +259,17 @@ class ReductionWriter(KernelWriter):
                 "xrmask = xmask & rmask",
             ]
             self.lines += self.var_lines("rindex", list(space.reduced))
-            for level in levels:
-                for node in reductions:
-                    if self.level[node.name] == level:
-                        self.mask = "xrmask"
-                        self.reduce_persistent(node)
+            for level in self.reductions_by_level():
+                for node in level:
+                    self.mask = "xrmask"
+                    self.reduce_persistent(node)
             for s in full_stores:
                 self.mask = "xrmask"
                 self.store(s)
         else:
-            self.online = online.fold(self)
-            levels = sorted({self.level[n.name] for n in reductions})
-            for level in levels:
-                self.reduce_looped([n for n in reductions if self.level[n.name] == level])
+            self.online = online.fold(self)  # may move a folded sum's level: group after it
+            for level in self.reductions_by_level():
+                self.reduce_looped(level)
             if full_stores:
                 self.enter_loop()
                 for s in full_stores:
@@ -373,11 +285,9 @@ class ReductionWriter(KernelWriter):
     def finish_source(
         self, name, xnumel, rnumel, xblock, rblock, persistent, index_dtype, launch_blocks
     ) -> KernelSource:
-        nodes = self.region.inlined + self.region.nodes
-        header = self.header(name, nodes, xnumel)
         shape = "persistent" if persistent else "looped"
-        header.insert(-1, f"# reduction: {rnumel} elements per row, {shape}")
-        header[-1:-1] = self.online_header()
+        reduction = [f"reduction: {rnumel} elements per row, {shape}", *self.online_header()]
+        header = comment(self.header(name, xnumel, reduction))
         helpers = [HELPERS[h] for h in sorted(self.helpers)]
         return self.kernel_source(
             name,

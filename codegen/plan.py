@@ -1,0 +1,327 @@
+"""What a region's kernel is, decided once for both kernel languages (the backend-neutral plan).
+
+`RegionPlan` is the base of every kernel writer: the region's layouts and accesses, its
+iteration space and index plan (`pointwise_space`), int32 or int64 offsets and the assumptions
+that come with them, the modeled traffic, the header, the CSE'd temporaries and the
+`KernelSource` record. `ReductionPlan` adds what a reduction region is: the reduction space,
+each member's level (a softmax's max, then the sum that reads it), which members are full-row
+values, persistent or looped (`row_shape`) and the sums folded into an earlier loop
+(codegen/online.py). The printers (codegen/triton/, codegen/cuda/) subclass these and only print;
+neither inherits from the other.
+"""
+
+from __future__ import annotations
+
+import sympy
+
+from gjit import ir
+from gjit.codegen import online
+from gjit.codegen.common import KernelSource, hint, source_line, unique
+from gjit.codegen.indexing import XINDEX, coalesce
+from gjit.config import CompileOptions
+from gjit.fusion import Region
+from gjit.ir import Expr, IndexValue, Read, ReduceNode
+
+
+class RegionPlan:
+    """One region's kernel, backend-neutral. Printers supply `emit` (an IR expression -> a value
+    in their language), `index` (an index expression -> text, noting the size symbols it uses)
+    and `assign` (the line that defines a temporary)."""
+
+    def __init__(
+        self, region: Region, graph: ir.LoopGraph, hints: dict[sympy.Symbol, int], options: CompileOptions
+    ):
+        self.region = region
+        self.graph = graph
+        self.hints = hints
+        self.options = options
+        self.assumptions: list[tuple[sympy.Basic, str]] = []
+        self.lines: list[str] = []
+        self.cse: dict[tuple, str] = {}
+        self.counter = 0
+        self.in_args: dict[str, str] = {}
+        self.out_args: dict[str, str] = {}
+        self.values: dict[str, str] = {}  # region node -> its tmp variable
+        self.symbols: set[sympy.Symbol] = set()  # size symbols the kernel body uses
+        self.mask = "xmask"  # the mask the current expression is under (block printers)
+        self.pass_id = 0  # which pass over memory a load belongs to (looped reductions make several)
+        self.rvars: set[sympy.Symbol] = set()  # reduced index variables (reduction kernels)
+        # (buffer, pass, indirect, per row): per row, a reduction kernel reads one element a row
+        self.loaded: set[tuple[str, int, bool, bool]] = set()
+
+    # -- printer hooks ------------------------------------------------------------------------------
+
+    def emit(self, e: Expr) -> str:
+        raise NotImplementedError
+
+    def index(self, expr: sympy.Expr, names: dict[sympy.Symbol, str] | None = None) -> str:
+        raise NotImplementedError
+
+    def assign(self, var: str, text: str, dtype) -> str:
+        raise NotImplementedError
+
+    def tmp(self, key: tuple, text: str, dtype=None) -> str:
+        """A temporary holding `text`, one per `key` in the current scope (CSE)."""
+        if key in self.cse:
+            return self.cse[key]
+        var = f"tmp{self.counter}"
+        self.counter += 1
+        self.cse[key] = var
+        self.lines.append(self.assign(var, text, dtype))
+        return var
+
+    # -- layouts and accesses -----------------------------------------------------------------------
+
+    def layout(self, name: str) -> ir.Layout:
+        if name in self.graph.buffers:
+            lay = self.graph.buffers[name].layout
+            # kernels get data_ptr(), which already includes the storage offset
+            return ir.Layout(lay.size, lay.stride, sympy.Integer(0), lay.dtype)
+        node = self.graph.compute_nodes()[name]
+        return ir.Layout(node.layout.size, node.layout.stride, sympy.Integer(0), node.layout.dtype)
+
+    def in_registers(self, r: Read) -> bool:
+        """Is this read of a region member at its own element (so the member's value is reused)?"""
+        return r.name in self.region.bodies and r.index == ir.index_vars(len(self.region.size))
+
+    def note_load(self, r: Read, indirect: bool) -> None:
+        per_row = bool(self.rvars) and not ir.free_symbols(r) & self.rvars
+        self.loaded.add((r.name, self.pass_id, indirect, per_row))
+
+    def node_value(self, name: str) -> str:
+        if name not in self.values:
+            self.values[name] = self.emit(self.region.bodies[name])
+        return self.values[name]
+
+    def accesses(self) -> list[sympy.Expr]:
+        out = []
+        for body in self.region.bodies.values():
+            for r in ir.reads(body):
+                if not (r.name in self.region.bodies and r.index == ir.index_vars(len(r.index))):
+                    out.append(self.layout(r.name).offset_of(r.index))
+        idx = ir.index_vars(len(self.region.size))
+        out += [self.layout(name).offset_of(idx) for name in self.region.stores]
+        return out
+
+    def pointwise_space(self) -> tuple[sympy.Expr, ir.Index, object, str]:
+        """A pointwise region's (numel, logical index, index plan, index dtype); binds the plan's
+        substitution and variables for the printer."""
+        size = self.region.size
+        numel = sympy.Mul(*size) if size else sympy.Integer(1)
+        idx = ir.index_vars(len(size))
+        primary = self.layout(self.region.stores[0]).offset_of(idx) if self.region.stores else None
+        plan = coalesce(list(size), idx, self.accesses(), primary, self.hints)
+        self.subst = plan.substitute
+        self.vars = plan.vars
+        return numel, idx, plan, self.pick_index_dtype(numel)
+
+    # -- what the kernel is -------------------------------------------------------------------------
+
+    def kernel_size_symbols(self) -> list[sympy.Symbol]:
+        """The size symbols the kernel takes as arguments, in parameter order."""
+        return sorted(self.symbols - set(self.vars) - {XINDEX}, key=lambda s: s.name)
+
+    def kernel_record(
+        self,
+        name: str,
+        source: str,
+        sizes: dict[str, sympy.Expr],
+        signature: dict[str, str],
+        blocks: dict[str, int],
+        index_dtype: str,
+        **extra,
+    ) -> KernelSource:
+        """An assembled kernel (of either language) with what it fuses, takes, moves and assumes."""
+        nodes = self.region.inlined + self.region.nodes
+        read, written = self.traffic(sympy.Mul(*sizes.values()), sizes["xnumel"])
+        return KernelSource(
+            name=name,
+            source=source + "\n",
+            in_args=list(self.in_args),
+            out_args=list(self.out_args),
+            size_args=self.kernel_size_symbols(),
+            numel=sizes["xnumel"],
+            index_dtype=index_dtype,
+            aten_nodes=[f"{n.name}: {n.fx_node.target}" for n in nodes],
+            source_lines=unique(source_line(n.fx_node) for n in nodes),
+            signature=signature,
+            blocks=blocks,
+            bytes_read=read,
+            bytes_written=written,
+            assumptions=list(self.assumptions),
+            **extra,
+        )
+
+    def traffic(self, elements: sympy.Expr, rows: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
+        """Modeled bytes (read, written): each buffer once per pass over it, but never more
+        elements than the kernel visits (a slice or a gather reads only what it uses; a per-row
+        read of a reduction kernel, one element a row)."""
+
+        def nbytes(name: str, limit: sympy.Expr | None = None) -> sympy.Expr:
+            lay = self.layout(name)
+            numel = sympy.Mul(*lay.size) if lay.size else sympy.Integer(1)
+            return (numel if limit is None else sympy.Min(numel, limit)) * lay.dtype.itemsize
+
+        full = {(n, p, ind) for n, p, ind, per_row in self.loaded if not per_row}
+        read = sum(
+            (
+                nbytes(n, rows if per_row else elements)
+                for n, p, ind, per_row in self.loaded
+                if not (per_row and (n, p, ind) in full)  # the row's pass reads it anyway
+            ),
+            sympy.Integer(0),
+        )
+        written = sum((nbytes(n) for n in self.region.stores), sympy.Integer(0))
+        return read, written
+
+    def depends_on_index(self, body: Expr) -> bool:
+        return any(isinstance(e, (Read, IndexValue)) for e in ir.walk(body))
+
+    def pick_index_dtype(self, numel: sympy.Expr) -> str:
+        """int32 unless some element offset of this kernel can reach 2**31 at the example sizes.
+
+        With symbolic sizes int32 is an assumption: each span becomes a guard of the entry, so a
+        call large enough to overflow recompiles (and gets int64 offsets) instead of wrapping.
+        """
+        spans = [numel]
+        reads = [r.name for b in self.region.bodies.values() for r in ir.reads(b)]
+        for name in dict.fromkeys([*self.in_args, *self.region.stores, *reads]):  # in a fixed order
+            lay = self.layout(name)
+            spans.append(sum(((s - 1) * st for s, st in zip(lay.size, lay.stride)), sympy.Integer(1)))
+        spans = [sympy.expand(s) for s in spans]
+        worst = max(int(s.subs(self.hints)) if s.free_symbols <= set(self.hints) else 2**63 for s in spans)
+        if worst >= 2**31:
+            return "tl.int64"
+        for span in dict.fromkeys(s for s in spans if s.free_symbols):
+            self.assumptions.append((sympy.Lt(span, 2**31), f"int32 offsets: {span} < 2**31"))
+        return "tl.int32"
+
+    def header(self, name: str, numel: sympy.Expr, extra: list[str] = ()) -> list[str]:
+        """The kernel's header as plain lines (each printer puts its comment marker in front):
+        name, fused ATen nodes, user source lines, iteration space, what it assumes, `extra`
+        (the reduction's shape), what it stores."""
+        nodes = self.region.inlined + self.region.nodes
+        out = [f"kernel: {name}", "fused ATen nodes:"]
+        out += [f"  {n.name} = {n.fx_node.target}  {ir.dtype_str(n.dtype)}{list(n.size)}" for n in nodes]
+        lines = unique(source_line(n.fx_node) for n in nodes)
+        if lines:
+            out.append("user source:")
+            out += [f"  {ln}" for ln in lines]
+        out.append(f"iteration space: {list(self.region.size)} (numel {numel})")
+        if self.assumptions:  # guards of the entry: a call that breaks one recompiles
+            out.append("assumes (guarded; a call that breaks one recompiles):")
+            out += [f"  {why}" for _, why in self.assumptions]
+        out += extra
+        out.append(f"stores: {', '.join(self.region.stores)}")
+        return out
+
+
+class ReductionPlan(RegionPlan):
+    """A reduction region's kernel, backend-neutral: rows (the kept dims) by elements reduced per
+    row; each member at a level (a reduction one level above what it reads); full-row members
+    (computed per element of the row) and per-row ones. Mixed in before a printer's pointwise
+    writer: `class ReductionWriter(ReductionPlan, KernelWriter)`."""
+
+    INT_DIV = "//"  # how the printer spells floor division of (non-negative) row indices
+
+    def __init__(
+        self, region: Region, graph: ir.LoopGraph, hints: dict[sympy.Symbol, int], options: CompileOptions
+    ):
+        super().__init__(region, graph, hints, options)
+        space = region.reduction
+        self.space = space
+        self.kept = [k for k in range(len(space.full)) if k not in space.reduced]
+        c = space.vars
+        self.vars = list(c)
+        self.subst = lambda e: e
+        self.bodies = {}
+        self.nodes = {n.name: n for n in region.nodes}
+        for name, body in region.bodies.items():
+            mapping = space.placement(self.nodes[name])
+            self.bodies[name] = ir.substitute(
+                body, lambda r: r, lambda e, m=mapping: sympy.sympify(e).xreplace(m)
+            )
+        self.rvars = {c[k] for k in space.reduced}
+        self.level = {}
+        for name in sorted(self.bodies, key=lambda n: [m.name for m in region.nodes].index(n)):
+            self.level[name] = self.node_level(name)
+        self.scopes: list[tuple[list[str], dict, dict, str]] = []
+        self.online: dict[str, online.Online] = {}  # sums folded into an earlier loop
+
+    def row_shape(self) -> tuple[sympy.Expr, sympy.Expr, int, bool]:
+        """(rows, elements per row, the example row length, persistent?): a persistent kernel
+        keeps a whole row in registers (one read of memory), a looped one walks it in chunks."""
+        space = self.space
+        xnumel = sympy.Mul(*[space.full[k] for k in self.kept]) if self.kept else sympy.Integer(1)
+        rnumel = sympy.Mul(*[space.full[k] for k in space.reduced]) if space.reduced else sympy.Integer(1)
+        rhint = hint(rnumel, self.hints)
+        mode = self.options.reduction
+        persistent = mode == "persistent" or (mode == "auto" and rhint <= self.options.persistent_max)
+        return xnumel, rnumel, rhint, persistent
+
+    def reductions_by_level(self) -> list[list[ReduceNode]]:
+        """The region's reductions, one list per level, innermost level first."""
+        reductions = [n for n in self.region.nodes if isinstance(n, ReduceNode)]
+        levels = sorted({self.level[n.name] for n in reductions})
+        return [[n for n in reductions if self.level[n.name] == level] for level in levels]
+
+    def node_level(self, name: str) -> int:
+        deps = [r.name for r in ir.reads(self.bodies[name]) if r.name in self.bodies]
+        base = max((self.level[d] for d in deps), default=0)
+        return base + 1 if isinstance(self.nodes[name], ReduceNode) else base
+
+    def is_full(self, name: str) -> bool:
+        if isinstance(self.nodes[name], ReduceNode):
+            return False
+        return any(
+            sympy.sympify(i).free_symbols & self.rvars for i in self.space.value_index(self.nodes[name])
+        )
+
+    def in_registers(self, r: Read) -> bool:
+        return r.name in self.bodies and r.index == self.space.value_index(self.nodes[r.name])
+
+    def node_value(self, name: str) -> str:
+        if name in self.values:
+            return self.values[name]
+        if isinstance(self.nodes[name], ReduceNode):
+            raise AssertionError(f"reduction {name} read before its loop finished")
+        if self.is_full(name):
+            self.values[name] = self.emit(self.bodies[name])
+            return self.values[name]
+        if not self.scopes:
+            # persistent: an outer value is one per row, [XBLOCK, 1], whatever lanes read it
+            # (under xrmask its loads would be [XBLOCK, RBLOCK], which its store cannot take)
+            full_mask, self.mask = self.mask, "xmask" if self.mask == "xrmask" else self.mask
+            self.values[name] = self.emit(self.bodies[name])
+            self.mask = full_mask
+            return self.values[name]
+        # an outer value needed inside a loop is computed before the loop, once per row
+        inner = (self.lines, self.cse, self.mask)
+        self.lines, self.cse, _, self.mask = self.scopes[-1]
+        value = self.emit(self.bodies[name])
+        outer_values = self.scopes[-1][2]
+        outer_values[name] = value
+        self.lines, self.cse, self.mask = inner
+        self.values[name] = value
+        return value
+
+    def var_lines(self, index: str, dims: list[int]) -> list[str]:
+        sizes = [self.space.full[k] for k in dims]
+        out = []
+        for j, k in enumerate(dims):
+            inner = sympy.Mul(*sizes[j + 1 :]) if j + 1 < len(sizes) else sympy.Integer(1)
+            expr = f"{index} {self.INT_DIV} ({self.index(inner)})" if inner != 1 else index
+            if j > 0:
+                expr = f"({expr}) % ({self.index(sizes[j])})"
+            out.append(self.index_line(f"c{k}", expr))
+        return out
+
+    def index_line(self, name: str, expr: str) -> str:
+        return f"{name} = {expr}"
+
+    def online_header(self) -> list[str]:
+        what = {"softmax": "online softmax, rescaled to", "welford": "Welford, around"}
+        return [
+            f"{n}: in the pass before ({what[f.kind]} {ir.format_expr(f.shift)})"
+            for n, f in self.online.items()
+        ]
