@@ -44,7 +44,7 @@ class KernelSource:
     out_args: list[str]  # node names stored
     size_args: list[sympy.Symbol]  # symbols passed by value
     numel: sympy.Expr  # xnumel: the number of programs' elements along x
-    index_dtype: str
+    index_dtype: str  # "int32" | "int64": the width of element offsets (each printer spells it)
     aten_nodes: list[str]  # "name: aten.op" per fused node
     source_lines: list[str]
     signature: dict[str, str]  # parameter -> Triton type ("*fp32", "i32", "constexpr")

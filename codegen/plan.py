@@ -191,10 +191,10 @@ class RegionPlan:
         spans = [sympy.expand(s) for s in spans]
         worst = max(int(s.subs(self.hints)) if s.free_symbols <= set(self.hints) else 2**63 for s in spans)
         if worst >= 2**31:
-            return "tl.int64"
+            return "int64"
         for span in dict.fromkeys(s for s in spans if s.free_symbols):
             self.assumptions.append((sympy.Lt(span, 2**31), f"int32 offsets: {span} < 2**31"))
-        return "tl.int32"
+        return "int32"
 
     def header(self, name: str, numel: sympy.Expr, extra: list[str] = ()) -> list[str]:
         """The kernel's header as plain lines (each printer puts its comment marker in front):

@@ -448,7 +448,7 @@ def test_a_huge_logical_size_gets_int64_offsets(fn):
     x, y = torch.randn(HUGE, 1), torch.randn(1, HUGE)
     gjit.explain(cm, x.expand(HUGE, HUGE), y.expand(HUGE, HUGE))  # compiles, runs nothing
     (kernel,) = cm.entries[0].program.kernels
-    assert kernel.index_dtype == "tl.int64"
+    assert kernel.index_dtype == "int64"
     assert "tl.program_id(0).to(tl.int64)" in kernel.source
     assert kernel.signature["xnumel"] == "i64" and not kernel.assumptions
     assert not any("int32" in g.description for g in cm.entries[0].guards.guards)
@@ -460,8 +460,8 @@ def test_a_huge_logical_size_gets_int64_offsets(fn):
 def test_a_huge_call_after_a_small_entry_recompiles_with_int64_offsets():
     cm = gjit.compile(broadcast_sum)
     check(cm, torch.randn(6, 1).expand(6, 9), torch.randn(1, 9).expand(6, 9))
-    assert cm.entries[0].program.kernels[0].index_dtype == "tl.int32"
+    assert cm.entries[0].program.kernels[0].index_dtype == "int32"
     x, y = torch.randn(HUGE, 1), torch.randn(1, HUGE)
     gjit.explain(cm, x.expand(HUGE, HUGE), y.expand(HUGE, HUGE))
     assert gjit.stats()["compiles"] == 2  # the int32 assumption failed: a new entry
-    assert cm.entries[1].program.kernels[0].index_dtype == "tl.int64"
+    assert cm.entries[1].program.kernels[0].index_dtype == "int64"

@@ -284,7 +284,7 @@ class CudaEmitter(RegionPlan):
         blocks: dict[str, int],
         **extra,
     ) -> KernelSource:
-        index_type = "int" if index_dtype == "tl.int32" else "long long"
+        index_type = "int" if index_dtype == "int32" else "long long"
         decls, signature = self.params(index_type, list(sizes))
         lines = [f"// {ln}" for ln in header]
         lines.append(f'extern "C" __global__ void __launch_bounds__({threads}) {name}(')
@@ -309,7 +309,7 @@ class CudaKernelWriter(CudaEmitter):
 
     def generate(self, name: str) -> KernelSource:
         numel, idx, plan, index_dtype = self.pointwise_space()
-        it = "int" if index_dtype == "tl.int32" else "long long"
+        it = "int" if index_dtype == "int32" else "long long"
         self.store_all(idx)
         setup = [f"{it} {v.name} = {self.index(e)};" for v, e in zip(plan.vars, plan.var_exprs)]
         loop = (

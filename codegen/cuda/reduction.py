@@ -205,7 +205,7 @@ class CudaReductionWriter(ReductionPlan, CudaEmitter):
         self.prologue: list[str] = []
         self.mask_depth = 0
         index_dtype = self.pick_index_dtype(xnumel * rnumel)
-        self.index_type = "int" if index_dtype == "tl.int32" else "long long"
+        self.index_type = "int" if index_dtype == "int32" else "long long"
         self.lines = self.var_lines("xindex", self.kept)
         if not self.persistent:
             self.online = online.fold(self)

@@ -300,7 +300,7 @@ class KernelWriter(RegionPlan):
         Triton signature and the modeled traffic."""
         symbols = self.kernel_size_symbols()
         params = [*self.in_args.values(), *self.out_args.values(), *(s.name for s in symbols), *sizes]
-        int_type = "i32" if index_dtype == "tl.int32" else "i64"
+        int_type = "i32" if index_dtype == "int32" else "i64"
         pointers = {**self.in_args, **self.out_args}
         signature = {arg: "*" + POINTER_TYPES[self.layout(n).dtype] for n, arg in pointers.items()}
         signature |= {p: int_type for p in params[len(signature) :]}
@@ -314,7 +314,7 @@ class KernelWriter(RegionPlan):
         return self.kernel_record(name, source, sizes, signature, blocks, index_dtype, **extra)
 
     def index_setup(self, plan, index_dtype: str) -> list[str]:
-        pid = "tl.program_id(0)" if index_dtype == "tl.int32" else "tl.program_id(0).to(tl.int64)"
+        pid = "tl.program_id(0)" if index_dtype == "int32" else "tl.program_id(0).to(tl.int64)"
         lines = [
             f"xoffset = {pid} * XBLOCK",
             "xindex = xoffset + tl.arange(0, XBLOCK)",

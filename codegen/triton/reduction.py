@@ -244,7 +244,7 @@ class ReductionWriter(ReductionPlan, KernelWriter):
         if rnumel == 0:  # no lane is ever active: a var-free load under xrmask must stay masked
             self.base_masks = {"xmask"}
         index_dtype = self.pick_index_dtype(xnumel * rnumel)
-        pid = "tl.program_id(0)" if index_dtype == "tl.int32" else "tl.program_id(0).to(tl.int64)"
+        pid = "tl.program_id(0)" if index_dtype == "int32" else "tl.program_id(0).to(tl.int64)"
         self.lines = [
             f"xoffset = {pid} * XBLOCK",
             "xindex = xoffset + tl.arange(0, XBLOCK)[:, None]",

@@ -143,7 +143,7 @@ def perf_hints(program: CompiledProgram, specialized: list[str]) -> list[str]:
                     else f"{k.passes} passes over each row, each reading it from memory"
                 )
             )
-        if k.index_dtype == "tl.int64":
+        if k.index_dtype == "int64":
             hints.append(f"{name} uses int64 offsets (sizes can reach 2**31, or a size is data-dependent)")
     for step in steps:
         if isinstance(step, Region):
