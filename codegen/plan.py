@@ -196,6 +196,13 @@ class RegionPlan:
             self.assumptions.append((sympy.Lt(span, 2**31), f"int32 offsets: {span} < 2**31"))
         return "int32"
 
+    def key_line(self, signature: dict[str, str], blocks: dict[str, int], launch_blocks: dict) -> str:
+        """The last header line: what a compiled binary of this kernel is keyed on, its parameter
+        types and block sizes (Triton adds the 16-divisibility of pointers and ints at launch)."""
+        params = ", ".join(f"{p}: {t}" for p, t in signature.items() if t != "constexpr")
+        sizes = ", ".join(f"{b}={'at launch' if b in launch_blocks else v}" for b, v in blocks.items())
+        return f"cache key: ({params}; {sizes})"
+
     def header(self, name: str, numel: sympy.Expr, extra: list[str] = ()) -> list[str]:
         """The kernel's header as plain lines (each printer puts its comment marker in front):
         name, fused ATen nodes, user source lines, iteration space, what it assumes, `extra`

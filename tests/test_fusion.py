@@ -134,6 +134,9 @@ def test_kernel_header_lists_the_assumptions_the_entry_guards():
     assert any(w.startswith("int32 offsets: ") for w in whys), whys
     for why in whys:
         assert f"#   {why}\n" in header
+    # the last line: what its binary is keyed on (parameter types, block sizes)
+    key = header.strip().splitlines()[-1]
+    assert key.startswith("# cache key: (in_ptr0: *fp32, out_ptr0: *fp32, ") and "RBLOCK=" in key, key
 
 
 def test_sizes_are_kernel_arguments():

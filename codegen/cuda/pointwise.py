@@ -286,7 +286,8 @@ class CudaEmitter(RegionPlan):
     ) -> KernelSource:
         index_type = "int" if index_dtype == "int32" else "long long"
         decls, signature = self.params(index_type, list(sizes))
-        lines = [f"// {ln}" for ln in header]
+        key = self.key_line(signature, blocks, extra.get("launch_blocks", {}))
+        lines = [f"// {ln}" for ln in [*header, key]]
         lines.append(f'extern "C" __global__ void __launch_bounds__({threads}) {name}(')
         lines.append("    " + ",\n    ".join(decls) + ") {")
         lines += [f"    {ln}" for ln in body] + ["}"]

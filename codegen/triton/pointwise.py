@@ -294,10 +294,12 @@ class KernelWriter(RegionPlan):
         sizes: dict[str, sympy.Expr],
         blocks: dict[str, int],
         index_dtype: str,
+        helpers: list[str] = (),
         **extra,
     ) -> KernelSource:
         """Assemble the kernel: parameters (pointers, size symbols, numels, block sizes), source,
-        Triton signature and the modeled traffic."""
+        Triton signature and the modeled traffic. `header`: comment lines; `helpers`: the
+        hand-written functions it calls (gjit/kernels/triton_helpers.py)."""
         symbols = self.kernel_size_symbols()
         params = [*self.in_args.values(), *self.out_args.values(), *(s.name for s in symbols), *sizes]
         int_type = "i32" if index_dtype == "int32" else "i64"
@@ -306,8 +308,9 @@ class KernelWriter(RegionPlan):
         signature |= {p: int_type for p in params[len(signature) :]}
         signature |= {b: "constexpr" for b in blocks}
         constexprs = [f"{b}: tl.constexpr" for b in blocks]
+        key = comment([self.key_line(signature, blocks, extra.get("launch_blocks", {}))])
         source = "\n".join(
-            header
+            [*header, *key, *helpers]
             + [self.decorator, f"def {name}({', '.join(params + constexprs)}):"]
             + [f"    {ln}" for ln in body]
         )

@@ -291,7 +291,8 @@ class ReductionWriter(ReductionPlan, KernelWriter):
         helpers = [HELPERS[h] for h in sorted(self.helpers)]
         return self.kernel_source(
             name,
-            header=header + helpers,
+            header=header,
+            helpers=helpers,
             body=self.lines,
             sizes={"xnumel": xnumel, "rnumel": rnumel},
             blocks={"XBLOCK": xblock, "RBLOCK": rblock},
