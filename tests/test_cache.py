@@ -265,7 +265,7 @@ def test_a_damaged_kernel_file_is_rewritten(disk_cache, caplog):
     path = cold.entries[0].program.graph.kernel_paths[kernel.name]
     with open(path, "w") as f:
         f.write("raise SystemExit('damaged')\n")
-    gjit.runtime._KERNELS.clear()  # as in a new process: the file is read again
+    gjit.runtime.graph._KERNELS.clear()  # as in a new process: the file is read again
     with caplog.at_level(logging.WARNING, logger="gjit.cache"):
         _fresh_compile(model, x)
     assert counter("disk_cache_hits") == 1
