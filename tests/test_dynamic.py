@@ -307,8 +307,8 @@ def test_identical_kernels_are_shared_between_entries():
 def test_recompile_limit_warns_once_then_runs_eagerly(caplog):
     cm = gjit.compile(lambda x: x.cos() + 1, dynamic=False)
     with gjit.config.scope(recompile_limit=3), caplog.at_level(logging.WARNING, logger="gjit"):
-        for n in (2, 3, 4, 5, 6, 5, 7):
-            check_call(cm, torch.randn(n))
+        for k, n in enumerate((2, 3, 4, 5, 6, 5, 7)):
+            check_call(cm, torch.randn(n), expect_eager=k >= 3)  # past the limit: eager
     assert compiles() == 3
     warnings = [r for r in caplog.records if "recompile limit" in r.getMessage()]
     assert len(warnings) == 1
@@ -451,8 +451,8 @@ def test_negative_zero_is_a_different_specialization():
 def test_lazily_negated_views_are_never_read_raw():
     cm = gjit.compile(lambda x: x + 1)
     check_call(cm, torch.randn(4))
-    check_call(cm, torch._neg_view(torch.randn(4)))
-    check_call(cm, torch._neg_view(torch.randn(5)))
+    check_call(cm, torch._neg_view(torch.randn(4)), expect_eager=True)  # export would drop the bit
+    check_call(cm, torch._neg_view(torch.randn(5)), expect_eager=True)
 
 
 def test_replaced_parameters_are_guarded():
