@@ -20,7 +20,7 @@ from gjit.codegen.common import KernelSource, hint, source_line, unique
 from gjit.codegen.indexing import XINDEX, coalesce
 from gjit.config import CompileOptions
 from gjit.fusion import Region
-from gjit.ir import Expr, IndexValue, Read, ReduceNode
+from gjit.ir import Const, Expr, IndexValue, Masked, Op, Read, ReduceNode
 
 
 class RegionPlan:
@@ -49,9 +49,42 @@ class RegionPlan:
         # (buffer, pass, indirect, per row): per row, a reduction kernel reads one element a row
         self.loaded: set[tuple[str, int, bool, bool]] = set()
 
-    # -- printer hooks ------------------------------------------------------------------------------
+    # -- expressions: the walk is here, each printer spells the pieces ----------------------------
 
     def emit(self, e: Expr) -> str:
+        """The value of IR expression `e` in the printer's language (a literal or a temporary)."""
+        if isinstance(e, Const):
+            return self.literal(e.value, e.dtype)
+        if isinstance(e, Read):
+            return self.read(e)
+        if isinstance(e, Masked):
+            return self.masked(e)
+        folded = self.folded(e)
+        if folded is not None:
+            return folded
+        if isinstance(e, IndexValue):
+            return self.index_value(e)
+        if isinstance(e, Op):
+            return self.op(e, [self.emit(a) for a in e.args])
+        raise TypeError(type(e))
+
+    def literal(self, value, dtype) -> str:
+        raise NotImplementedError
+
+    def folded(self, e: Expr) -> str | None:
+        """A constant expression the printer writes as a literal, or None."""
+        raise NotImplementedError
+
+    def index_value(self, e: IndexValue) -> str:
+        raise NotImplementedError
+
+    def op(self, e: Op, args: list[str]) -> str:
+        raise NotImplementedError
+
+    def read(self, r: Read) -> str:
+        raise NotImplementedError
+
+    def masked(self, e: Masked) -> str:
         raise NotImplementedError
 
     def index(self, expr: sympy.Expr, names: dict[sympy.Symbol, str] | None = None) -> str:

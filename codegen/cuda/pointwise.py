@@ -20,7 +20,7 @@ import torch
 from gjit.codegen.common import INFIX, KernelSource, constant, hint, next_power_of_2
 from gjit.codegen.plan import RegionPlan
 from gjit.codegen.printer import ExprPrinter
-from gjit.ir import Const, Expr, IndexValue, Masked, Op, Read
+from gjit.ir import Expr, IndexValue, Masked, Op, Read
 
 C_TYPES = {
     torch.float32: "float",
@@ -205,32 +205,30 @@ class CudaEmitter(RegionPlan):
     def assign(self, var: str, text: str, dtype: torch.dtype) -> str:
         return f"{C_TYPES[dtype]} {var} = {text};"
 
-    def emit(self, e: Expr) -> str:
-        if isinstance(e, Const):
-            return literal(e.value, e.dtype)
+    def literal(self, value, dtype: torch.dtype) -> str:
+        return literal(value, dtype)
+
+    def folded(self, e: Expr) -> str | None:
         if isinstance(e, Op) and e.name == "to_dtype" and constant(e.args[0]) is not None:
             # a constant (a size, a fill value) under a cast: cast it now, rounding as ATen does
             value = torch.tensor(constant(e.args[0]), dtype=e.args[0].dtype).to(e.params[0]).item()
             return literal(value, e.params[0])
-        if isinstance(e, IndexValue):
-            expr = self.subst(e.expr)
-            if sympy.sympify(expr).is_number:
-                return literal(expr, e.dtype)
-            text = self.index(expr)
-            value = to_dtype(f"({text})", torch.int64, e.dtype)
-            return self.tmp(("index", text, e.dtype), value, e.dtype)
-        if isinstance(e, Read):
-            return self.read(e)
-        if isinstance(e, Op):
-            args = [self.emit(a) for a in e.args]
-            if e.name == "to_dtype":
-                text = to_dtype(args[0], e.args[0].dtype, e.params[0])
-            else:
-                text = CudaOverrides[e.name](*args, e.dtype)
-            return self.tmp(("op", e.name, *args, e.params), text, e.dtype)
-        if isinstance(e, Masked):
-            return self.masked(e)
-        raise TypeError(type(e))
+        return None
+
+    def index_value(self, e: IndexValue) -> str:
+        expr = self.subst(e.expr)
+        if sympy.sympify(expr).is_number:
+            return literal(expr, e.dtype)
+        text = self.index(expr)
+        value = to_dtype(f"({text})", torch.int64, e.dtype)
+        return self.tmp(("index", text, e.dtype), value, e.dtype)
+
+    def op(self, e: Op, args: list[str]) -> str:
+        if e.name == "to_dtype":
+            text = to_dtype(args[0], e.args[0].dtype, e.params[0])
+        else:
+            text = CudaOverrides[e.name](*args, e.dtype)
+        return self.tmp(("op", e.name, *args, e.params), text, e.dtype)
 
     def masked(self, e: Masked) -> str:
         """`body` only where the mask holds (its reads may be out of bounds elsewhere)."""

@@ -21,7 +21,7 @@ from gjit.codegen.plan import RegionPlan
 from gjit.codegen.printer import TritonPrinter
 from gjit.config import CompileOptions
 from gjit.fusion import Region
-from gjit.ir import Const, Expr, IndexValue, Masked, Op, Read
+from gjit.ir import Expr, IndexValue, Masked, Op, Read
 
 TL_DTYPES = {
     torch.float32: "tl.float32",
@@ -192,43 +192,45 @@ class KernelWriter(RegionPlan):
     def assign(self, var: str, text: str, dtype=None) -> str:
         return f"{var} = {text}"
 
-    def emit(self, e: Expr) -> str:
-        if isinstance(e, Const):
-            return literal(e.value, e.dtype)
+    def literal(self, value, dtype: torch.dtype) -> str:
+        return literal(value, dtype)
+
+    def folded(self, e: Expr) -> str | None:
         if isinstance(e, IndexValue) and sympy.sympify(e.expr).is_number:
             return literal(e.expr, e.dtype)
         if isinstance(e, Op) and e.name == "to_dtype" and constant(e.args[0]) is not None:
             return literal(constant(e.args[0]), e.params[0])  # a constant (size) under a cast
-        if isinstance(e, IndexValue):
-            expr = self.subst(e.expr)
-            if sympy.sympify(expr).is_number:  # e.g. the index of a size-1 dim
-                return literal(expr, e.dtype)
-            text = self.index(expr)
-            if e.dtype == torch.bool:
-                return self.tmp(("index", text, self.mask), f"{text}")
-            return self.tmp(("index", text, e.dtype), f"({text}).to({TL_DTYPES[e.dtype]})")
-        if isinstance(e, Read):
-            return self.read(e)
-        if isinstance(e, Op):
-            args = [self.emit(a) for a in e.args]
-            if e.name == "to_dtype" and _number(args[0]) is not None:
-                # a member that is a Python number here (a fill value, an index of a size-1 dim)
-                # has no .to(): cast it now, rounding as ATen does
-                value = torch.tensor(_number(args[0]), dtype=e.args[0].dtype).to(e.params[0]).item()
-                return literal(value, e.params[0])
-            if e.name == "to_dtype":
-                text = to_dtype(args[0], e.args[0].dtype, e.params[0])
-            else:
-                text = TritonOverrides[e.name](*args, e.dtype)
-            return self.tmp(("op", e.name, *args, e.params), text)
-        if isinstance(e, Masked):
-            cond = self.index(self.subst(e.mask))
-            mask = self.tmp(("mask", cond, self.mask), f"{self.mask} & ({cond})")
-            outer, self.mask = self.mask, mask
-            body = self.emit(e.body)
-            self.mask = outer
-            return self.tmp(("masked", mask, body), f"tl.where({mask}, {body}, {literal(e.other, e.dtype)})")
-        raise TypeError(type(e))
+        return None
+
+    def index_value(self, e: IndexValue) -> str:
+        expr = self.subst(e.expr)
+        if sympy.sympify(expr).is_number:  # e.g. the index of a size-1 dim
+            return literal(expr, e.dtype)
+        text = self.index(expr)
+        if e.dtype == torch.bool:
+            return self.tmp(("index", text, self.mask), f"{text}")
+        return self.tmp(("index", text, e.dtype), f"({text}).to({TL_DTYPES[e.dtype]})")
+
+    def op(self, e: Op, args: list[str]) -> str:
+        if e.name == "to_dtype" and _number(args[0]) is not None:
+            # a member that is a Python number here (a fill value, an index of a size-1 dim)
+            # has no .to(): cast it now, rounding as ATen does
+            value = torch.tensor(_number(args[0]), dtype=e.args[0].dtype).to(e.params[0]).item()
+            return literal(value, e.params[0])
+        if e.name == "to_dtype":
+            text = to_dtype(args[0], e.args[0].dtype, e.params[0])
+        else:
+            text = TritonOverrides[e.name](*args, e.dtype)
+        return self.tmp(("op", e.name, *args, e.params), text)
+
+    def masked(self, e: Masked) -> str:
+        """`body` under the mask (a narrower block mask for its loads), `other` elsewhere."""
+        cond = self.index(self.subst(e.mask))
+        mask = self.tmp(("mask", cond, self.mask), f"{self.mask} & ({cond})")
+        outer, self.mask = self.mask, mask
+        body = self.emit(e.body)
+        self.mask = outer
+        return self.tmp(("masked", mask, body), f"tl.where({mask}, {body}, {literal(e.other, e.dtype)})")
 
     def read(self, r: Read) -> str:
         if self.in_registers(r):
