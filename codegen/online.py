@@ -24,6 +24,8 @@ import sympy
 from gjit import ir
 from gjit.ir import Expr, IndexValue, Op, Read, ReduceNode
 
+WELFORD = ("count", "first", "mean", "m2")  # a variance's accumulators per lane, in both printers
+
 
 @dataclasses.dataclass(frozen=True)
 class Online:

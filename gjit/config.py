@@ -186,13 +186,13 @@ class CompileOptions:
     over the knobs above), then passed down the passes as an argument. Codegen and the wrapper
     read these, never the global config."""
 
-    backend: str = "triton"
-    check: bool = False  # GJIT_CHECK: the wrapper reports every kernel's stores to the checker
-    debug: bool = False  # GJIT_DEBUG: poisoned buffers, bounds checks on gathered indices
-    xblock: int = 1024
-    reduction: str = "auto"
-    persistent_max: int = 1024
-    rblock: int = 64
+    backend: str
+    check: bool  # GJIT_CHECK: the wrapper reports every kernel's stores to the checker
+    debug: bool  # GJIT_DEBUG: poisoned buffers, bounds checks, IR checks between passes
+    xblock: int
+    reduction: str
+    persistent_max: int
+    rblock: int  # (no defaults here: the knobs above hold them)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

@@ -398,35 +398,37 @@ def verify_schedule(steps: list[Step], graph: LoopGraph) -> None:
     """The schedule is well formed (GJIT_DEBUG runs this after fusion): no node is computed by two
     steps (a node inlined into others is recomputed, not owned), a region stores only its own
     nodes, everything a step reads is an input, its own member, or stored by an earlier step (a
-    view, once its base is), and every output is stored. (Nodes nothing needs, like layer_norm's
-    unused mean, are dropped.)"""
-    owner: dict[str, int] = {}
+    view or alias once what it stands for is), and every output is stored. (Nodes nothing needs,
+    like layer_norm's unused mean, are dropped.)"""
+    owner: set[str] = set()
     available = {name for name, b in graph.buffers.items() if b.kind == "input"}
 
-    def ready(name: str) -> bool:
-        while name in graph.views:
-            name = graph.views[name].base
-        return name in available or name in graph.aliases
+    def fail(message: str) -> None:
+        raise ir.IRError(f"gjit schedule: {message}")
 
-    for k, step in enumerate(steps):
+    for step in steps:
         if isinstance(step, ExternNode):
-            assert step.name not in owner, f"gjit schedule: extern {step.name} runs twice"
-            late = [a for a in step.tensor_args if not ready(a)]
-            assert not late, f"gjit schedule: extern {step.name} reads {late} before any step stores it"
-            owner[step.name] = k
+            if step.name in owner:
+                fail(f"extern {step.name} runs twice")
+            late = [a for a in step.tensor_args if ir.resolve(graph, a) not in available]
+            if late:
+                fail(f"extern {step.name} reads {late} before any step stores it")
+            owner.add(step.name)
             available.add(step.name)
             continue
         members = {n.name for n in step.nodes}
-        for n in step.nodes:
-            assert n.name not in owner, f"gjit schedule: {n.name} is computed by two steps"
-            owner[n.name] = k
-        assert set(step.stores) <= members, f"gjit schedule: {step.name} stores {step.stores}: not its own"
+        twice = members & owner
+        if twice:
+            fail(f"{sorted(twice)} computed by two steps")
+        owner |= members
+        if not set(step.stores) <= members:
+            fail(f"{step.name} stores {step.stores}: not its own")
         inlined = {n.name for n in step.inlined}
         for body in step.bodies.values():
             for r in ir.reads(body):
-                assert ready(r.name) or r.name in members or r.name in inlined, (
-                    f"gjit schedule: {step.name or 'a region'} reads {r.name} before any step stores it"
-                )
+                if not (ir.resolve(graph, r.name) in available or r.name in members or r.name in inlined):
+                    fail(f"{step.name or 'a region'} reads {r.name} before any step stores it")
         available |= set(step.stores)
-    missing = [o for o in graph.outputs if o is not None and not ready(o)]
-    assert not missing, f"gjit schedule: no step stores the outputs {missing}"
+    missing = [o for o in graph.outputs if o is not None and ir.resolve(graph, o) not in available]
+    if missing:
+        fail(f"no step stores the outputs {missing}")

@@ -365,26 +365,40 @@ def dtype_str(dtype: torch.dtype) -> str:
     return _SHORT.get(dtype, str(dtype).replace("torch.", ""))
 
 
+class IRError(RuntimeError):
+    """A pass made an ill-formed IR or schedule (GJIT_DEBUG checks between passes)."""
+
+
+def resolve(graph: LoopGraph, name: str) -> str:
+    """The value `name` stands for: through aliases and views to the node or buffer it reads."""
+    name = graph.aliases.get(name, name)
+    while name in graph.views:
+        name = graph.aliases.get(graph.views[name].base, graph.views[name].base)
+    return name
+
+
 def verify(graph: LoopGraph) -> None:
-    """The loop IR is well formed (GJIT_DEBUG runs this after lowering): each read names a buffer,
-    a view or an earlier node, with as many indices as that value has dims; each extern reads
-    values that exist before it; each output is a value of the graph."""
-    dims: dict[str, int] = {name: len(b.layout.size) for name, b in graph.buffers.items()}
-    known = set(graph.buffers) | set(graph.views)
+    """The loop IR is well formed (GJIT_DEBUG runs this after lowering): each read names an input
+    or an earlier node, with as many indices as that value has dims; each extern reads values that
+    exist before it (an extern's result exists once it ran); each output is a value."""
+    dims = {name: len(b.layout.size) for name, b in graph.buffers.items()}
+    known = {name for name, b in graph.buffers.items() if b.kind == "input"}
     for node in graph.nodes:
         if isinstance(node, ExternNode):
-            missing = [a for a in node.tensor_args if a not in known and a not in graph.aliases]
-            assert not missing, f"gjit IR: extern {node.name} reads {missing}: nothing defines them before it"
+            missing = [a for a in node.tensor_args if resolve(graph, a) not in known]
+            if missing:
+                raise IRError(f"gjit IR: extern {node.name} reads {missing}: nothing defines them before it")
         else:
             for r in reads(node.body):
-                assert r.name in known, f"gjit IR: {node.name} reads {r.name}: nothing defines it before it"
-                if r.name in dims:
-                    assert len(r.index) == dims[r.name], (
+                if resolve(graph, r.name) not in known:
+                    raise IRError(f"gjit IR: {node.name} reads {r.name}: nothing defines it before it")
+                if r.name in dims and len(r.index) != dims[r.name]:
+                    raise IRError(
                         f"gjit IR: {node.name} reads {r.name} with {len(r.index)} indices, "
                         f"it has {dims[r.name]} dims"
                     )
             dims[node.name] = len(node.size)
         known.add(node.name)
     for out in graph.outputs:
-        assert out is None or out in known or out in graph.aliases, f"gjit IR: output {out} is not a value"
-
+        if out is not None and resolve(graph, out) not in known:
+            raise IRError(f"gjit IR: output {out} is not a value of the graph")

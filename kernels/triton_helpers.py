@@ -47,5 +47,3 @@ HELPERS = {
     "    better = (v1 < v2) | (nan1 & (nan2 == 0))\n    same = (v1 == v2) | (nan1 & nan2)\n"
     "    take = better | (same & (i1 < i2))\n    return tl.where(take, v1, v2), tl.where(take, i1, i2)\n",
 }
-
-WELFORD = ("count", "first", "mean", "m2")  # a variance's accumulators per lane (_welford_add)

@@ -315,3 +315,21 @@ def test_sympy_expressions_round_trip_without_eval():
         cache.expr_from_json({"func": "builtins.eval", "args": ["1"]})
     with pytest.raises(cache.CacheError):
         cache.expr_to_json(sympy.sin(s0))
+
+
+def test_the_gjit_fingerprint_covers_sub_packages(tmp_path):
+    """An edit anywhere in gjit's sources, a sub-package included, is a new version of gjit: the
+    disk cache must not serve kernels an older codegen made."""
+    (tmp_path / "pkg" / "sub" / "deeper").mkdir(parents=True)
+    (tmp_path / "pkg" / "top.py").write_text("x = 1\n")
+    nested = tmp_path / "pkg" / "sub" / "deeper" / "printer.py"
+    nested.write_text("y = 1\n")
+    before = cache.sources_digest({"pkg": str(tmp_path / "pkg")})
+    nested.write_text("y = 2\n")
+    assert cache.sources_digest({"pkg": str(tmp_path / "pkg")}) != before
+    # and gjit's own fingerprint reads every module of the package, sub-packages too
+    from test_layout import modules
+
+    roots = [os.path.abspath(r) for r in cache.fingerprint_roots().values()]
+    for path in modules().values():
+        assert any(os.path.abspath(path).startswith(r + os.sep) for r in roots), path

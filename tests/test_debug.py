@@ -69,26 +69,35 @@ def test_ir_check_refuses_a_read_of_nothing_and_a_wrong_rank():
     read = ir.reads(node.body)[0]
     ghost = dataclasses.replace(node, body=dataclasses.replace(read, name="ghost"))
     graph.nodes[graph.nodes.index(node)] = ghost
-    with pytest.raises(AssertionError, match="reads ghost"):
+    with pytest.raises(ir.IRError, match="reads ghost"):
         ir.verify(graph)
     ranked = dataclasses.replace(node, body=dataclasses.replace(read, index=read.index[:1]))
     graph.nodes[graph.nodes.index(ghost)] = ranked
-    with pytest.raises(AssertionError, match="with 1 indices"):
+    with pytest.raises(ir.IRError, match="with 1 indices"):
+        ir.verify(graph)
+
+
+def test_ir_check_refuses_a_read_of_an_extern_result_before_the_extern():
+    graph, _ = _lowered(_Softmax(), torch.randn(4, 6))
+    extern = next(n for n in graph.nodes if isinstance(n, ir.ExternNode))
+    graph.nodes.remove(extern)
+    graph.nodes.append(extern)  # the matmul now runs after the relu that reads it
+    with pytest.raises(ir.IRError, match="reads mm"):
         ir.verify(graph)
 
 
 def test_schedule_check_refuses_a_read_before_the_store_and_a_lost_output():
     graph, steps = _lowered(_Softmax(), torch.randn(4, 6))
     assert len(steps) == 3, steps
-    with pytest.raises(AssertionError, match="before any step stores it"):
+    with pytest.raises(ir.IRError, match="before any step stores it"):
         verify_schedule(steps[::-1], graph)
-    with pytest.raises(AssertionError, match="stores the outputs"):
+    with pytest.raises(ir.IRError, match="stores the outputs"):
         verify_schedule(steps[:1], graph)
 
 
 def test_debug_compiles_run_the_checks_between_passes(monkeypatch):
     """A planted fusion bug (the schedule reversed) fails the compile under GJIT_DEBUG, naming
-    the check, instead of running wrong kernels; without debug the check costs nothing."""
+    the check, instead of running wrong kernels."""
     monkeypatch.setattr(driver, "fuse", lambda graph: fuse(graph)[::-1])
-    with pytest.raises(AssertionError, match="gjit schedule"):
+    with pytest.raises(ir.IRError, match="gjit schedule"):
         check(_Softmax(), torch.randn(4, 6))

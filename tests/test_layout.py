@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import sys
 
 import pytest
@@ -28,7 +29,8 @@ PACKAGES = {"gjit": "gjit", "codegen": "gjit.codegen", "kernels": "gjit.kernels"
 MAX_LINES = 600
 
 # The pipeline, top to bottom: a module imports only from its own layer or the layers above it.
-# A prefix names a module and everything under it; the longest matching prefix decides.
+# A prefix names a module and everything under it, the longest matching prefix decides;
+# "name=" names that module alone (the package `gjit` itself, not everything in it).
 LAYERS = [
     ("base", ["gjit.config", "gjit.logs", "gjit.stats"]),
     ("capture", ["gjit.capture"]),
@@ -43,7 +45,7 @@ LAYERS = [
     ("guards", ["gjit.guards"]),
     ("debug", ["gjit.debug"]),
     ("driver", ["gjit.driver"]),
-    ("api", ["gjit.api", "gjit.backend", "gjit.aot", "gjit"]),
+    ("api", ["gjit.api", "gjit.backend", "gjit.aot", "gjit="]),
     ("tools", ["gjit.demo", "gjit.bench"]),
 ]
 
@@ -110,7 +112,8 @@ def layer_of(module: str) -> int:
     best, rank = -1, None
     for k, (_, prefixes) in enumerate(LAYERS):
         for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and len(p) > best:
+            matches = module == p[:-1] if p.endswith("=") else module == p or module.startswith(p + ".")
+            if matches and len(p) > best:
                 best, rank = len(p), k
     assert rank is not None, f"{module} is in no layer of tests/test_layout.py's LAYERS"
     return rank
@@ -156,14 +159,30 @@ def test_no_import_cycle():
     assert cycles(import_graph()) == []
 
 
-def test_imports_flow_down_the_pipeline():
-    upward = [
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return [
         f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
-        for a, targets in import_graph().items()
+        for a, targets in graph.items()
         for b in sorted(targets)
         if layer_of(b) > layer_of(a)
     ]
-    assert upward == []
+
+
+def test_imports_flow_down_the_pipeline():
+    assert upward_imports(import_graph()) == []
+
+
+def test_every_module_is_in_a_layer_and_every_package_is_installed():
+    """A new module must be placed in LAYERS (no catch-all), and a new sub-package must be in
+    pyproject.toml's packages, or a wheel install would lack it."""
+    known = modules()
+    for name in known:
+        layer_of(name)
+    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as f:
+        text = f.read()
+    listed = set(re.findall(r'"(gjit(?:\.[a-z_]+)*)"', text.split("packages = [", 1)[1].split("]", 1)[0]))
+    packages = {name for name, path in known.items() if path.endswith("__init__.py")}
+    assert packages == listed
 
 
 def test_the_two_printers_do_not_import_each_other():
@@ -201,7 +220,9 @@ def test_the_checker_sees_cycles_and_upward_imports():
     graph = import_graph()
     graph["gjit.ir"] = graph["gjit.ir"] | {"gjit.driver"}
     assert any("gjit.ir" in group and "gjit.driver" in group for group in cycles(graph))
-    assert layer_of("gjit.driver") > layer_of("gjit.ir")
+    assert upward_imports(graph) == ["gjit.ir (ir) imports gjit.driver (driver)"]
+    with pytest.raises(AssertionError, match="in no layer"):
+        layer_of("gjit.somewhere_new")
 
 
 def main() -> None:

@@ -20,8 +20,6 @@ from gjit.config import config
 cache_log = logs.logger("cache")
 
 
-
-
 def atomic_write(path: str, data: str | bytes) -> None:
     """Write through a temp file in the same folder, then rename: readers see all of it or nothing."""
     os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -23,7 +23,7 @@ from gjit.codegen.triton.pointwise import TL_DTYPES, KernelWriter, comment, to_d
 from gjit.config import CompileOptions
 from gjit.fusion import Region
 from gjit.ir import ReduceNode
-from gjit.kernels.triton_helpers import HELPERS, WELFORD
+from gjit.kernels.triton_helpers import HELPERS
 
 
 def _identity(reduce_type: str, dtype: torch.dtype) -> str:
@@ -182,7 +182,7 @@ class ReductionWriter(ReductionPlan, KernelWriter):
         if self.online[node.name].kind == "softmax":
             self.lines.append(f"acc_{node.name} = {zeros}")
         else:
-            self.lines += [f"{acc}_{node.name} = {zeros}" for acc in WELFORD]
+            self.lines += [f"{acc}_{node.name} = {zeros}" for acc in online.WELFORD]
 
     def online_step(self, node: ReduceNode) -> None:
         fold, n = self.online[node.name], node.name
@@ -193,7 +193,7 @@ class ReductionWriter(ReductionPlan, KernelWriter):
         else:
             value = self.emit(fold.value)
             self.helpers.add("welford_add")
-            accs = ", ".join(f"{acc}_{n}" for acc in WELFORD)
+            accs = ", ".join(f"{acc}_{n}" for acc in online.WELFORD)
             self.lines.append(f"{accs} = _welford_add({accs}, {value}, xrmask)")
 
     def online_final(self, node: ReduceNode) -> None:
@@ -204,7 +204,7 @@ class ReductionWriter(ReductionPlan, KernelWriter):
             final = f"_online_sum_exp_final(acc_{n}, acc_{fold.shift.name}, {shift})"
         else:
             self.helpers.add("welford_final")
-            final = f"_welford_final({', '.join(f'{acc}_{n}' for acc in WELFORD)}, {shift})"
+            final = f"_welford_final({', '.join(f'{acc}_{n}' for acc in online.WELFORD)}, {shift})"
         self.finish(node, self.tmp(("final", n), final))
 
     # -- stores ------------------------------------------------------------------------------------------

@@ -55,13 +55,25 @@ class CacheError(Exception):
 @functools.cache
 def gjit_fingerprint() -> str:
     """sha256 of gjit's own sources: an edited gjit (a development checkout) is a new version."""
+    return sources_digest(fingerprint_roots())
+
+
+def fingerprint_roots() -> dict[str, str]:
+    """The folders of gjit's top-level packages (each holds its sub-packages)."""
+    packages = ("gjit", "gjit.codegen", "gjit.guards", "gjit.kernels")
+    paths = {p: importlib.import_module(p).__path__ for p in packages}
+    return {f"{p}:{k}": folder for p, folders in paths.items() for k, folder in enumerate(folders)}
+
+
+def sources_digest(roots: dict[str, str]) -> str:
+    """sha256 of every .py file under each root folder, sub-folders included, in a fixed order."""
     digest = hashlib.sha256()
-    for package in ("gjit", "gjit.codegen", "gjit.guards", "gjit.kernels"):
-        for folder in importlib.import_module(package).__path__:
-            for name in sorted(os.listdir(folder)):
-                if name.endswith(".py"):
-                    with open(os.path.join(folder, name), "rb") as f:
-                        digest.update(f"{package}/{name}\0".encode() + f.read())
+    for label, root in sorted(roots.items()):
+        for folder, _, files in sorted(os.walk(root)):
+            for name in sorted(f for f in files if f.endswith(".py")):
+                rel = os.path.relpath(os.path.join(folder, name), root)
+                with open(os.path.join(folder, name), "rb") as f:
+                    digest.update(f"{label}/{rel}\0".encode() + f.read())
     return digest.hexdigest()
 
 

@@ -120,7 +120,7 @@ class CompiledGraph:
     kernel_paths: dict[str, str] = dataclasses.field(default_factory=dict)
     wrapper_path: str = ""
     subgraphs: dict[str, CompiledGraph] = dataclasses.field(default_factory=dict)  # torch.cond branches
-    checker: Any = None  # GJIT_CHECK: a gjit.check.RegionChecker the wrapper reports to
+    checker: Any = None  # GJIT_CHECK: a gjit.debug.check.RegionChecker the wrapper reports to
     last_check: list = dataclasses.field(default_factory=list)  # its rows for the latest call
     _calls: dict[str, Callable] = dataclasses.field(default_factory=dict)
 
