@@ -55,7 +55,7 @@ def assert_same(actual: torch.Tensor, expected: torch.Tensor, reference: torch.T
 
 
 def run_compiled(
-    fn: Any, *args: Any, expect_eager: bool | None = None, **kwargs: Any
+    fn: Any, *args: Any, expect_eager: bool | None = False, **kwargs: Any
 ) -> tuple[Any, gjit.CompiledFunction]:
     """One call through the generated kernels (Triton's interpreter, poisoned buffers).
 
