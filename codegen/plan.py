@@ -24,9 +24,10 @@ from gjit.ir import Const, Expr, IndexValue, Masked, Op, Read, ReduceNode
 
 
 class RegionPlan:
-    """One region's kernel, backend-neutral. Printers supply `emit` (an IR expression -> a value
-    in their language), `index` (an index expression -> text, noting the size symbols it uses)
-    and `assign` (the line that defines a temporary)."""
+    """One region's kernel, backend-neutral. The expression walk (`emit`) is here; printers
+    spell its pieces (`literal`, `folded`, `index_value`, `op`, `read`, `masked`), print index
+    expressions (`index`, noting the size symbols it uses) and the line that defines a temporary
+    (`assign`)."""
 
     def __init__(
         self, region: Region, graph: ir.LoopGraph, hints: dict[sympy.Symbol, int], options: CompileOptions
