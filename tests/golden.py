@@ -24,10 +24,10 @@ import warnings
 import torch
 
 import gjit
+from gjit.config import BACKENDS
 from golden_programs import PROGRAMS, Program
 
 GOLDEN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
-BACKENDS = ("triton", "cupy")
 # every knob that changes generated code, pinned (an environment variable must not move a golden file)
 KNOBS = dict(debug=False, interpret=False, cache=False, check=False, xblock=1024, reduction="auto",
              persistent_max=1024, rblock=64)  # fmt: skip

@@ -167,10 +167,14 @@ class Lowering:
         val = node.meta.get("val")
         self.know(val)
         if isinstance(val, torch.Tensor):
-            layout = meta_layout(val)
-            self.buffers[node.name] = ir.Buffer(node.name, layout, "input")
-            return TensorValue(node.name, layout.size, layout.dtype)
+            return self.buffer(node.name, val, "input")
         return val  # SymInt / constants: used as scalars
+
+    def buffer(self, name: str, val: torch.Tensor, kind: str) -> TensorValue:
+        """A value that lives in memory before the kernels read it (an input, an extern's result)."""
+        layout = meta_layout(val)
+        self.buffers[name] = ir.Buffer(name, layout, kind)
+        return TensorValue(name, layout.size, layout.dtype)
 
     def call_function(self, node: torch.fx.Node) -> Any:
         target = node.target
@@ -218,9 +222,7 @@ class Lowering:
         val = node.meta.get("val")
         self.know(val)
         if isinstance(val, torch.Tensor):
-            layout = meta_layout(val)
-            self.buffers[node.name] = ir.Buffer(node.name, layout, "extern")
-            return TensorValue(node.name, layout.size, layout.dtype)
+            return self.buffer(node.name, val, "extern")
         if isinstance(val, (list, tuple)):
             return ExternResults(node.name)  # read through getitem nodes, each its own buffer
         return val
@@ -240,12 +242,10 @@ class Lowering:
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
             return val
-        layout = meta_layout(val)
-        self.buffers[node.name] = ir.Buffer(node.name, layout, "extern")
         self.nodes.append(
             ir.ExternNode(node.name, node, "element of an extern's result", [node.args[0].name])
         )
-        return TensorValue(node.name, layout.size, layout.dtype)
+        return self.buffer(node.name, val, "extern")
 
 
 def lower_graph(gm: torch.fx.GraphModule) -> ir.LoopGraph:
