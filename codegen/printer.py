@@ -30,6 +30,7 @@ class ExprPrinter:
     max_fn = "max"
     and_op = " and "
     or_op = " or "
+    not_op = "not "
 
     def __init__(self, names: dict[sympy.Symbol, str] | None = None):
         self.names = names or {}
@@ -89,6 +90,8 @@ class ExprPrinter:
             return self.and_op.join(f"({self.doprint(a)})" for a in expr.args)
         if isinstance(expr, sympy.Or):
             return self.or_op.join(f"({self.doprint(a)})" for a in expr.args)
+        if isinstance(expr, sympy.Not):
+            return f"{self.not_op}({self.doprint(expr.args[0])})"
         raise ValueError(f"cannot print {type(expr).__name__} {expr}")
 
     def fold(self, fn: str, args) -> str:
@@ -139,6 +142,7 @@ class TritonPrinter(ExprPrinter):
     max_fn = "tl.maximum"
     and_op = " & "
     or_op = " | "
+    not_op = "~"
 
 
 def pyexpr(expr, names: dict[sympy.Symbol, str] | None = None) -> str:

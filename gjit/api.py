@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from gjit import logs, stats
+from gjit import kv_cache, logs, stats
 from gjit.capture import CaptureError, bind_call, capture, forward_signature, readable
 from gjit.config import BACKENDS, CompileOptions, config
 from gjit.debug import dump
@@ -46,10 +46,43 @@ def _input_names(args: tuple, kwargs: dict, signature) -> list[str]:
         if head == 0 and rest and hasattr(rest[0], "idx") and rest[0].idx < len(params):
             names.append(params[rest[0].idx] + pytree.keystr(rest[1:]))
         elif head == 1 and rest:
-            names.append(pytree.keystr(rest).strip("[]'\""))
+            key = rest[0].key if isinstance(rest[0], pytree.MappingKey) else pytree.keystr(rest[:1])
+            names.append(f"{key}{pytree.keystr(rest[1:])}")
         else:
             names.append(("args" if head == 0 else "kwargs") + pytree.keystr(rest))
     return names
+
+
+def _structure_change(old: pytree.TreeSpec, new: pytree.TreeSpec, params: list[str], path: str = "") -> str:
+    """Where two calls' pytree structures first differ, in the call's own names (the forward's
+    parameter names, then keys and indices, a cache's `layers[0].keys`)."""
+    if old.is_leaf() or new.is_leaf() or old.type is not new.type:
+        return f"{path or 'the call'}: expected {_spec_kind(old)}, got {_spec_kind(new)}"
+    if old.context != new.context:
+        detail = kv_cache.describe_change(old.context, new.context)
+        if detail is None:
+            detail = f"{old.context!r:.80} -> {new.context!r:.80}"
+        return f"{path or 'the call'} ({old.type.__name__}): {detail}"
+    if old.num_children != new.num_children:
+        return f"{path or 'the call'}: {old.num_children} -> {new.num_children} entries"
+    children = (lambda s: s.children()) if hasattr(old, "children") else (lambda s: s.children_specs)
+    for i, (a, b) in enumerate(zip(children(old), children(new))):
+        if a == b:
+            continue
+        if not path and old.type is tuple and old.num_children == 2:  # the root: (args, kwargs)
+            child = "args" if i == 0 else ""
+        elif path == "args" and i < len(params):
+            child = params[i]
+        elif old.type is dict:
+            child = f"{path}.{old.context[i]}" if path else str(old.context[i])
+        else:
+            child = f"{path}[{i}]"
+        return _structure_change(a, b, params, child)
+    return f"{path or 'the call'} changed"
+
+
+def _spec_kind(spec: pytree.TreeSpec) -> str:
+    return "a leaf (tensor or value)" if spec.is_leaf() else f"a {spec.type.__name__}"
 
 
 class RecompileError(RuntimeError):
@@ -114,6 +147,7 @@ class CompiledFunction:
         self.misses = MissHistory()
         self._tensor_tuple_specs: dict[int, pytree.TreeSpec] = {}
         self._fast_arity = _fast_arity(self.signature)
+        kv_cache.register()  # transformers' cache classes flatten to their tensors from the first call
         if callable(model) and not isinstance(model, torch.nn.Module):
             functools.update_wrapper(self, model, updated=())
         LIVE.add(self)
@@ -151,11 +185,19 @@ class CompiledFunction:
                 sizes = entry.guards.check(flat)
                 if sizes is not None:
                     stats.COUNTERS["cache_hits"] += 1
-                    return run_program(entry.program, flat, sizes)
+                    return self._run(entry, args, kwargs, flat, sizes)
         return self._miss(args, kwargs, flat, spec)
+
+    @staticmethod
+    def _run(entry: Entry, args: tuple, kwargs: dict, flat: list, sizes: tuple) -> Any:
+        out = run_program(entry.program, flat, sizes)
+        aliases = entry.program.captured.aliases
+        return aliases.restore(args, kwargs, out) if aliases.pairs else out
 
     def _miss(self, args: tuple, kwargs: dict, flat: list, spec: pytree.TreeSpec) -> Any:
         """No entry admits the call: explain why, then compile a new entry, or run eagerly past the limit."""
+        if kv_cache.register([*args, *kwargs.values()]):  # a cache class imported since: flatten again
+            return self(*args, **kwargs)
         names = _input_names(args, kwargs, self.signature)
         if self.entries:
             index, failed = self._nearest(flat, spec)
@@ -191,14 +233,15 @@ class CompiledFunction:
             )
             stats.COUNTERS["eager_runs"] += 1
             return self.model(*args, **kwargs)
-        return run_program(entry.program, flat, sizes)
+        return self._run(entry, args, kwargs, flat, sizes)
 
     def _nearest(self, flat: list, spec: pytree.TreeSpec) -> tuple[int, list[str]]:
         """The entry with the fewest failing guards, and those failures (expected vs actual)."""
         best: tuple[int, list[str]] | None = None
         for index, entry in enumerate(self.entries):
             if entry.spec != spec:
-                failed = [f"the inputs' structure changed: expected {entry.spec}, got {spec}"]
+                params = list(self.signature.parameters) if self.signature is not None else []
+                failed = [f"the inputs' structure changed: {_structure_change(entry.spec, spec, params)}"]
             else:
                 failed = entry.guards.failures(flat)
             if best is None or len(failed) < len(best[1]):
@@ -237,8 +280,9 @@ class CompiledFunction:
     def _needs_autograd(self, flat: list) -> bool:
         """Generated kernels record no autograd graph: a call that needs one runs eagerly."""
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
-        if isinstance(self.model, torch.nn.Module):
-            tensors += list(self.model.parameters())
+        owner = getattr(self.model, "__self__", self.model)  # a bound method: its module's weights
+        if isinstance(owner, torch.nn.Module):
+            tensors += list(owner.parameters())
         if not any(t.requires_grad for t in tensors):
             return False
         if not self._warned_autograd:
@@ -268,6 +312,9 @@ class CompiledFunction:
     ) -> Entry | None:
         timings: dict[str, float] = {}
         dims = dynamic_dims(flat, self.dynamic)
+        if self.dynamic is not False:
+            for i, ranges in kv_cache.dynamic_leaves(args, kwargs).items():
+                dims[i] = {**ranges, **dims.get(i, {})}
         cache_log.info("%s: no entry admits the call (in-memory cache miss); compiling", self._name())
         try:
             captured = capture(self.model, args, kwargs, dims, timings)
@@ -286,6 +333,7 @@ class CompiledFunction:
                     [a for k in program.kernels for a in k.assumptions],
                     captured.state_sources(),
                     [key for kind, key in captured.mutations.values() if kind == "user"],
+                    size_oblivious=captured.size_oblivious,
                 )
         except GuardBuildError as e:
             self._capture_failed = f"cannot guard the exported program: {e}"

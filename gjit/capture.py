@@ -26,7 +26,8 @@ try:  # how export marks an int input dynamic (ShapesCollection's docstring); ab
 except ImportError:
     _IntWrapper = None
 
-from gjit import logs
+from gjit import kv_cache, logs
+from gjit.kv_cache import CacheAliases
 from gjit.stats import timed
 
 log = logs.logger("capture")
@@ -41,6 +42,15 @@ def as_module(model: Any) -> torch.nn.Module:
     """A function becomes a module whose forward has the function's signature (export needs it)."""
     if isinstance(model, torch.nn.Module):
         return model
+    owner = getattr(model, "__self__", None)
+    if inspect.ismethod(model) and isinstance(owner, torch.nn.Module):
+        # `m.forward = gjit.compile(m.forward)`: export the method on a module that owns `m`, so m's
+        # parameters and buffers are the program's (read live), not constants copied into it; the
+        # method itself is the forward (calling m would reach the compiled forward again)
+        module = torch.nn.Module()
+        module.add_module("model", owner)
+        module.forward = model
+        return module
     if not callable(model):
         raise TypeError(
             f"gjit.compile expects an nn.Module, a function, an ExportedProgram or a .pt2 path, "
@@ -61,6 +71,40 @@ def as_module(model: Any) -> torch.nn.Module:
     if register_anchor is not None:
         register_anchor(model)
     return module
+
+
+def explicit_keywords(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch.nn.Module:
+    """A module whose forward names, as keyword-only parameters, the call's arguments that the model's
+    forward takes through `**kwargs` (transformers' models take `return_dict`, `logits_to_keep`, ...
+    that way); the module itself when there are none.
+
+    torch.export cannot match dynamic shapes against a `**kwargs` bundle (torch 2.13 asserts "Must
+    provide a tree_name"), so export sees the same call through a signature without one."""
+    try:
+        signature = inspect.signature(module.forward)
+        bound = signature.bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return module
+    var_kw = [p for p in signature.parameters.values() if p.kind == p.VAR_KEYWORD]
+    extra = bound.arguments.get(var_kw[0].name, {}) if var_kw else {}
+    if not extra:
+        return module
+    params = [p for p in signature.parameters.values() if p.kind != p.VAR_KEYWORD]
+    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY) for name in extra]
+    forward = module.forward
+
+    def call(*a, **kw):
+        return forward(*a, **kw)
+
+    call.__signature__ = signature.replace(parameters=params)
+    if type(module) is torch.nn.Module:  # gjit's own wrapper (as_module): give it the new forward
+        wrapper = torch.nn.Module()
+        wrapper._modules.update(module._modules)
+    else:
+        wrapper = torch.nn.Module()
+        wrapper.add_module("model", module)
+    wrapper.forward = call
+    return wrapper
 
 
 def load_program(model: Any) -> ExportedProgram | None:
@@ -84,18 +128,33 @@ DimRanges = dict[int, dict[int, tuple[int | None, int | None]]]
 
 
 def export_model(
-    module: torch.nn.Module, args: tuple, kwargs: dict, dims: DimRanges, timings: dict[str, float]
-) -> tuple[ExportedProgram, ExportedProgram]:
+    module: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    dims: DimRanges,
+    timings: dict[str, float],
+    aliases: CacheAliases,
+) -> tuple[ExportedProgram, ExportedProgram, bool]:
     """torch.export with the chosen dims as Dim.AUTO (export specializes what it must), the rest static.
 
-    Not size-oblivious: export assumes a dynamic size is at least 2 (its range says so) and
-    specializes an example size of 0 or 1, so a program that treats 1 specially (squeeze,
-    broadcasting) is never reused for it; a call with size 1 gets its own entry.
+    Not size-oblivious by default: export assumes a dynamic size is at least 2 (its range says so)
+    and specializes an example size of 0 or 1, so a program that treats 1 specially (squeeze,
+    broadcasting) is never reused for it; a call with size 1 gets its own entry. A dim asked with a
+    floor of 1 (a KV cache's length, `kv_cache.length_dims`) is the exception: the whole trace is then
+    size-oblivious, so that dim stays symbolic from 1 up; every other dynamic dim keeps a floor of 2.
     """
     shapes = None
+    # a dim asked dynamic at an example size of 1 (a KV cache's length on the first decode step) is
+    # traced size-obliviously; the other dynamic dims keep export's usual floor of 2
+    oblivious = False
     if dims:
         shapes = ShapesCollection()
         leaves, spec = pytree.tree_flatten((args, kwargs))
+        oblivious = any(
+            isinstance(leaves[i], torch.Tensor) and ((lo is not None and lo < 2) or leaves[i].shape[d] < 2)
+            for i, ranges in dims.items()
+            for d, (lo, _) in ranges.items()
+        )
         for i, ranges in dims.items():
             leaf = leaves[i]
             if isinstance(leaf, int):  # a wrapper export unwraps; without it the int stays specialized
@@ -103,12 +162,25 @@ def export_model(
                     leaves[i] = _IntWrapper(leaf)
                     shapes[leaves[i]] = Dim.AUTO
             elif id(leaf) not in shapes._shapes:
-                shapes[leaf] = {d: Dim.AUTO(min=lo, max=hi) for d, (lo, hi) in ranges.items()}
+                floor = 2 if oblivious else None
+                shapes[leaf] = {
+                    d: Dim.AUTO(min=floor if lo is None else lo, max=hi) for d, (lo, hi) in ranges.items()
+                }
         args, kwargs = pytree.tree_unflatten(leaves, spec)
-    with timed("export", timings), logs.torch_dynamic_logs():
-        exported = torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
-    with timed("decompose", timings):
-        return exported, exported.run_decompositions(decomposition_table())
+    hook = aliases.recording(module)
+    with logs.quiet_torch_trace_errors(), _size_oblivious(oblivious):
+        try:
+            with timed("export", timings), logs.torch_dynamic_logs():
+                exported = torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
+        finally:
+            hook.remove()
+        with timed("decompose", timings):
+            return exported, exported.run_decompositions(decomposition_table()), oblivious
+
+
+def _size_oblivious(on: bool):
+    """Trace with backed sizes treated size-obliviously (no 0/1 specialization) while `on`."""
+    return torch.fx.experimental._config.patch(backed_size_oblivious=on)
 
 
 @dataclasses.dataclass
@@ -126,6 +198,8 @@ class CapturedProgram:
     out_spec: pytree.TreeSpec
     user_vals: list[Any]  # export's placeholder value per flat user input (FakeTensor with SymInt sizes)
     exported: ExportedProgram | None = None  # before decomposition (for the dump folder and logs)
+    aliases: CacheAliases = dataclasses.field(default_factory=CacheAliases)  # returned caches that are inputs
+    size_oblivious: bool = False  # traced without 0/1 specialization (export's ranges hold as given)
     _getters: list | None = None
 
     @property
@@ -177,8 +251,9 @@ class CapturedProgram:
         mutated = []
         for out_index, (kind, key) in self.mutations.items():
             target = flat_user[key] if kind == "user" else self.state_tensor("buffer", key)
-            with torch.no_grad():
-                target.copy_(flat_out[out_index])
+            if flat_out[out_index] is not target:  # (an in-place write already updated it)
+                with torch.no_grad():
+                    target.copy_(flat_out[out_index])
             if kind == "user":
                 mutated.append((flat_out[out_index], target))
         outs = [flat_out[i] for i in self.user_output_indices]
@@ -223,12 +298,14 @@ def capture(
         with timed("decompose", timings):
             decomposed = program.run_decompositions(decomposition_table())
         return _logged(describe(decomposed, None, program))
-    module = as_module(model)
+    module = explicit_keywords(as_module(model), args, kwargs)
+    kv_cache.register([*args, *kwargs.values()])
+    aliases = CacheAliases()
     try:
-        exported, program = export_model(module, args, kwargs, dims, timings)
+        exported, program, oblivious = export_model(module, args, kwargs, dims, timings, aliases)
     except Exception as e:
         if not dims or _not_about_shapes(e):
-            raise CaptureError(_explain_failure(e)) from e
+            raise CaptureError(_explain_failure(e, args, kwargs)) from e
         # export or its decomposition can fail with dynamic dims where static shapes work
         log.info(
             "capture with dynamic dims failed (%s: %s); retrying with static shapes",
@@ -236,9 +313,9 @@ def capture(
             str(e).splitlines()[0] if str(e) else "",
         )
         try:
-            exported, program = export_model(module, args, kwargs, {}, timings)
+            exported, program, oblivious = export_model(module, args, kwargs, {}, timings, aliases)
         except Exception as e2:
-            raise CaptureError(_explain_failure(e2)) from e2
+            raise CaptureError(_explain_failure(e2, args, kwargs)) from e2
     log.info(
         "exported %s: %d ATen nodes after decomposition",
         type(model).__name__
@@ -246,7 +323,10 @@ def capture(
         else getattr(model, "__name__", "function"),
         len(program.graph.nodes),
     )
-    return _logged(describe(program, module, exported))
+    captured = describe(program, module, exported)
+    captured.aliases = aliases
+    captured.size_oblivious = oblivious
+    return _logged(captured)
 
 
 def _logged(captured: CapturedProgram) -> CapturedProgram:
@@ -266,15 +346,11 @@ def _not_about_shapes(e: Exception) -> bool:
     return "not a known type" in str(e) or "register a pytree" in str(e)
 
 
-def _explain_failure(e: Exception) -> str:
+def _explain_failure(e: Exception, args: tuple, kwargs: dict) -> str:
+    """export's error, and for a call carrying a cache object, what about it and how to fix it."""
     text = f"torch.export failed: {type(e).__name__}: {e}"
-    if "DynamicCache" in text or "cache_utils" in text:
-        text = (
-            "the model returns a transformers DynamicCache (its KV cache), which torch.export cannot "
-            "flatten; build the model with use_cache=False (e.g. config.use_cache = False) or call it "
-            f"with use_cache=False. {text}"
-        )
-    return text
+    hint = kv_cache.capture_hint([*args, *kwargs.values()])
+    return f"{hint} ({text})" if hint else text
 
 
 def describe(
@@ -310,6 +386,7 @@ def describe(
             raise CaptureError(
                 f"unsupported exported output kind {spec.kind} ({spec.arg}): gjit compiles inference graphs"
             )
+    _write_in_place(program, mutations)
     return CapturedProgram(
         program=program,
         module=module,
@@ -321,6 +398,44 @@ def describe(
         user_vals=[vals.get(s.arg.name) for s in sig.input_specs if s.kind == InputKind.USER_INPUT],
         exported=exported,
     )
+
+
+# functional write through indices -> the in-place op that writes only the indexed positions
+_IN_PLACE = {
+    torch.ops.aten.index_put.default: torch.ops.aten.index_put_.default,
+    torch.ops.aten.index_copy.default: torch.ops.aten.index_copy_.default,
+}
+
+
+_METADATA_ONLY = (
+    torch.ops.aten.sym_size.int,
+    torch.ops.aten.sym_stride.int,
+    torch.ops.aten.sym_numel.default,
+)
+
+
+def _write_in_place(program: ExportedProgram, mutations: dict[int, tuple[str, Any]]) -> None:
+    """A mutated input whose new value is a write through indices into it (a static KV cache's
+    `index_copy_`, functionalized by export into `index_put`) and which nothing else reads gets that
+    write in place, as eager does: the extern writes the new positions into the caller's tensor,
+    where the functional form would copy the whole tensor and then copy it back (`finish` skips
+    a copy-back whose source is the target itself)."""
+    output = program.graph.output_node()
+    returned = list(output.args[0])
+    for out_index in mutations:
+        node = returned[out_index]
+        if not isinstance(node, torch.fx.Node) or node.target not in _IN_PLACE:
+            continue
+        accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+        if node.target is torch.ops.aten.index_put.default and accumulate:
+            continue  # accumulate=True: running it twice (the GJIT_CHECK replay) would add twice
+        target = node.args[0]
+        readers = [u for u in target.users if u is not node and u.target not in _METADATA_ONLY]
+        if target.op != "placeholder" or readers:
+            continue  # another reader of the old value would see the new one
+        node.target = _IN_PLACE[node.target]
+        log.debug("%s writes into its input %s in place", node.name, target.name)
+    program.graph_module.recompile()
 
 
 def bind_call(

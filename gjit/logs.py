@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 
 ARTIFACTS: dict[str, str] = {
@@ -148,3 +149,46 @@ def torch_dynamic_logs() -> Iterator[None]:
         source.setLevel(saved[0])
         source.propagate = saved[1]
         source.handlers = saved[2]
+
+
+# torch modules that log errors (with tracebacks) while a trace fails; the failure itself reaches
+# the user once, as gjit's capture message
+_TRACE_LOGGERS = (
+    "torch._subclasses.fake_tensor",
+    "torch.export",
+    "torch._export",
+    "torch.fx.experimental.symbolic_shapes",
+    "torch.fx.experimental.proxy_tensor",
+)
+
+
+class _ToCapture(logging.Filter):
+    """Keeps a torch record from torch's handlers; gjit's capture artifact gets it at DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        target = logger("capture")
+        if target.isEnabledFor(logging.DEBUG):
+            target.debug("[%s] %s", record.name, record.getMessage())
+        return False
+
+
+@contextlib.contextmanager
+def quiet_torch_trace_errors() -> Iterator[None]:
+    """While export and decomposition run, the warnings and errors torch's tracing modules log
+    (a failed meta kernel's traceback, export's case notes) go to GJIT_LOGS=+capture only."""
+    quiet = _ToCapture()
+    loggers = [logging.getLogger(name) for name in _TRACE_LOGGERS]
+    for source in loggers:
+        source.addFilter(quiet)
+    try:
+        with warnings.catch_warnings():
+            # torch's own pytree deprecation, raised from copying a TreeSpec inside export
+            warnings.filterwarnings(
+                "ignore", message=r".*isinstance\(treespec, LeafSpec\).*", category=FutureWarning
+            )
+            yield
+    finally:
+        for source in loggers:
+            source.removeFilter(quiet)

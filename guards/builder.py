@@ -267,7 +267,12 @@ class _Builder:
             )
         names = ", ".join(f"{s}: {self.bound[s]}" for s in sorted(cond.free_symbols, key=str))
         actual = "(" + ", ".join(s.name for s in sorted(cond.free_symbols, key=str)) + ",)"
-        self.guard(code or pyexpr(cond), f"{description}   [{names}]", actual, None, kind, later=True)
+        if code is None:
+            try:
+                code = pyexpr(cond)
+            except ValueError as e:  # a condition the printer has no form for: no entry, never a crash
+                raise GuardBuildError(f"cannot write guard {cond} as Python: {e}") from e
+        self.guard(code, f"{description}   [{names}]", actual, None, kind, later=True)
 
 
 def _device_check(v: str, device: torch.device) -> str:
@@ -286,11 +291,13 @@ def build_guards(
     assumptions: Sequence[tuple[sympy.Basic, str]] = (),
     state: Sequence[tuple[Any, str, torch.Tensor, str]] = (),
     mutated: Sequence[int] = (),
+    size_oblivious: bool = False,
 ) -> GuardSet:
     """The guard set of one entry. `user_vals`: export's placeholder value per flat input (None:
     static, from the example); `assumptions`: (condition, why) the kernels rely on;
     `state`: (owner module, attribute, export's value, qualified name) of each parameter /
-    buffer the program reads live; `mutated`: flat indices of user inputs the program writes to."""
+    buffer the program reads live; `mutated`: flat indices of user inputs the program writes to;
+    `size_oblivious`: export traced without 0/1 specialization, so its ranges hold as they are."""
     n = len(flat_inputs)
     user_vals = list(user_vals) if user_vals is not None else [None] * n
     b = _Builder(names)
@@ -308,7 +315,7 @@ def build_guards(
     assert set(symbols) == set(b.bound), (symbols, list(b.bound))
     _aliasing(b, flat_inputs, set(mutated))
     _state(b, state)
-    _ranges(b, range_constraints or {})
+    _ranges(b, range_constraints or {}, size_oblivious)
     env = shape_env_of(user_vals)
     if env is not None:
         _shape_env_guards(b, env)
@@ -369,13 +376,13 @@ def _state_fits(ids: list[int], state: Sequence[tuple[Any, str, torch.Tensor, st
     return ok
 
 
-def _ranges(b: _Builder, ranges: dict) -> None:
+def _ranges(b: _Builder, ranges: dict, size_oblivious: bool) -> None:
     for expr, vr in ranges.items():
         expr = sympy.sympify(expr)
         if not expr.free_symbols or not expr.free_symbols <= set(b.bound):
             continue
         lower = int(vr.lower) if vr.lower not in (-int_oo, -sympy.oo) else None
-        if isinstance(expr, sympy.Symbol):
+        if isinstance(expr, sympy.Symbol) and not size_oblivious:
             # export traced the program assuming the size is at least 2 (a user range may say
             # less): sizes 0 and 1 get entries of their own, where export specializes them
             # (gjit.guards.policy exports only int inputs >= 2 as symbols, so the same holds)

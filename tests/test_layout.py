@@ -33,7 +33,7 @@ MAX_LINES = 600
 # "name=" names that module alone (the package `gjit` itself, not everything in it).
 LAYERS = [
     ("base", ["gjit.config", "gjit.logs", "gjit.stats"]),
-    ("capture", ["gjit.capture"]),
+    ("capture", ["gjit.kv_cache", "gjit.capture"]),
     ("ir", ["gjit.ir"]),
     ("lowering", ["gjit.lowering"]),
     ("fusion", ["gjit.fusion"]),
@@ -46,7 +46,7 @@ LAYERS = [
     ("debug", ["gjit.debug"]),
     ("driver", ["gjit.driver"]),
     ("api", ["gjit.api", "gjit.backend", "gjit.aot", "gjit="]),
-    ("tools", ["gjit.demo", "gjit.bench"]),
+    ("tools", ["gjit.demo", "gjit.demo_llm", "gjit.bench"]),
 ]
 
 

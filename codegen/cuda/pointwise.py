@@ -48,6 +48,7 @@ class CPrinter(ExprPrinter):
     max_fn = "gjit_imax"
     and_op = " && "
     or_op = " || "
+    not_op = "!"
 
     def doprint(self, expr: sympy.Basic) -> str:
         if expr is sympy.true or expr is sympy.false:

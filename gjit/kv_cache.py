@@ -1,0 +1,343 @@
+"""KV caches as inputs and outputs: transformers' cache objects, flattened for export, rebuilt after a call.
+
+A decoding step takes a cache object (`DynamicCache`, `StaticCache`, `EncoderDecoderCache`, ...) and
+returns it updated: the model mutates the object it was given (a `DynamicLayer` rebinds its keys to a
+longer tensor, a `StaticLayer` writes into its buffers) and returns that same object. gjit compiles
+such a step as a function of tensors:
+
+- every cache class is a pytree node (`register`): tensors and ints of its state (and its layers')
+  are leaves, everything else (layer classes, `is_initialized`, dtypes) is the tree's context, so an
+  empty cache (prefill) and a filled one (decode) are different trees, hence different entries, as
+  they are different programs;
+- export records, while it traces, which returned cache is which input cache (`CacheAliases`);
+- after a compiled call the input object takes the returned state (`adopt`) and is itself returned,
+  so the caller's object is updated in place and `out.past_key_values is cache`, as in eager.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from gjit import logs
+
+try:  # how export marks an int input dynamic (gjit.capture wraps the ints it exports as symbols)
+    from torch.export.dynamic_shapes import _IntWrapper
+except ImportError:
+    _IntWrapper = int
+
+log = logs.logger("capture")
+
+_REGISTERED: set[type] = set()
+
+
+def _cache_base() -> type | None:
+    """transformers' `Cache`, when transformers is already imported (gjit never imports it itself)."""
+    module = sys.modules.get("transformers.cache_utils")
+    if module is None and "transformers" in sys.modules:
+        try:
+            import transformers.cache_utils as module
+        except ImportError:
+            return None
+    return getattr(module, "Cache", None)
+
+
+def _subclasses(cls: type) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out += [sub, *_subclasses(sub)]
+    return out
+
+
+def is_cache(value: Any) -> bool:
+    base = _cache_base()
+    return base is not None and isinstance(value, base)
+
+
+def register(values: Any = ()) -> bool:
+    """Make every transformers cache class (and any other cache class among `values`) a pytree node.
+
+    Idempotent and cheap when nothing is new; returns whether a class was registered now, so a caller
+    that flattened a call before knows to flatten it again. A class already registered elsewhere
+    (by the user, or by transformers' export helpers) keeps that registration."""
+    base = _cache_base()
+    if base is None:
+        return False
+    classes = [base, *_subclasses(base)]
+    for value in values:
+        cls = type(value)
+        if cls.__name__.endswith("Cache") and cls.__module__.startswith("transformers."):
+            classes.append(cls)  # a model's own cache class that is not a `Cache` subclass
+    new = [c for c in classes if c not in _REGISTERED and c not in pytree.SUPPORTED_NODES]
+    for cls in new:
+        pytree.register_pytree_node(
+            cls,
+            _flatten,
+            _unflatten,
+            serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
+            flatten_with_keys_fn=_flatten_with_keys,
+        )
+        _REGISTERED.add(cls)
+    if new:
+        log.debug("registered cache classes as pytree nodes: %s", ", ".join(c.__name__ for c in new))
+    return bool(new)
+
+
+# The flatten. transformers' own (exporters.exporter_dynamo.register_pytree_node) keeps Python ints in
+# the context, so a sliding-window layer, whose `cumulative_length` int grows every step, would be a
+# new tree (a new entry) every step. Here tensors and ints are leaves: an int the program needs is
+# specialized by export and guarded like any int input, one it does not need stays free.
+
+
+def _flatten(obj: Any) -> tuple[list, Any]:
+    leaves: list = []
+    return leaves, (type(obj), _state(vars(obj), leaves, [], ""))
+
+
+def _flatten_with_keys(obj: Any) -> tuple[list, Any]:
+    leaves: list = []
+    names: list = []
+    context = (type(obj), _state(vars(obj), leaves, names, ""))
+    return [(pytree.MappingKey(name), leaf) for name, leaf in zip(names, leaves)], context
+
+
+def _unflatten(values, context: Any) -> Any:
+    cls, state = context
+    obj = cls.__new__(cls)
+    obj.__dict__.update(_build(state, iter(values)))
+    return obj
+
+
+def _state(value: Any, leaves: list, names: list, name: str) -> Any:
+    """The context of one value of a cache's state; tensors and ints go to `leaves` (named by path)."""
+    if isinstance(value, (torch.Tensor, torch.SymInt, _IntWrapper)) or type(value) is int:
+        leaves.append(value)
+        names.append(name)
+        return ("leaf",)
+    if type(value) in (list, tuple):
+        return (type(value), tuple(_state(v, leaves, names, f"{name}[{i}]") for i, v in enumerate(value)))
+    if type(value) is dict:
+        sep = "." if name else ""
+        return (dict, tuple((k, _state(v, leaves, names, f"{name}{sep}{k}")) for k, v in value.items()))
+    if hasattr(value, "__dict__") and not isinstance(value, (type, torch.nn.Module)):
+        return ("object", type(value), _state(vars(value), leaves, names, name))
+    return ("const", value)
+
+
+def _build(context: Any, leaves) -> Any:
+    tag = context[0]
+    if tag == "leaf":
+        return next(leaves)
+    if tag == "const":
+        return context[1]
+    if tag == "object":
+        obj = context[1].__new__(context[1])
+        obj.__dict__.update(_build(context[2], leaves))
+        return obj
+    if tag is dict:
+        return {k: _build(v, leaves) for k, v in context[1]}
+    return tag(_build(v, leaves) for v in context[1])
+
+
+def capture_hint(values: list) -> str | None:
+    """The cache class a failed capture is about, and the fix, when the call carried a cache."""
+    unknown = [
+        type(v)
+        for v in values
+        if type(v).__name__.endswith("Cache") and type(v) not in pytree.SUPPORTED_NODES
+    ]
+    if unknown:
+        name = unknown[0].__qualname__
+        return (
+            f"the call passes a {name}, a cache class torch.export cannot flatten: gjit flattens "
+            "transformers' cache classes (DynamicCache, StaticCache, EncoderDecoderCache, ...) itself; "
+            f"register {name} with torch.utils._pytree.register_pytree_node (its tensors as leaves), "
+            "or pass a DynamicCache"
+        )
+    foreign = [type(v) for v in values if is_cache(v) and type(v) not in _REGISTERED]
+    if foreign:
+        name = foreign[0].__qualname__
+        return (
+            f"{name} was registered as a pytree node before gjit could (by transformers' export "
+            "helpers such as register_dynamic_cache_export_support, or by your code), and export failed "
+            "with that flatten; gjit's own flatten of transformers' caches is used when nothing registers "
+            "the class first"
+        )
+    return None
+
+
+def cache_paths(tree: Any) -> dict[int, tuple]:
+    """id of every cache object in a pytree -> its key path (caches are not looked into)."""
+    found: dict[int, tuple] = {}
+    if _cache_base() is None:
+        return found
+
+    def visit(path: tuple, value: Any) -> None:
+        if is_cache(value):
+            found.setdefault(id(value), path)
+            return
+        node = pytree.SUPPORTED_NODES.get(type(value))
+        if node is None or node.flatten_with_keys_fn is None:
+            return
+        children, _ = node.flatten_with_keys_fn(value)
+        for key, child in children:
+            visit((*path, key), child)
+
+    visit((), tree)
+    return found
+
+
+def dynamic_leaves(args: tuple, kwargs: dict) -> dict[int, dict[int, tuple[int, None]]]:
+    """The dims gjit keeps dynamic inside caches, as flat index -> {dim: (min, max)}: every KV tensor's
+    length (transformers' cache layers hold [batch, heads, length, head_dim]) from a length of 1 up,
+    so the first decode step of an encoder-decoder model, or after a one-token prompt, shares the
+    decode entry; and every int of 2 or more (a sliding window's running length) as a symbol ({})."""
+    caches = list(cache_paths((args, kwargs)).values())
+    out: dict[int, dict] = {}
+    if not caches:
+        return out
+    for i, (path, leaf) in enumerate(pytree.tree_flatten_with_path((args, kwargs))[0]):
+        if not any(path[: len(c)] == c for c in caches):
+            continue
+        if isinstance(leaf, torch.Tensor) and leaf.dim() == 4:
+            out[i] = {2: (1, None)}
+        elif type(leaf) is int and leaf >= 2:
+            out[i] = {}
+    return out
+
+
+def lookup(tree: Any, path: tuple) -> Any:
+    for key in path:
+        if isinstance(key, pytree.SequenceKey):
+            tree = tree[key.idx]
+        elif isinstance(key, pytree.MappingKey):
+            tree = tree[key.key]
+        elif isinstance(key, pytree.GetAttrKey):
+            tree = getattr(tree, key.name)
+        else:  # a node's own key kind: look it up through its flatten
+            children, _ = pytree.SUPPORTED_NODES[type(tree)].flatten_with_keys_fn(tree)
+            tree = dict(children)[key]
+    return tree
+
+
+@dataclasses.dataclass
+class CacheAliases:
+    """Which returned caches are input caches: output key path -> input key path of (args, kwargs).
+
+    Filled by the forward hook export's trace runs (`recording`); empty for a model without caches."""
+
+    pairs: list[tuple[tuple, tuple]] = dataclasses.field(default_factory=list)
+
+    def recording(self, module: torch.nn.Module):
+        """A forward hook on the module export traces: notes the returned objects that are inputs."""
+
+        def hook(mod, args, kwargs, output):
+            inputs = cache_paths((args, kwargs))
+            self.pairs = [(path, inputs[key]) for key, path in cache_paths(output).items() if key in inputs]
+
+        return module.register_forward_hook(hook, with_kwargs=True)
+
+    def restore(self, args: tuple, kwargs: dict, output: Any) -> Any:
+        """Give each input cache the state of the returned one, and return the input cache in its place."""
+        for out_path, in_path in self.pairs:
+            mine, theirs = lookup((args, kwargs), in_path), lookup(output, out_path)
+            adopt(mine, theirs)
+            output = _replace(output, out_path, mine)
+        return output
+
+
+def adopt(target: Any, source: Any) -> None:
+    """Give `target` the state of `source` (same class), keeping nested objects' identities where
+    they line up (a cache's layer objects stay the caller's layer objects)."""
+    state = vars(target)
+    for name, value in vars(source).items():
+        old = state.get(name)
+        if _same_shape_object(old, value):
+            adopt(old, value)
+        elif isinstance(old, list) and isinstance(value, list) and len(old) == len(value):
+            for i, (o, v) in enumerate(zip(old, value)):
+                if _same_shape_object(o, v):
+                    adopt(o, v)
+                else:
+                    old[i] = v
+        else:
+            state[name] = value
+    for name in [n for n in state if n not in vars(source)]:
+        del state[name]
+
+
+def _same_shape_object(old: Any, new: Any) -> bool:
+    return (
+        old is not None
+        and type(old) is type(new)
+        and hasattr(old, "__dict__")
+        and not isinstance(old, (torch.Tensor, type))
+    )
+
+
+def _replace(tree: Any, path: tuple, value: Any) -> Any:
+    """`tree` with the node at `path` replaced: in place in a fresh dict, ModelOutput or list; a tuple
+    (or another node) is rebuilt through its pytree registration."""
+    if not path:
+        return value
+    key, rest = path[0], path[1:]
+    if isinstance(key, pytree.MappingKey) and isinstance(tree, dict):
+        tree[key.key] = _replace(tree[key.key], rest, value)  # ModelOutput.__setitem__ sets the field too
+        return tree
+    if isinstance(key, pytree.SequenceKey) and isinstance(tree, list):
+        tree[key.idx] = _replace(tree[key.idx], rest, value)
+        return tree
+    node = pytree.SUPPORTED_NODES[type(tree)]
+    children_with_keys, context = node.flatten_with_keys_fn(tree)
+    children = [_replace(c, rest, value) if k == key else c for k, c in children_with_keys]
+    return node.unflatten_fn(children, context)
+
+
+def describe_change(old: Any, new: Any) -> str | None:
+    """What differs between two of gjit's cache contexts, e.g. `layers[0].keys: None -> a tensor`
+    (an empty cache, then a filled one); None for contexts that are not gjit's."""
+    if not (isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new) == 2):
+        return None
+    if old[0] is not new[0]:
+        return f"{old[0].__name__} -> {new[0].__name__}"
+    return _diff(old[1], new[1], "")
+
+
+def _diff(a: Any, b: Any, name: str) -> str | None:
+    if a == b:
+        return None
+    where = name or "state"
+    if a[0] != b[0] or a[0] in ("leaf", "const"):
+        return f"{where}: {_show(a)} -> {_show(b)}"
+    if a[0] == "object":
+        if a[1] is not b[1]:
+            return f"{where}: {a[1].__name__} -> {b[1].__name__}"
+        return _diff(a[2], b[2], name)
+    if a[0] is dict:
+        old, new = dict(a[1]), dict(b[1])
+        for key in [k for k in old if k in new]:
+            found = _diff(old[key], new[key], f"{name}.{key}" if name else str(key))
+            if found:
+                return found
+        return f"{where}: fields {list(old)} -> {list(new)}"
+    if len(a[1]) != len(b[1]):
+        return f"{where}: {len(a[1])} -> {len(b[1])} entries"
+    for i, (x, y) in enumerate(zip(a[1], b[1])):
+        found = _diff(x, y, f"{name}[{i}]")
+        if found:
+            return found
+    return f"{where} changed"
+
+
+def _show(context: Any) -> str:
+    if context[0] == "leaf":
+        return "a tensor or int"
+    if context[0] == "const":
+        return repr(context[1])[:60]
+    if context[0] == "object":
+        return f"a {context[1].__name__}"
+    return f"a {getattr(context[0], '__name__', context[0])}"
