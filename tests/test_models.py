@@ -9,7 +9,6 @@ docs/models.md (bench/models_report.py) records kernel and extern counts for the
 from __future__ import annotations
 
 import collections
-import logging
 from typing import Any
 
 import pytest
@@ -143,55 +142,3 @@ def test_gpt2_loss_gathers_from_the_logits_and_never_writes_log_softmax():
     assert not any("_log_softmax" in s for s in stores)
 
 
-# HF models built with use_cache=True (the default) return a DynamicCache, which torch.export
-# cannot flatten: gjit must say so clearly (name the type and the fix) or run eagerly and log why.
-
-
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-@pytest.fixture(scope="module")
-def use_cache_call():
-    """One call of gjit.compile(GPT-2 built with use_cache=True): outputs, counters, gjit's log."""
-    model, inputs = gpt2("sdpa", use_cache=True)
-    logger = logging.getLogger("gjit.capture")
-    handler = _Records()
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    try:
-        gjit.reset()
-        cm = gjit.compile(model)
-        with torch.no_grad():
-            expected = model(*inputs)
-            out = cm(*inputs)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-    return {
-        "out": out,
-        "expected": expected,
-        "stats": gjit.stats(),
-        "reason": cm.eager_reason or "",
-        "log": "\n".join(handler.messages),
-    }
-
-
-def test_hf_use_cache_true_runs_eagerly_naming_dynamic_cache(use_cache_call):
-    call = use_cache_call
-    assert torch.equal(call["out"].logits, call["expected"].logits)
-    assert type(call["out"].past_key_values).__name__ == "DynamicCache"
-    assert call["stats"]["eager_runs"] == 1 and call["stats"]["compiles"] == 0
-    assert "DynamicCache" in call["reason"]
-    assert "DynamicCache" in call["log"]
-
-
-def test_hf_use_cache_true_message_names_the_fix(use_cache_call):
-    assert "use_cache=False" in use_cache_call["reason"]
-    assert "use_cache=False" in use_cache_call["log"]
