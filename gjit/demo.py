@@ -3,6 +3,7 @@
     python -m gjit.demo                  # pre-norm transformer block, kernels run in Triton's CPU interpreter
     python -m gjit.demo --model mlp      # Linear -> GELU -> Linear + residual
     python -m gjit.demo --model layernorm   # LayerNorm written out: pointwise fusion around reductions
+    python -m gjit.demo --model gpt2-generate   # generate() with a KV cache: prefill and decode entries
     python -m gjit.demo --device cuda    # launch the same kernels on a GPU
 
 It prints the generated kernels (name, fused ATen nodes, the source of the largest ones), the
@@ -183,7 +184,7 @@ def print_externs(report: gjit.Report) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m gjit.demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="block", help="model to compile")
+    parser.add_argument("--model", choices=[*sorted(MODELS), "gpt2-generate"], default="block")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu: Triton interpreter")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=16)
@@ -191,6 +192,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--atol", type=float, default=1e-4, help="max abs error accepted against eager")
     parser.add_argument("--show-source", type=int, default=2, help="how many kernel sources to print")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokens", type=int, default=16, help="gpt2-generate: new tokens per generate()")
     return parser.parse_args(argv)
 
 
@@ -200,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gjit.demo: --device cuda needs a CUDA GPU, none found (use --device cpu)", file=sys.stderr)
         return 2
+    if args.model == "gpt2-generate":
+        from gjit.demo_llm import run
+
+        return run(args)
     device = torch.device(args.device)
     # no GPU: run the generated Triton kernels on CPU tensors through Triton's interpreter;
     # debug: poison every buffer gjit allocates, so an element a kernel forgot to write shows up
