@@ -147,6 +147,7 @@ class CompiledFunction:
         self.misses = MissHistory()
         self._tensor_tuple_specs: dict[int, pytree.TreeSpec] = {}
         self._fast_arity = _fast_arity(self.signature)
+        self._bind_plans: dict[tuple, tuple[list[str], list[str]]] = {}
         kv_cache.register()  # transformers' cache classes flatten to their tensors from the first call
         if callable(model) and not isinstance(model, torch.nn.Module):
             functools.update_wrapper(self, model, updated=())
@@ -169,7 +170,19 @@ class CompiledFunction:
         least, most = self._fast_arity
         if not kwargs and least <= len(args) <= most:
             return args, kwargs
-        return bind_call(self.signature, args, kwargs, self._name())
+        # a call shaped like an earlier one (same positional count, same keywords in the same
+        # order: generate()'s every decode step) binds the same way; inspect's bind is slow
+        key = (len(args), tuple(kwargs))
+        plan = self._bind_plans.get(key)
+        if plan is not None:
+            moved, rest = plan
+            return args + tuple([kwargs[n] for n in moved]), {n: kwargs[n] for n in rest}
+        bound_args, bound_kwargs = bind_call(self.signature, args, kwargs, self._name())
+        if self.signature is not None:
+            params = list(self.signature.parameters.values())[len(args) : len(bound_args)]
+            if all(p.kind == p.POSITIONAL_OR_KEYWORD and p.name in kwargs for p in params):
+                self._bind_plans[key] = ([p.name for p in params], list(bound_kwargs))
+        return bound_args, bound_kwargs
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.eager_reason is not None:

@@ -415,27 +415,40 @@ _METADATA_ONLY = (
 
 
 def _write_in_place(program: ExportedProgram, mutations: dict[int, tuple[str, Any]]) -> None:
-    """A mutated input whose new value is a write through indices into it (a static KV cache's
-    `index_copy_`, functionalized by export into `index_put`) and which nothing else reads gets that
-    write in place, as eager does: the extern writes the new positions into the caller's tensor,
-    where the functional form would copy the whole tensor and then copy it back (`finish` skips
-    a copy-back whose source is the target itself)."""
-    output = program.graph.output_node()
-    returned = list(output.args[0])
-    for out_index in mutations:
-        node = returned[out_index]
-        if not isinstance(node, torch.fx.Node) or node.target not in _IN_PLACE:
+    """A write through indices (a static KV cache's `index_copy_`, functionalized by export into
+    `index_put`) runs in place, as in eager, when nothing else reads the tensor it writes into and
+    that tensor is either a mutated input whose new value it is, or a fresh tensor of the program
+    (the cache's zeros, allocated in the prefill). The extern then writes only the new positions,
+    where the functional form copies the whole tensor (and, for an input, copies it back: `finish`
+    skips a copy-back whose source is the target itself)."""
+    returned = list(program.graph.output_node().args[0])
+    new_values = {returned[i] for i in mutations if isinstance(returned[i], torch.fx.Node)}
+    for node in list(program.graph.nodes):
+        if node.op != "call_function" or node.target not in _IN_PLACE:
             continue
         accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
         if node.target is torch.ops.aten.index_put.default and accumulate:
             continue  # accumulate=True: running it twice (the GJIT_CHECK replay) would add twice
-        target = node.args[0]
-        readers = [u for u in target.users if u is not node and u.target not in _METADATA_ONLY]
-        if target.op != "placeholder" or readers:
+        base = node.args[0]
+        if any(u is not node and u.target not in _METADATA_ONLY for u in base.users):
             continue  # another reader of the old value would see the new one
+        if base.op == "placeholder" and node in new_values:
+            kind = "its input"
+        elif _fresh(base):
+            kind = "the new tensor"
+        else:
+            continue  # an input the program does not mutate, or a view of something else
         node.target = _IN_PLACE[node.target]
-        log.debug("%s writes into its input %s in place", node.name, target.name)
+        log.debug("%s writes into %s %s in place", node.name, kind, base.name)
     program.graph_module.recompile()
+
+
+def _fresh(node: torch.fx.Node) -> bool:
+    """An op's result that aliases none of its arguments (a factory, an arithmetic op, a copy)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    return not any(r.alias_info is not None for r in target._schema.returns)
 
 
 def bind_call(

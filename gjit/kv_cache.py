@@ -95,7 +95,7 @@ def register(values: Any = ()) -> bool:
 
 def _flatten(obj: Any) -> tuple[list, Any]:
     leaves: list = []
-    return leaves, (type(obj), _state(vars(obj), leaves, [], ""))
+    return leaves, (type(obj), _state(vars(obj), leaves))
 
 
 def _flatten_with_keys(obj: Any) -> tuple[list, Any]:
@@ -112,19 +112,30 @@ def _unflatten(values, context: Any) -> Any:
     return obj
 
 
-def _state(value: Any, leaves: list, names: list, name: str) -> Any:
-    """The context of one value of a cache's state; tensors and ints go to `leaves` (named by path)."""
-    if isinstance(value, (torch.Tensor, torch.SymInt, _IntWrapper)) or type(value) is int:
+_LEAF = ("leaf",)
+_LEAF_TYPES = (torch.Tensor, torch.SymInt, _IntWrapper)
+
+
+def _state(value: Any, leaves: list, names: list | None = None, name: str = "") -> Any:
+    """The context of one value of a cache's state; tensors and ints go to `leaves` (and, when
+    `names` is given, their paths to `names`). Runs on every call: kept to plain type checks."""
+    kind = type(value)
+    if kind is int or isinstance(value, _LEAF_TYPES):
         leaves.append(value)
-        names.append(name)
-        return ("leaf",)
-    if type(value) in (list, tuple):
-        return (type(value), tuple(_state(v, leaves, names, f"{name}[{i}]") for i, v in enumerate(value)))
-    if type(value) is dict:
+        if names is not None:
+            names.append(name)
+        return _LEAF
+    if kind is list or kind is tuple:
+        if names is None:
+            return (kind, tuple([_state(v, leaves) for v in value]))
+        return (kind, tuple([_state(v, leaves, names, f"{name}[{i}]") for i, v in enumerate(value)]))
+    if kind is dict:
+        if names is None:
+            return (dict, tuple([(k, _state(v, leaves)) for k, v in value.items()]))
         sep = "." if name else ""
-        return (dict, tuple((k, _state(v, leaves, names, f"{name}{sep}{k}")) for k, v in value.items()))
+        return (dict, tuple([(k, _state(v, leaves, names, f"{name}{sep}{k}")) for k, v in value.items()]))
     if hasattr(value, "__dict__") and not isinstance(value, (type, torch.nn.Module)):
-        return ("object", type(value), _state(vars(value), leaves, names, name))
+        return ("object", kind, _state(vars(value), leaves, names, name))
     return ("const", value)
 
 

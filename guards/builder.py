@@ -157,6 +157,7 @@ class _Builder:
         self.late_binds: list[Bind] = []  # stride reads and symbols, after every size is bound
         self.later: list[Guard] = []  # checks that may use symbols bound by later inputs or strides
         self.bound: dict[sympy.Symbol, str] = {}  # symbol -> user-readable source
+        self.int_symbols: set[sympy.Symbol] = set()  # symbols bound to int inputs, not sizes
         self.namespace: dict[str, Any] = {"torch": torch, "Tensor": torch.Tensor, "math": math}
 
     def guard(self, code: str, description: str, actual: str, i: int | None, kind: str, later=False) -> None:
@@ -230,6 +231,7 @@ class _Builder:
         elif isinstance(e, sympy.Symbol) and e not in self.bound:
             self.steps.append(Bind(e.name, v))
             self.bound[e] = name
+            self.int_symbols.add(e)
         else:
             self.guard(f"{v} == {pyexpr(e)}", f"{name} == {e}", v, i, "scalar", later=True)
 
@@ -297,7 +299,8 @@ def build_guards(
     static, from the example); `assumptions`: (condition, why) the kernels rely on;
     `state`: (owner module, attribute, export's value, qualified name) of each parameter /
     buffer the program reads live; `mutated`: flat indices of user inputs the program writes to;
-    `size_oblivious`: export traced without 0/1 specialization, so its ranges hold as they are."""
+    `size_oblivious`: export traced sizes without 0/1 specialization, so the ranges of tensor
+    dims hold as they are (an int input's symbol keeps the floor of 2 either way)."""
     n = len(flat_inputs)
     user_vals = list(user_vals) if user_vals is not None else [None] * n
     b = _Builder(names)
@@ -382,7 +385,7 @@ def _ranges(b: _Builder, ranges: dict, size_oblivious: bool) -> None:
         if not expr.free_symbols or not expr.free_symbols <= set(b.bound):
             continue
         lower = int(vr.lower) if vr.lower not in (-int_oo, -sympy.oo) else None
-        if isinstance(expr, sympy.Symbol) and not size_oblivious:
+        if isinstance(expr, sympy.Symbol) and (not size_oblivious or expr in b.int_symbols):
             # export traced the program assuming the size is at least 2 (a user range may say
             # less): sizes 0 and 1 get entries of their own, where export specializes them
             # (gjit.guards.policy exports only int inputs >= 2 as symbols, so the same holds)

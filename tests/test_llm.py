@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import gjit
+from gjit.debug.report import build_report
 from helpers import run_compiled
 
 transformers = pytest.importorskip("transformers")
@@ -87,6 +88,20 @@ def compiled_forward(model: torch.nn.Module) -> gjit.CompiledFunction:
     return model.forward
 
 
+# what may stay an ATen extern in a decode step; everything else (the cache update, rotary
+# embeddings, masks, norms, activations) must be generated kernels
+MATMUL_ATTENTION = {
+    "aten.mm.default",
+    "aten.addmm.default",
+    "aten.bmm.default",
+    "aten.scaled_dot_product_attention.default",
+}
+
+
+def externs(cm: gjit.CompiledFunction) -> set[str]:
+    return {e.op for entry in cm.entries for e in build_report(entry).externs}
+
+
 def counters() -> tuple[int, int]:
     stats = gjit.stats()
     return stats["compiles"], stats["eager_runs"]
@@ -116,7 +131,7 @@ def test_generate_matches_eager_with_two_compiles(name):
     model = build(name)
     ids, other = prompt(2, 7, seed=0), prompt(3, 12, seed=1)
     expected = [generate(model, ids, 6), generate(model, ids, 6, do_sample=True), generate(model, other, 6)]
-    compiled_forward(model)
+    cm = compiled_forward(model)
     with gjit.config.scope(interpret=True, debug=True):
         first = generate(model, ids, 6)
         assert counters() == (2, 0), "prefill and one dynamic decode entry, nothing eager"
@@ -125,6 +140,7 @@ def test_generate_matches_eager_with_two_compiles(name):
         assert torch.equal(got, want), f"{name}: tokens differ from eager\n{got}\n{want}"
     assert counters() == (2, 0), "sampling, another prompt length and batch size: no new compile"
     assert gjit.stats()["cache_hits"] == 3 * 6 - 2
+    assert externs(cm) <= MATMUL_ATTENTION, externs(cm) - MATMUL_ATTENTION
 
 
 def test_generate_32_tokens_two_compiles_any_prompt_length():
@@ -165,6 +181,7 @@ def test_static_cache_generate_writes_in_place():
     wrapper = open(decode.graph.wrapper_path).read()
     assert wrapper.count("aten.index_put_.default(") == 4
     assert "aten.index_put.default(" not in wrapper
+    assert externs(cm) <= MATMUL_ATTENTION | {"aten.index_put_.default"}, externs(cm)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -330,3 +347,56 @@ def test_torch_trace_errors_go_to_the_capture_log_only():
         capture.setLevel(level)
     assert not [r for r in torch_log.records if r.levelno >= logging.ERROR]
     assert any("failed while attempting to run meta" in r.getMessage() for r in capture_log.records)
+
+
+# ------------------------------------------------------------------------------------------------
+# writes through indices in place: only where no one reads the old value
+
+
+def _write_then_read(x, idx, src):
+    x.index_copy_(0, idx, src)
+    return x * 2
+
+
+def _read_then_write(x, idx, src):
+    before = x * 2
+    x.index_copy_(0, idx, src)
+    return before + x
+
+
+def _functional_on_input(x, idx, src):
+    return torch.index_put(x, (idx,), src) + x  # x itself is not written
+
+
+def _accumulate(x, idx, src):
+    x.index_put_((idx,), src, accumulate=True)
+    return x + 1
+
+
+def _fresh_buffer(x, idx, src):
+    z = torch.zeros_like(x)
+    z.index_copy_(0, idx, src)
+    return z + x
+
+
+@pytest.mark.parametrize(
+    "fn, in_place",
+    [
+        (_write_then_read, 1),
+        (_read_then_write, 0),
+        (_functional_on_input, 0),
+        (_accumulate, 0),
+        (_fresh_buffer, 1),
+    ],
+)
+def test_index_writes_in_place_only_when_safe(fn, in_place):
+    x = torch.randn(6, 5)
+    idx, src = torch.tensor([4, 1]), torch.randn(2, 5)
+    x_eager = x.clone()
+    want = fn(x_eager, idx, src)
+    x_gjit = x.clone()
+    got, cm = run_compiled(fn, x_gjit, idx, src)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(x_gjit, x_eager)  # the input holds what eager left in it
+    wrapper = open(cm.entries[0].program.graph.wrapper_path).read()
+    assert wrapper.count("_.default(") == in_place, wrapper
