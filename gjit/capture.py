@@ -97,9 +97,10 @@ def explicit_keywords(module: torch.nn.Module, args: tuple, kwargs: dict) -> tor
         return forward(*a, **kw)
 
     call.__signature__ = signature.replace(parameters=params)
-    if type(module) is torch.nn.Module:  # gjit's own wrapper (as_module): give it the new forward
+    if type(module) is torch.nn.Module:  # a plain module (as_module's): the same state, the new forward
         wrapper = torch.nn.Module()
-        wrapper._modules.update(module._modules)
+        for table in ("_parameters", "_buffers", "_modules"):
+            getattr(wrapper, table).update(getattr(module, table))
     else:
         wrapper = torch.nn.Module()
         wrapper.add_module("model", module)
@@ -323,6 +324,12 @@ def capture(
         else getattr(model, "__name__", "function"),
         len(program.graph.nodes),
     )
+    if aliases.unreturned:
+        raise CaptureError(
+            f"the model changes {aliases.unreturned[0]} without returning it (past_key_values given "
+            "with use_cache=False?); a compiled call can only update a cache the model returns, so "
+            "this call runs eagerly: pass use_cache=True, or no cache"
+        )
     captured = describe(program, module, exported)
     captured.aliases = aliases
     captured.size_oblivious = oblivious

@@ -242,15 +242,37 @@ class CacheAliases:
     Filled by the forward hook export's trace runs (`recording`); empty for a model without caches."""
 
     pairs: list[tuple[tuple, tuple]] = dataclasses.field(default_factory=list)
+    # input caches the trace changed but did not return (their new state would be lost)
+    unreturned: list[str] = dataclasses.field(default_factory=list)
 
     def recording(self, module: torch.nn.Module):
-        """A forward hook on the module export traces: notes the returned objects that are inputs."""
+        """Hooks on the module export traces: note the returned objects that are input caches, and
+        the input caches whose state changed without being returned. Returns the hooks' handle."""
+        before: dict[int, tuple] = {}
+
+        def pre_hook(mod, args, kwargs):
+            before.clear()
+            for key, path in cache_paths((args, kwargs)).items():
+                cache = lookup((args, kwargs), path)
+                leaves, context = _flatten(cache)
+                before[key] = (path, [id(t) for t in leaves], context, type(cache).__name__)
 
         def hook(mod, args, kwargs, output):
-            inputs = cache_paths((args, kwargs))
-            self.pairs = [(path, inputs[key]) for key, path in cache_paths(output).items() if key in inputs]
+            returned = cache_paths(output)
+            self.pairs = [(path, before[key][0]) for key, path in returned.items() if key in before]
+            self.unreturned = []
+            for key, (path, ids, context, name) in before.items():
+                if key in returned:
+                    continue
+                leaves, now = _flatten(lookup((args, kwargs), path))
+                if now != context or [id(t) for t in leaves] != ids:
+                    self.unreturned.append(f"the {name} passed as {_call_name(path)}")
 
-        return module.register_forward_hook(hook, with_kwargs=True)
+        handles = [
+            module.register_forward_pre_hook(pre_hook, with_kwargs=True),
+            module.register_forward_hook(hook, with_kwargs=True),
+        ]
+        return _Handles(handles)
 
     def restore(self, args: tuple, kwargs: dict, output: Any) -> Any:
         """Give each input cache the state of the returned one, and return the input cache in its place."""
@@ -259,6 +281,30 @@ class CacheAliases:
             adopt(mine, theirs)
             output = _replace(output, out_path, mine)
         return output
+
+
+def _call_name(path: tuple) -> str:
+    """A key path into (args, kwargs) in the call's words: `past_key_values`, `argument 1`."""
+    head, rest = path[0], path[1:]
+    if (
+        isinstance(head, pytree.SequenceKey)
+        and head.idx == 1
+        and rest
+        and isinstance(rest[0], pytree.MappingKey)
+    ):
+        return f"{rest[0].key}{pytree.keystr(rest[1:])}"
+    if isinstance(head, pytree.SequenceKey) and head.idx == 0 and rest:
+        return f"argument {pytree.keystr(rest[:1]).strip('[]')}{pytree.keystr(rest[1:])}"
+    return pytree.keystr(path)
+
+
+class _Handles:
+    def __init__(self, handles: list):
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 def adopt(target: Any, source: Any) -> None:

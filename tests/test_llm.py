@@ -400,3 +400,22 @@ def test_index_writes_in_place_only_when_safe(fn, in_place):
     torch.testing.assert_close(x_gjit, x_eager)  # the input holds what eager left in it
     wrapper = open(cm.entries[0].program.graph.wrapper_path).read()
     assert wrapper.count("_.default(") == in_place, wrapper
+
+
+def test_a_cache_changed_but_not_returned_runs_eagerly():
+    """The new state of a cache the model does not return has no way out of a compiled call:
+    gjit says so and runs the call eagerly rather than leave the caller's cache stale."""
+
+    def step(x, cache):
+        cache.update(x, x + 1, 0)
+        return x * 2
+
+    x = torch.randn(2, 4, 3, 8)
+    mine, eager = transformers.DynamicCache(), transformers.DynamicCache()
+    want = step(x, eager)
+    got, cm = run_compiled(step, x, mine, expect_eager=True)
+    torch.testing.assert_close(got, want)
+    assert (
+        "DynamicCache passed as argument 1" in cm.eager_reason and "without returning it" in cm.eager_reason
+    )
+    assert mine.get_seq_length() == eager.get_seq_length() == 3
