@@ -18,7 +18,7 @@ from gjit.debug import dump
 from gjit.debug.report import Report, build_report
 from gjit.driver import CompiledProgram, compile_program, run_program
 from gjit.guards import GuardBuildError, GuardSet, MissHistory, build_guards, dynamic_dims
-from gjit.guards.policy import specialized_dims
+from gjit.guards.policy import MARKS, specialized_dims
 from gjit.stats import timed
 
 log = logs.logger("capture")
@@ -148,7 +148,7 @@ class CompiledFunction:
         self._tensor_tuple_specs: dict[int, pytree.TreeSpec] = {}
         self._fast_arity = _fast_arity(self.signature)
         self._bind_plans: dict[tuple, tuple[list[str], list[str]]] = {}
-        kv_cache.register()  # transformers' cache classes flatten to their tensors from the first call
+        kv_cache.register(model=model)  # a transformers model's caches flatten from the first call
         if callable(model) and not isinstance(model, torch.nn.Module):
             functools.update_wrapper(self, model, updated=())
         LIVE.add(self)
@@ -209,7 +209,7 @@ class CompiledFunction:
 
     def _miss(self, args: tuple, kwargs: dict, flat: list, spec: pytree.TreeSpec) -> Any:
         """No entry admits the call: explain why, then compile a new entry, or run eagerly past the limit."""
-        if kv_cache.register([*args, *kwargs.values()]):  # a cache class imported since: flatten again
+        if kv_cache.register([*args, *kwargs.values()], self.model):  # caches were leaves: flatten again
             return self(*args, **kwargs)
         names = _input_names(args, kwargs, self.signature)
         if self.entries:
@@ -325,12 +325,16 @@ class CompiledFunction:
     ) -> Entry | None:
         timings: dict[str, float] = {}
         dims = dynamic_dims(flat, self.dynamic)
+        from_one: set[tuple[int, int]] = set()  # KV lengths, dynamic from 1 (kv_cache.dynamic_leaves)
         if self.dynamic is not False:
             for i, ranges in kv_cache.dynamic_leaves(args, kwargs).items():
-                dims[i] = {**ranges, **dims.get(i, {})}
+                marked = getattr(flat[i], MARKS, None) or {}  # the user's own range wins
+                free = {d: r for d, r in ranges.items() if d not in marked}
+                dims[i] = {**dims.get(i, {}), **free}
+                from_one |= {(i, d) for d, (lo, _) in free.items() if lo == 1}
         cache_log.info("%s: no entry admits the call (in-memory cache miss); compiling", self._name())
         try:
-            captured = capture(self.model, args, kwargs, dims, timings)
+            captured = capture(self.model, args, kwargs, dims, timings, frozenset(from_one))
         except CaptureError as e:  # warned about in _run_eager, once the model ran fine eagerly
             self._capture_failed = str(e)
             return None
@@ -346,7 +350,7 @@ class CompiledFunction:
                     [a for k in program.kernels for a in k.assumptions],
                     captured.state_sources(),
                     [key for kind, key in captured.mutations.values() if kind == "user"],
-                    size_oblivious=captured.size_oblivious,
+                    from_one=captured.from_one,
                 )
         except GuardBuildError as e:
             self._capture_failed = f"cannot guard the exported program: {e}"
@@ -415,6 +419,12 @@ class CompiledFunction:
         if isinstance(self.model, torch.nn.Module):
             return f"{type(self.model).__qualname__}.forward"
         return getattr(self.model, "__qualname__", type(self.model).__name__)
+
+
+# Dynamo must not trace into a compiled function (its guards, export on a miss): under an outer
+# torch.compile, such as the one transformers' generate() puts around a model with a static cache
+# on a GPU, the call is a graph break and gjit runs its own kernels (0.5 us a call)
+CompiledFunction.__call__ = torch._dynamo.disable(CompiledFunction.__call__)
 
 
 def compile(

@@ -8,6 +8,7 @@ call. Mutations export recorded (module buffers, user inputs) are applied after 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -91,19 +92,19 @@ def explicit_keywords(module: torch.nn.Module, args: tuple, kwargs: dict) -> tor
         return module
     params = [p for p in signature.parameters.values() if p.kind != p.VAR_KEYWORD]
     params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY) for name in extra]
-    forward = module.forward
-
-    def call(*a, **kw):
-        return forward(*a, **kw)
-
-    call.__signature__ = signature.replace(parameters=params)
+    wrapper = torch.nn.Module()
     if type(module) is torch.nn.Module:  # a plain module (as_module's): the same state, the new forward
-        wrapper = torch.nn.Module()
         for table in ("_parameters", "_buffers", "_modules"):
             getattr(wrapper, table).update(getattr(module, table))
-    else:
-        wrapper = torch.nn.Module()
+        target = module.forward
+    else:  # the user's module, called as eager calls it (its forward hooks run)
         wrapper.add_module("model", module)
+        target = module
+
+    def call(*a, **kw):
+        return target(*a, **kw)
+
+    call.__signature__ = signature.replace(parameters=params)
     wrapper.forward = call
     return wrapper
 
@@ -135,27 +136,23 @@ def export_model(
     dims: DimRanges,
     timings: dict[str, float],
     aliases: CacheAliases,
+    from_one: frozenset[tuple[int, int]] = frozenset(),
 ) -> tuple[ExportedProgram, ExportedProgram, bool]:
     """torch.export with the chosen dims as Dim.AUTO (export specializes what it must), the rest static.
 
     Not size-oblivious by default: export assumes a dynamic size is at least 2 (its range says so)
     and specializes an example size of 0 or 1, so a program that treats 1 specially (squeeze,
-    broadcasting) is never reused for it; a call with size 1 gets its own entry. A dim asked with a
-    floor of 1 (a KV cache's length, `kv_cache.length_dims`) is the exception: the whole trace is then
-    size-oblivious, so that dim stays symbolic from 1 up; every other dynamic dim keeps a floor of 2.
+    broadcasting) is never reused for it; a call with size 1 gets its own entry. `from_one` holds
+    the (flat input, dim) pairs gjit keeps dynamic from 1 (a KV cache's length,
+    `kv_cache.dynamic_leaves`): when one is asked, the trace is size-oblivious, those dims get a
+    floor of 1, every other dynamic dim keeps a floor of 2 (and one at an example size below 2
+    stays static). Returns (exported, decomposed, whether the trace was size-oblivious).
     """
     shapes = None
-    # a dim asked dynamic at an example size of 1 (a KV cache's length on the first decode step) is
-    # traced size-obliviously; the other dynamic dims keep export's usual floor of 2
-    oblivious = False
+    oblivious = any((i, d) in from_one for i, ranges in dims.items() for d in ranges)
     if dims:
         shapes = ShapesCollection()
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        oblivious = any(
-            isinstance(leaves[i], torch.Tensor) and ((lo is not None and lo < 2) or leaves[i].shape[d] < 2)
-            for i, ranges in dims.items()
-            for d, (lo, _) in ranges.items()
-        )
         for i, ranges in dims.items():
             leaf = leaves[i]
             if isinstance(leaf, int):  # a wrapper export unwraps; without it the int stays specialized
@@ -163,10 +160,16 @@ def export_model(
                     leaves[i] = _IntWrapper(leaf)
                     shapes[leaves[i]] = Dim.AUTO
             elif id(leaf) not in shapes._shapes:
-                floor = 2 if oblivious else None
-                shapes[leaf] = {
-                    d: Dim.AUTO(min=floor if lo is None else lo, max=hi) for d, (lo, hi) in ranges.items()
-                }
+                spec_dims = {}
+                for d, (lo, hi) in ranges.items():
+                    if not oblivious:
+                        spec_dims[d] = Dim.AUTO(min=lo, max=hi)
+                    elif (i, d) in from_one:
+                        spec_dims[d] = Dim.AUTO(min=1, max=hi)
+                    elif leaf.shape[d] >= 2:
+                        spec_dims[d] = Dim.AUTO(min=max(lo or 2, 2), max=hi)
+                if spec_dims:
+                    shapes[leaf] = spec_dims
         args, kwargs = pytree.tree_unflatten(leaves, spec)
     hook = aliases.recording(module)
     with logs.quiet_torch_trace_errors(), _size_oblivious(oblivious):
@@ -181,7 +184,9 @@ def export_model(
 
 def _size_oblivious(on: bool):
     """Trace with backed sizes treated size-obliviously (no 0/1 specialization) while `on`."""
-    return torch.fx.experimental._config.patch(backed_size_oblivious=on)
+    if not on:
+        return contextlib.nullcontext()
+    return torch.fx.experimental._config.patch(backed_size_oblivious=True)
 
 
 @dataclasses.dataclass
@@ -200,7 +205,8 @@ class CapturedProgram:
     user_vals: list[Any]  # export's placeholder value per flat user input (FakeTensor with SymInt sizes)
     exported: ExportedProgram | None = None  # before decomposition (for the dump folder and logs)
     aliases: CacheAliases = dataclasses.field(default_factory=CacheAliases)  # returned caches that are inputs
-    size_oblivious: bool = False  # traced without 0/1 specialization (export's ranges hold as given)
+    # (flat input, dim) traced size-obliviously with a floor of 1 (export's range holds for them)
+    from_one: frozenset[tuple[int, int]] = frozenset()
     _getters: list | None = None
 
     @property
@@ -286,7 +292,12 @@ def state_reader(owner: torch.nn.Module, attr: str):
 
 
 def capture(
-    model: Any, args: tuple, kwargs: dict, dims: DimRanges, timings: dict[str, float] | None = None
+    model: Any,
+    args: tuple,
+    kwargs: dict,
+    dims: DimRanges,
+    timings: dict[str, float] | None = None,
+    from_one: frozenset[tuple[int, int]] = frozenset(),
 ) -> CapturedProgram:
     """Export (unless given a program), decompose to core ATen, and record the calling convention.
 
@@ -300,10 +311,10 @@ def capture(
             decomposed = program.run_decompositions(decomposition_table())
         return _logged(describe(decomposed, None, program))
     module = explicit_keywords(as_module(model), args, kwargs)
-    kv_cache.register([*args, *kwargs.values()])
+    kv_cache.register([*args, *kwargs.values()], model)
     aliases = CacheAliases()
     try:
-        exported, program, oblivious = export_model(module, args, kwargs, dims, timings, aliases)
+        exported, program, oblivious = export_model(module, args, kwargs, dims, timings, aliases, from_one)
     except Exception as e:
         if not dims or _not_about_shapes(e):
             raise CaptureError(_explain_failure(e, args, kwargs)) from e
@@ -332,7 +343,7 @@ def capture(
         )
     captured = describe(program, module, exported)
     captured.aliases = aliases
-    captured.size_oblivious = oblivious
+    captured.from_one = from_one if oblivious else frozenset()
     return _logged(captured)
 
 
@@ -393,7 +404,7 @@ def describe(
             raise CaptureError(
                 f"unsupported exported output kind {spec.kind} ({spec.arg}): gjit compiles inference graphs"
             )
-    _write_in_place(program, mutations)
+    _write_in_place(program)
     return CapturedProgram(
         program=program,
         module=module,
@@ -421,7 +432,7 @@ _METADATA_ONLY = (
 )
 
 
-def _write_in_place(program: ExportedProgram, mutations: dict[int, tuple[str, Any]]) -> None:
+def _write_in_place(program: ExportedProgram) -> None:
     """A write through indices (a static KV cache's `index_copy_`, functionalized by export into
     `index_put`) runs in place, as in eager, when nothing else reads the tensor it writes into and
     that tensor is either a mutated input whose new value it is, or a fresh tensor of the program
@@ -429,7 +440,14 @@ def _write_in_place(program: ExportedProgram, mutations: dict[int, tuple[str, An
     where the functional form copies the whole tensor (and, for an input, copies it back: `finish`
     skips a copy-back whose source is the target itself)."""
     returned = list(program.graph.output_node().args[0])
-    new_values = {returned[i] for i in mutations if isinstance(returned[i], torch.fx.Node)}
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    by_target = {s.target: s.arg.name for s in program.graph_signature.input_specs if s.target is not None}
+    updates: dict[torch.fx.Node, torch.fx.Node] = {}  # new value -> the input placeholder it replaces
+    for spec, value in zip(program.graph_signature.output_specs, returned):
+        if spec.kind == OutputKind.USER_INPUT_MUTATION:
+            updates[value] = placeholders.get(spec.target)
+        elif spec.kind == OutputKind.BUFFER_MUTATION:
+            updates[value] = placeholders.get(by_target.get(spec.target))
     for node in list(program.graph.nodes):
         if node.op != "call_function" or node.target not in _IN_PLACE:
             continue
@@ -439,7 +457,9 @@ def _write_in_place(program: ExportedProgram, mutations: dict[int, tuple[str, An
         base = node.args[0]
         if any(u is not node and u.target not in _METADATA_ONLY for u in base.users):
             continue  # another reader of the old value would see the new one
-        if base.op == "placeholder" and node in new_values:
+        if base in pytree.tree_leaves((node.args[1:], node.kwargs)):
+            continue  # the write reads the tensor it writes (its values or indices)
+        if base.op == "placeholder" and updates.get(node) is base:
             kind = "its input"
         elif _fresh(base):
             kind = "the new tensor"
@@ -451,9 +471,12 @@ def _write_in_place(program: ExportedProgram, mutations: dict[int, tuple[str, An
 
 
 def _fresh(node: torch.fx.Node) -> bool:
-    """An op's result that aliases none of its arguments (a factory, an arithmetic op, a copy)."""
+    """An op's result that aliases none of its arguments (a factory, an arithmetic op, a copy) and
+    that gjit does not lower as a view (`lift_fresh_copy` reads its constant in place)."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target in (torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.alias.default):
         return False
     return not any(r.alias_info is not None for r in target._schema.returns)
 

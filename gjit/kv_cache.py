@@ -16,7 +16,11 @@ such a step as a function of tensors:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import enum
+import importlib
+import json
 import sys
 from typing import Any
 
@@ -28,7 +32,9 @@ from gjit import logs
 try:  # how export marks an int input dynamic (gjit.capture wraps the ints it exports as symbols)
     from torch.export.dynamic_shapes import _IntWrapper
 except ImportError:
-    _IntWrapper = int
+
+    class _IntWrapper:  # torch before 2.7: ints are not exported as symbols, nothing is wrapped
+        pass
 
 log = logs.logger("capture")
 
@@ -54,12 +60,17 @@ def _subclasses(cls: type) -> list[type]:
 
 
 def is_cache(value: Any) -> bool:
+    """A transformers `Cache`, or another cache class gjit registered."""
+    if type(value) in _REGISTERED:
+        return True
     base = _cache_base()
     return base is not None and isinstance(value, base)
 
 
-def register(values: Any = ()) -> bool:
-    """Make every transformers cache class (and any other cache class among `values`) a pytree node.
+def register(values: Any = (), model: Any = None) -> bool:
+    """Make every transformers cache class (and any other cache class among `values`) a pytree node,
+    once gjit compiles a call that carries a cache or a transformers model (which may build one
+    and return it); nothing is registered for anything else.
 
     Idempotent and cheap when nothing is new; returns whether a class was registered now, so a caller
     that flattened a call before knows to flatten it again. A class already registered elsewhere
@@ -67,12 +78,16 @@ def register(values: Any = ()) -> bool:
     base = _cache_base()
     if base is None:
         return False
+    owner = getattr(model, "__self__", model)
+    carried = [v for v in values if type(v).__name__.endswith("Cache")]
+    if not carried and not type(owner).__module__.startswith("transformers."):
+        return False
     classes = [base, *_subclasses(base)]
-    for value in values:
+    for value in carried:
         cls = type(value)
-        if cls.__name__.endswith("Cache") and cls.__module__.startswith("transformers."):
+        if cls.__module__.startswith("transformers."):
             classes.append(cls)  # a model's own cache class that is not a `Cache` subclass
-    new = [c for c in classes if c not in _REGISTERED and c not in pytree.SUPPORTED_NODES]
+    new = [c for c in dict.fromkeys(classes) if c not in _REGISTERED and c not in pytree.SUPPORTED_NODES]
     for cls in new:
         pytree.register_pytree_node(
             cls,
@@ -80,6 +95,8 @@ def register(values: Any = ()) -> bool:
             _unflatten,
             serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
             flatten_with_keys_fn=_flatten_with_keys,
+            to_dumpable_context=_dump_context,
+            from_dumpable_context=_load_context,
         )
         _REGISTERED.add(cls)
     if new:
@@ -129,14 +146,24 @@ def _state(value: Any, leaves: list, names: list | None = None, name: str = "") 
         if names is None:
             return (kind, tuple([_state(v, leaves) for v in value]))
         return (kind, tuple([_state(v, leaves, names, f"{name}[{i}]") for i, v in enumerate(value)]))
-    if kind is dict:
+    if kind is dict or kind is collections.OrderedDict:
         if names is None:
-            return (dict, tuple([(k, _state(v, leaves)) for k, v in value.items()]))
+            return (kind, tuple([(k, _state(v, leaves)) for k, v in value.items()]))
         sep = "." if name else ""
-        return (dict, tuple([(k, _state(v, leaves, names, f"{name}{sep}{k}")) for k, v in value.items()]))
-    if hasattr(value, "__dict__") and not isinstance(value, (type, torch.nn.Module)):
+        return (kind, tuple([(k, _state(v, leaves, names, f"{name}{sep}{k}")) for k, v in value.items()]))
+    if _plain_object(value):
         return ("object", kind, _state(vars(value), leaves, names, name))
     return ("const", value)
+
+
+def _plain_object(value: Any) -> bool:
+    """A state-holding object (a cache layer) rebuilt by `cls.__new__` and its `__dict__`; a
+    function, class, enum member or module stays a constant of the context."""
+    return (
+        hasattr(value, "__dict__")
+        and not callable(value)
+        and not isinstance(value, (type, enum.Enum, torch.nn.Module))
+    )
 
 
 def _build(context: Any, leaves) -> Any:
@@ -149,9 +176,77 @@ def _build(context: Any, leaves) -> Any:
         obj = context[1].__new__(context[1])
         obj.__dict__.update(_build(context[2], leaves))
         return obj
-    if tag is dict:
-        return {k: _build(v, leaves) for k, v in context[1]}
+    if tag is dict or tag is collections.OrderedDict:
+        return tag((k, _build(v, leaves)) for k, v in context[1])
     return tag(_build(v, leaves) for v in context[1])
+
+
+# A context as JSON (torch.export.save of a program that takes a cache): classes by import path,
+# dtypes and devices by name, plain constants as they are.
+
+
+def _dump_context(context: Any) -> str:
+    cls, state = context
+    return json.dumps({"cls": _path(cls), "state": _dump(state)})
+
+
+def _load_context(text: str) -> Any:
+    data = json.loads(text)
+    return (_import(data["cls"]), _load(data["state"]))
+
+
+def _dump(context: Any) -> Any:
+    tag = context[0]
+    if tag == "leaf":
+        return ["leaf"]
+    if tag == "object":
+        return ["object", _path(context[1]), _dump(context[2])]
+    if tag == "const":
+        value = context[1]
+        if isinstance(value, torch.dtype):
+            return ["dtype", str(value).removeprefix("torch.")]
+        if isinstance(value, torch.device):
+            return ["device", str(value)]
+        if isinstance(value, type):
+            return ["class", _path(value)]
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return ["const", value]
+        raise TypeError(f"cannot write a {type(value).__name__} of a cache's state as JSON")
+    if tag is dict or tag is collections.OrderedDict:
+        return [tag.__name__, [[k, _dump(v)] for k, v in context[1]]]
+    return [tag.__name__, [_dump(v) for v in context[1]]]
+
+
+def _load(data: Any) -> Any:
+    tag = data[0]
+    if tag == "leaf":
+        return _LEAF
+    if tag == "object":
+        return ("object", _import(data[1]), _load(data[2]))
+    if tag == "dtype":
+        return ("const", getattr(torch, data[1]))
+    if tag == "device":
+        return ("const", torch.device(data[1]))
+    if tag == "class":
+        return ("const", _import(data[1]))
+    if tag == "const":
+        return ("const", data[1])
+    kind = {"dict": dict, "OrderedDict": collections.OrderedDict, "list": list, "tuple": tuple}[tag]
+    if kind in (dict, collections.OrderedDict):
+        return (kind, tuple((k, _load(v)) for k, v in data[1]))
+    return (kind, tuple(_load(v) for v in data[1]))
+
+
+def _path(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _import(path: str) -> type:
+    module, _, qualname = path.partition(":")
+    value: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def capture_hint(values: list) -> str | None:
@@ -181,15 +276,18 @@ def capture_hint(values: list) -> str | None:
     return None
 
 
-def cache_paths(tree: Any) -> dict[int, tuple]:
-    """id of every cache object in a pytree -> its key path (caches are not looked into)."""
-    found: dict[int, tuple] = {}
+def cache_paths(tree: Any, every: bool = False) -> dict[int, list[tuple]]:
+    """id of every cache object in a pytree -> its key path (`every`: all its paths, where one
+    object appears more than once); caches are not looked into."""
+    found: dict[int, list[tuple]] = {}
     if _cache_base() is None:
         return found
 
     def visit(path: tuple, value: Any) -> None:
         if is_cache(value):
-            found.setdefault(id(value), path)
+            paths = found.setdefault(id(value), [])
+            if every or not paths:
+                paths.append(path)
             return
         node = pytree.SUPPORTED_NODES.get(type(value))
         if node is None or node.flatten_with_keys_fn is None:
@@ -207,7 +305,7 @@ def dynamic_leaves(args: tuple, kwargs: dict) -> dict[int, dict[int, tuple[int, 
     length (transformers' cache layers hold [batch, heads, length, head_dim]) from a length of 1 up,
     so the first decode step of an encoder-decoder model, or after a one-token prompt, shares the
     decode entry; and every int of 2 or more (a sliding window's running length) as a symbol ({})."""
-    caches = list(cache_paths((args, kwargs)).values())
+    caches = [paths[0] for paths in cache_paths((args, kwargs)).values()]
     out: dict[int, dict] = {}
     if not caches:
         return out
@@ -252,14 +350,16 @@ class CacheAliases:
 
         def pre_hook(mod, args, kwargs):
             before.clear()
-            for key, path in cache_paths((args, kwargs)).items():
+            for key, (path,) in cache_paths((args, kwargs)).items():
                 cache = lookup((args, kwargs), path)
                 leaves, context = _flatten(cache)
                 before[key] = (path, [id(t) for t in leaves], context, type(cache).__name__)
 
         def hook(mod, args, kwargs, output):
-            returned = cache_paths(output)
-            self.pairs = [(path, before[key][0]) for key, path in returned.items() if key in before]
+            returned = cache_paths(output, every=True)
+            self.pairs = [
+                (path, before[key][0]) for key, paths in returned.items() if key in before for path in paths
+            ]
             self.unreturned = []
             for key, (path, ids, context, name) in before.items():
                 if key in returned:
@@ -374,7 +474,7 @@ def _diff(a: Any, b: Any, name: str) -> str | None:
         if a[1] is not b[1]:
             return f"{where}: {a[1].__name__} -> {b[1].__name__}"
         return _diff(a[2], b[2], name)
-    if a[0] is dict:
+    if a[0] is dict or a[0] is collections.OrderedDict:
         old, new = dict(a[1]), dict(b[1])
         for key in [k for k in old if k in new]:
             found = _diff(old[key], new[key], f"{name}.{key}" if name else str(key))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import sympy
@@ -157,7 +157,6 @@ class _Builder:
         self.late_binds: list[Bind] = []  # stride reads and symbols, after every size is bound
         self.later: list[Guard] = []  # checks that may use symbols bound by later inputs or strides
         self.bound: dict[sympy.Symbol, str] = {}  # symbol -> user-readable source
-        self.int_symbols: set[sympy.Symbol] = set()  # symbols bound to int inputs, not sizes
         self.namespace: dict[str, Any] = {"torch": torch, "Tensor": torch.Tensor, "math": math}
 
     def guard(self, code: str, description: str, actual: str, i: int | None, kind: str, later=False) -> None:
@@ -231,7 +230,6 @@ class _Builder:
         elif isinstance(e, sympy.Symbol) and e not in self.bound:
             self.steps.append(Bind(e.name, v))
             self.bound[e] = name
-            self.int_symbols.add(e)
         else:
             self.guard(f"{v} == {pyexpr(e)}", f"{name} == {e}", v, i, "scalar", later=True)
 
@@ -293,14 +291,14 @@ def build_guards(
     assumptions: Sequence[tuple[sympy.Basic, str]] = (),
     state: Sequence[tuple[Any, str, torch.Tensor, str]] = (),
     mutated: Sequence[int] = (),
-    size_oblivious: bool = False,
+    from_one: Collection[tuple[int, int]] = (),
 ) -> GuardSet:
     """The guard set of one entry. `user_vals`: export's placeholder value per flat input (None:
     static, from the example); `assumptions`: (condition, why) the kernels rely on;
     `state`: (owner module, attribute, export's value, qualified name) of each parameter /
     buffer the program reads live; `mutated`: flat indices of user inputs the program writes to;
-    `size_oblivious`: export traced sizes without 0/1 specialization, so the ranges of tensor
-    dims hold as they are (an int input's symbol keeps the floor of 2 either way)."""
+    `from_one`: (flat input, dim) pairs export traced size-obliviously from 1 (a KV cache's
+    length): their symbols are admitted from 1, every other symbol from 2."""
     n = len(flat_inputs)
     user_vals = list(user_vals) if user_vals is not None else [None] * n
     b = _Builder(names)
@@ -318,7 +316,8 @@ def build_guards(
     assert set(symbols) == set(b.bound), (symbols, list(b.bound))
     _aliasing(b, flat_inputs, set(mutated))
     _state(b, state)
-    _ranges(b, range_constraints or {}, size_oblivious)
+    ones = {_expr(user_vals[i].shape[d]) for i, d in from_one if isinstance(user_vals[i], torch.Tensor)}
+    _ranges(b, range_constraints or {}, {s for s in ones if isinstance(s, sympy.Symbol)})
     env = shape_env_of(user_vals)
     if env is not None:
         _shape_env_guards(b, env)
@@ -379,17 +378,18 @@ def _state_fits(ids: list[int], state: Sequence[tuple[Any, str, torch.Tensor, st
     return ok
 
 
-def _ranges(b: _Builder, ranges: dict, size_oblivious: bool) -> None:
+def _ranges(b: _Builder, ranges: dict, from_one: set[sympy.Symbol]) -> None:
     for expr, vr in ranges.items():
         expr = sympy.sympify(expr)
         if not expr.free_symbols or not expr.free_symbols <= set(b.bound):
             continue
         lower = int(vr.lower) if vr.lower not in (-int_oo, -sympy.oo) else None
-        if isinstance(expr, sympy.Symbol) and (not size_oblivious or expr in b.int_symbols):
+        if isinstance(expr, sympy.Symbol):
             # export traced the program assuming the size is at least 2 (a user range may say
             # less): sizes 0 and 1 get entries of their own, where export specializes them
-            # (gjit.guards.policy exports only int inputs >= 2 as symbols, so the same holds)
-            lower = max(lower or 0, 2)
+            # (gjit.guards.policy exports only int inputs >= 2 as symbols, so the same holds);
+            # a KV length traced size-obliviously from 1 is admitted from 1, never 0
+            lower = max(lower or 0, 1 if expr in from_one else 2)
         if lower is not None and lower > 0:
             b.condition(expr, f"{expr} >= {lower}", "range", code=f"{pyexpr(expr)} >= {lower}")
         if vr.upper not in (int_oo, sympy.oo):

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -11,9 +13,12 @@ def pytest_collection_modifyitems(config, items):
     untiered = [item.nodeid for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
     if untiered:
         raise pytest.UsageError(f"tests without a tier marker ({', '.join(TIERS)}): {untiered[:10]}")
+    slow = os.environ.get("GJIT_TEST_SLOW") == "1"
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        if "slow" in item.keywords and not slow:
+            item.add_marker(pytest.mark.skip(reason="a long sweep: GJIT_TEST_SLOW=1 runs it (CI does)"))
 
 
 @pytest.fixture(scope="session", autouse=True)

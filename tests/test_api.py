@@ -304,3 +304,23 @@ def test_torch_compile_dynamic_sizes_reuse_one_gjit_entry(dynamic):
     # automatic dynamic: Dynamo's static graph for the first size, then its dynamic graph
     assert gjit.stats()["compiles"] == (1 if dynamic else 2), gjit.stats()
     assert gjit.stats()["eager_runs"] == 0
+
+
+class _Scaled(nn.Module):
+    """A forward taking options through **kwargs (as transformers' models do), with a forward hook."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_forward_hook(lambda module, args, out: out + 100)
+
+    def forward(self, x, **kwargs):
+        return self.linear(x).relu() * kwargs.get("scale", 1.0)
+
+
+def test_kwargs_through_var_keyword_keep_the_modules_hooks():
+    model = _Scaled().eval()
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        check(model, x, scale=2.0)  # compared with eager, whose hook adds 100
+        check(model, x)

@@ -488,3 +488,28 @@ def test_stepped_input_with_a_size_1_dim_binds_its_stride_symbol():
     for x in (torch.randn(3, 3)[1::2], torch.randn(3, 5)[1::2], torch.randn(4, 7)[2::3]):
         check_call(cm, x)
     assert compiles() == 1
+
+
+def test_mark_dynamic_at_size_one_is_admitted_by_its_entry():
+    """A dim marked dynamic whose example size is 1: export specializes it, and the entry still
+    admits the call it was compiled for (no eager run, no compile on every call)."""
+    x = torch.randn(1, 8)
+    gjit.mark_dynamic(x, 0)
+    cm = gjit.compile(lambda t: t.sin() * 2)
+    for _ in range(3):
+        out, _ = run_compiled(cm, x)
+        assert_same(out, x.sin() * 2)
+    assert gjit.stats()["compiles"] == 1
+
+
+def test_mark_dynamic_from_zero_gives_size_zero_its_own_entry():
+    """min=0 asks for sizes from 0, but export traced the program for sizes of at least 2: a size-0
+    call gets an entry of its own (specialized), never the symbolic one."""
+    cm = gjit.compile(lambda t: torch.softmax(t, dim=-1) + 1)
+    x = torch.randn(4, 6)
+    gjit.mark_dynamic(x, 0, min=0)
+    run_compiled(cm, x)
+    empty = torch.randn(0, 6)
+    out, _ = run_compiled(cm, empty)
+    assert_same(out, torch.softmax(empty, dim=-1) + 1)
+    assert gjit.stats()["compiles"] == 2

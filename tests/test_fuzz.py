@@ -1,7 +1,8 @@
 """Random programs (tests/fuzz.py) compiled by gjit and compared with eager, 0 mismatches expected.
 
-The CI run is 320 programs, seeds 0-319, in 8 chunks (pytest shows progress per chunk), then the
-first 60 again with backend="cupy" (GJIT_FUZZ_CUDA_PROGRAMS), on the CUDA C host emulation. Each
+The default run is 160 programs, seeds 0-159, in 8 chunks (pytest shows progress per chunk), then
+the first 60 again with backend="cupy" (GJIT_FUZZ_CUDA_PROGRAMS), on the CUDA C host emulation;
+CI's sweep step then runs seeds 160-479 (GJIT_FUZZ_SEED=160 GJIT_FUZZ_PROGRAMS=320). Each
 program is called twice with different sizes of the same ranks, so guards, cache hits and
 recompiles run too. Programs run in GJIT_FUZZ_WORKERS worker processes (default: one per core,
 at most 8; 1 under pytest-xdist, which runs the chunks in parallel itself; 1 runs them in the
@@ -34,7 +35,7 @@ from gjit.lowering.registry import LOWERINGS
 # generated programs hit ops that warn by design (var() of one element is NaN, etc.)
 pytestmark = [pytest.mark.cpu, pytest.mark.filterwarnings("ignore")]
 
-PROGRAMS = int(os.environ.get("GJIT_FUZZ_PROGRAMS", "320"))
+PROGRAMS = int(os.environ.get("GJIT_FUZZ_PROGRAMS", "160"))
 CUDA_PROGRAMS = int(os.environ.get("GJIT_FUZZ_CUDA_PROGRAMS", "60"))  # the first seeds again, on CUDA C
 FIRST_SEED = int(os.environ.get("GJIT_FUZZ_SEED", "0"))
 # under pytest-xdist (`pytest -n 2`, as CI runs) xdist spreads the chunks over its processes

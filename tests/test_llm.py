@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import gjit
+from gjit import kv_cache
 from gjit.debug.report import build_report
 from helpers import run_compiled
 
@@ -111,7 +112,8 @@ def counters() -> tuple[int, int]:
 # generate(): greedy and sampled, then another prompt length and batch size
 
 
-# the models beyond one of each kind (GPT-2, Llama, sliding-window Mistral, T5) run in CI's sweep step
+# the models beyond one of each kind (GPT-2, Llama, T5; Mistral's sliding-window cache also runs by
+# hand below) run in CI's sweep step (GJIT_TEST_SLOW=1)
 SWEEP = pytest.mark.slow
 
 
@@ -120,8 +122,8 @@ SWEEP = pytest.mark.slow
     [
         "gpt2",
         "llama",
-        "mistral",
         "t5",
+        pytest.param("mistral", marks=SWEEP),
         pytest.param("qwen2", marks=SWEEP),
         pytest.param("gemma", marks=SWEEP),
         pytest.param("bart", marks=SWEEP),
@@ -419,3 +421,52 @@ def test_a_cache_changed_but_not_returned_runs_eagerly():
         "DynamicCache passed as argument 1" in cm.eager_reason and "without returning it" in cm.eager_reason
     )
     assert mine.get_seq_length() == eager.get_seq_length() == 3
+
+
+def _write_own_values(x, perm):
+    t = x + 0
+    return torch.index_put(t, (perm,), t)  # the write reads the tensor it writes into
+
+
+def test_index_write_that_reads_its_own_target_stays_functional():
+    x, perm = torch.randn(5, 3), torch.tensor([4, 3, 2, 1, 0])
+    got, cm = run_compiled(_write_own_values, x, perm)
+    torch.testing.assert_close(got, _write_own_values(x, perm))
+    assert "index_put_.default(" not in open(cm.entries[0].program.graph.wrapper_path).read()
+
+
+def test_static_cache_generate_under_transformers_auto_compile():
+    """On a GPU, generate() with a static cache wraps the model's __call__ in torch.compile
+    (forced here on CPU): Dynamo must not trace into the compiled forward, gjit still runs it."""
+    model = build("llama")
+    ids = prompt(2, 5, seed=9)
+    config = transformers.CompileConfig()
+    config._compile_all_devices = True  # transformers' own switch for compiling off-GPU
+    want = generate(model, ids, 4, cache_implementation="static")
+    compiled_forward(model)
+    with gjit.config.scope(interpret=True):
+        got = generate(model, ids, 4, cache_implementation="static", compile_config=config)
+    assert torch.equal(got, want)
+    assert hasattr(model, "_compiled_call"), "transformers did not wrap the call in torch.compile"
+    assert counters() == (2, 0) and gjit.stats()["cache_hits"] == 2
+
+
+def test_cache_trees_survive_serialization():
+    """gjit's flatten of the cache classes is also what torch.export.save writes: every context
+    round-trips through JSON to an equal tree."""
+    model = build("llama")
+    dynamic = transformers.DynamicCache(config=model.config)
+    static = transformers.StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        model(prompt(2, 5, seed=10), past_key_values=dynamic)
+        model(prompt(2, 5, seed=10), past_key_values=static)
+    both = transformers.EncoderDecoderCache(transformers.DynamicCache(), transformers.DynamicCache())
+    both.self_attention_cache.update(torch.randn(2, 4, 3, 8), torch.randn(2, 4, 3, 8), 0)
+    kv_cache.register([dynamic, static, both])
+    for cache in (dynamic, static, both):
+        leaves, spec = torch.utils._pytree.tree_flatten(cache)
+        assert leaves, f"{type(cache).__name__} flattened to nothing"
+        loaded = torch.utils._pytree.treespec_loads(torch.utils._pytree.treespec_dumps(spec))
+        assert loaded == spec
+        rebuilt = torch.utils._pytree.tree_unflatten(leaves, loaded)
+        assert type(rebuilt) is type(cache) and rebuilt.get_seq_length() == cache.get_seq_length()
