@@ -6,7 +6,8 @@
 For each system, `model.forward` is replaced by the compiled forward and `generate()` runs twice
 (greedy; the second with another prompt length and batch size). Printed per system:
 
-- compiles over both generate() calls, and the seconds spent in the calls that compiled;
+- compiles over both generate() calls, and the seconds spent in the calls that compiled, each
+  system starting from empty compile caches (gjit's and Triton's; inductor's);
 - per decode step: gjit's guard + dispatch (the call with the entry's wrapper replaced by one
   returning its outputs, so what gjit adds around the kernels) next to torch.compile's and eager's
   whole per-call time (on a CPU those include their ATen or C++ kernels; gjit's kernels only run
@@ -26,6 +27,7 @@ import warnings
 import torch
 
 import gjit
+from gjit.bench import scratch_caches
 
 
 def build(name: str) -> torch.nn.Module:
@@ -135,6 +137,15 @@ def run(system: str, name: str, tokens: int) -> dict:
     return row
 
 
+def cold(system: str, name: str, tokens: int) -> dict:
+    """One system's run with its compile caches empty (gjit's and Triton's, or inductor's)."""
+    if system == "gjit":
+        with scratch_caches():
+            return run(system, name, tokens)
+    with torch._inductor.utils.fresh_cache():
+        return run(system, name, tokens)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64)
@@ -147,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     header = "| model | system | compiles | compile s | per decode step | kernels per decode step |"
     print(header + "\n|---|---|---:|---:|---|---|")
     for name in opts.models:
-        rows = [run(system, name, opts.tokens) for system in ("eager", "gjit", "torch.compile")]
+        rows = [cold(system, name, opts.tokens) for system in ("eager", "gjit", "torch.compile")]
         for row in rows[1:]:
             same = all(torch.equal(a, b) for a, b in zip(row["tokens"], rows[0]["tokens"]))
             assert same, f"{row['system']} generated other tokens than eager for {name}"
