@@ -27,7 +27,7 @@ import warnings
 import torch
 
 import gjit
-from gjit.bench import scratch_caches
+from gjit.bench import median_us, scratch_caches
 
 
 def build(name: str) -> torch.nn.Module:
@@ -68,17 +68,6 @@ class Recorder:
             self.step_s.append(elapsed)  # a decode step served from an entry
         self.last = (args, kwargs)
         return out
-
-
-def median_us(fn, number: int = 200, repeat: int = 5) -> float:
-    fn()
-    rounds = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        for _ in range(number):
-            fn()
-        rounds.append((time.perf_counter() - start) / number * 1e6)
-    return statistics.median(rounds)
 
 
 def guard_dispatch_us(cm: gjit.CompiledFunction, args: tuple, kwargs: dict) -> float:
