@@ -158,7 +158,7 @@ def export_model(
             if isinstance(leaf, int):  # a wrapper export unwraps; without it the int stays specialized
                 if _IntWrapper is not None:
                     leaves[i] = _IntWrapper(leaf)
-                    shapes[leaves[i]] = Dim.AUTO
+                    shapes[leaves[i]] = Dim.AUTO(min=2)  # the policy exports only ints >= 2
             elif id(leaf) not in shapes._shapes:
                 spec_dims = {}
                 for d, (lo, hi) in ranges.items():

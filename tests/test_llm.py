@@ -236,6 +236,7 @@ def test_manual_decode_loop_updates_the_callers_cache(name):
         assert mine.shape == theirs.shape
         torch.testing.assert_close(mine, theirs, rtol=1.3e-6, atol=1e-5)
     assert cache.get_seq_length() == want_cache.get_seq_length() == 6 + 5
+    assert externs(cm) <= MATMUL_ATTENTION, externs(cm) - MATMUL_ATTENTION
 
 
 def test_encoder_decoder_manual_loop():
