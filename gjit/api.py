@@ -12,7 +12,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from gjit import kv_cache, logs, stats
-from gjit.capture import CaptureError, bind_call, capture, forward_signature, readable
+from gjit.capture import CaptureError, DecompositionError, bind_call, capture, forward_signature, readable
 from gjit.config import BACKENDS, CompileOptions, config
 from gjit.debug import dump
 from gjit.debug.report import Report, build_report
@@ -36,6 +36,32 @@ class Entry:
     spec: pytree.TreeSpec
     program: CompiledProgram
     specialized: list[str] = dataclasses.field(default_factory=list)  # dims export made static, and why
+    names: list[str] = dataclasses.field(default_factory=list)  # each flat input, as guards name it
+    # what the guards read of the compiled call, per flat input (a package rebuilds them from it):
+    # ["tensor", index of its first occurrence] | ["symint", None] | ["value", the specialized value]
+    inputs: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Package:
+    """Where a loaded function's entries came from (gjit.load), and whether a miss may compile."""
+
+    path: str
+    name: str
+    recompile: bool
+
+
+def _inputs_record(flat: list, user_vals: list) -> list:
+    first: dict[int, int] = {}
+    out: list = []
+    for i, (value, val) in enumerate(zip(flat, user_vals)):
+        if isinstance(value, torch.Tensor):
+            out.append(["tensor", first.setdefault(id(value), i)])
+        elif isinstance(val, torch.SymInt):
+            out.append(["symint", None])
+        else:
+            out.append(["value", value])
+    return out
 
 
 def _input_names(args: tuple, kwargs: dict, signature) -> list[str]:
@@ -148,14 +174,28 @@ class CompiledFunction:
         self._tensor_tuple_specs: dict[int, pytree.TreeSpec] = {}
         self._fast_arity = _fast_arity(self.signature)
         self._bind_plans: dict[tuple, tuple[list[str], list[str]]] = {}
+        self.package: Package | None = None  # set by gjit.load
+        self._packaged: list[Entry] = []
         kv_cache.register(model=model)  # a transformers model's caches flatten from the first call
         if callable(model) and not isinstance(model, torch.nn.Module):
             functools.update_wrapper(self, model, updated=())
         LIVE.add(self)
 
+    def set_signature(self, signature) -> None:
+        """Bind calls with `signature` (a loaded package's, when no model was given)."""
+        self.signature = signature
+        self.__signature__ = signature  # what inspect.signature(self) reports (generate() reads it)
+        self._fast_arity = _fast_arity(signature)
+        self._bind_plans.clear()
+
+    def add_packaged(self, entry: Entry) -> None:
+        """An entry loaded from a package (kept by reset())."""
+        self._packaged.append(entry)
+        self.entries.append(entry)
+
     def reset(self) -> None:
-        """Forget compiled entries and a recorded capture failure."""
-        self.entries.clear()
+        """Forget compiled entries (not those loaded from a package) and a recorded capture failure."""
+        self.entries[:] = self._packaged
         self.eager_reason = None
         self.misses = MissHistory()
         self._warned_limit = False
@@ -187,12 +227,12 @@ class CompiledFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.eager_reason is not None:
             stats.COUNTERS["eager_runs"] += 1
-            return self.model(*args, **kwargs)
+            return self._eager(args, kwargs)
         args, kwargs = self._normalize(args, kwargs)
         flat, spec = self._flatten(args, kwargs)
         if torch.is_grad_enabled() and self._needs_autograd(flat):
             stats.COUNTERS["eager_runs"] += 1
-            return self.model(*args, **kwargs)
+            return self._eager(args, kwargs)
         for entry in reversed(self.entries):
             if entry.spec == spec:
                 sizes = entry.guards.check(flat)
@@ -219,6 +259,11 @@ class CompiledFunction:
                 f"{self._name()} missed all {len(self.entries)} entries; the nearest, entry {index}, "
                 f"failed {len(failed)} guard(s):\n" + "\n".join(f"    {f}" for f in failed)
             )
+            if self.package is not None and not self.package.recompile:
+                raise RecompileError(
+                    f"{explanation}\nThe call is outside the entries of the package {self.package.path}: "
+                    "save a package with an entry for it, or load with the model and recompile=True"
+                )
             if config.error_on_recompile:
                 raise RecompileError(f"{explanation}\n(gjit.config.error_on_recompile is set)")
             if len(self.entries) >= config.recompile_limit:
@@ -233,7 +278,7 @@ class CompiledFunction:
                 "%s: %s carry a lazy neg/conj bit; this call runs eagerly", self._name(), lazy
             )
             stats.COUNTERS["eager_runs"] += 1
-            return self.model(*args, **kwargs)
+            return self._eager(args, kwargs)
         entry = self._compile(args, kwargs, flat, spec, names)
         if entry is None:
             return self._run_eager(args, kwargs)
@@ -245,7 +290,7 @@ class CompiledFunction:
                 "; ".join(entry.guards.failures(flat)),
             )
             stats.COUNTERS["eager_runs"] += 1
-            return self.model(*args, **kwargs)
+            return self._eager(args, kwargs)
         return self._run(entry, args, kwargs, flat, sizes)
 
     def _nearest(self, flat: list, spec: pytree.TreeSpec) -> tuple[int, list[str]]:
@@ -279,7 +324,7 @@ class CompiledFunction:
             log.warning("%s Calls that miss from now on run eagerly.", message)
         recompiles_log.info("%s: recompile limit reached, running eagerly", self._name())
         stats.COUNTERS["eager_runs"] += 1
-        return self.model(*args, **kwargs)
+        return self._eager(args, kwargs)
 
     def _flatten(self, args: tuple, kwargs: dict) -> tuple[list, pytree.TreeSpec]:
         """pytree.tree_flatten((args, kwargs)), with a fast path for a plain tuple of tensors."""
@@ -333,13 +378,22 @@ class CompiledFunction:
                 dims[i] = {**dims.get(i, {}), **free}
                 from_one |= {(i, d) for d, (lo, _) in free.items() if lo == 1}
         cache_log.info("%s: no entry admits the call (in-memory cache miss); compiling", self._name())
+        options = CompileOptions.from_config(backend=self.backend, check=self.check)
         try:
-            captured = capture(self.model, args, kwargs, dims, timings, frozenset(from_one))
+            try:
+                exported = capture(self.model, args, kwargs, dims, timings, frozenset(from_one))
+                program = compile_program(exported, timings, options)
+            except DecompositionError as e:
+                if not dims:
+                    raise
+                # decomposition can fail with dynamic dims where static shapes work
+                log.info("%s; retrying with static shapes", str(e).splitlines()[0])
+                exported = capture(self.model, args, kwargs, {}, timings)
+                program = compile_program(exported, timings, options)
         except CaptureError as e:  # warned about in _run_eager, once the model ran fine eagerly
             self._capture_failed = str(e)
             return None
-        options = CompileOptions.from_config(backend=self.backend, check=self.check)
-        program = compile_program(captured, timings, options)
+        captured = program.captured
         try:
             with timed("guards", timings):
                 guards = build_guards(
@@ -351,6 +405,7 @@ class CompiledFunction:
                     captured.state_sources(),
                     [key for kind, key in captured.mutations.values() if kind == "user"],
                     from_one=captured.from_one,
+                    shape_guards=program.shape_guards,
                 )
         except GuardBuildError as e:
             self._capture_failed = f"cannot guard the exported program: {e}"
@@ -364,7 +419,8 @@ class CompiledFunction:
             ", ".join(guards.dynamic_dims) or "none (every dim static)",
         )
         guards_log.info("guards of entry %d of %s:\n%s", index, self._name(), guards.format())
-        entry = Entry(guards, spec, program, specialized_dims(dims, captured.user_vals, names))
+        specialized = specialized_dims(dims, captured.user_vals, names)
+        entry = Entry(guards, spec, program, specialized, names, _inputs_record(flat, captured.user_vals))
         self.entries.append(entry)
         if perf_log.isEnabledFor(logging.INFO) or self._dump_root():
             report = build_report(entry, guards.check(flat) or ())
@@ -383,9 +439,9 @@ class CompiledFunction:
         path = dump.folder_for(self._dump_root(), self._name(), index)
         files = {
             "01_core_aten.txt": dump.stage_header("run_decompositions (core ATen)", t.get("decompose"))
-            + readable(captured.graph_module),
+            + readable(captured.full_graph_module),
             **program.dumped(),
-            "03_regions.dot": dump.regions_dot(captured.graph_module, program.steps),
+            "03_regions.dot": dump.regions_dot(captured.full_graph_module, program.steps),
             "guards.txt": dump.stage_header("guards (guards/builder.py)", t.get("guards"))
             + entry.guards.format()
             + "\n\n"
@@ -406,7 +462,7 @@ class CompiledFunction:
             "%s: eager fallback from now on: %s", self._name(), getattr(self, "_capture_failed", "")
         )
         stats.COUNTERS["eager_runs"] += 1
-        result = self.model(*args, **kwargs)  # a forward that raises raises its own error, unwarned
+        result = self._eager(args, kwargs)  # a forward that raises raises its own error, unwarned
         reason = getattr(self, "_capture_failed", "capture failed")
         log.warning("gjit could not capture %s, running it eagerly: %s", self._name(), reason.splitlines()[0])
         # the model ran fine eagerly, so capture itself is the problem: stop retrying it, unless
@@ -415,7 +471,17 @@ class CompiledFunction:
             self.eager_reason = reason
         return result
 
+    def _eager(self, args: tuple, kwargs: dict) -> Any:
+        if self.model is None:  # a package loaded with its own weights: there is no model to run
+            raise RuntimeError(
+                f"{self._name()} (loaded from {self.package.path} without its model) cannot run this call "
+                "eagerly (it needs autograd, or no entry can run it); load the package with model=..."
+            )
+        return self.model(*args, **kwargs)
+
     def _name(self) -> str:
+        if self.model is None and self.package is not None:
+            return self.package.name
         if isinstance(self.model, torch.nn.Module):
             return f"{type(self.model).__qualname__}.forward"
         return getattr(self.model, "__qualname__", type(self.model).__name__)

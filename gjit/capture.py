@@ -27,7 +27,8 @@ try:  # how export marks an int input dynamic (ShapesCollection's docstring); ab
 except ImportError:
     _IntWrapper = None
 
-from gjit import kv_cache, logs
+from gjit import kv_cache, logs, stats
+from gjit.in_place import write_in_place
 from gjit.kv_cache import CacheAliases
 from gjit.stats import timed
 
@@ -37,6 +38,10 @@ graph_log = logs.logger("graph")
 
 class CaptureError(RuntimeError):
     """torch.export could not capture the model; the caller runs it eagerly instead."""
+
+
+class DecompositionError(CaptureError):
+    """run_decompositions() failed on the exported program (the caller may retry static shapes)."""
 
 
 def as_module(model: Any) -> torch.nn.Module:
@@ -137,7 +142,7 @@ def export_model(
     timings: dict[str, float],
     aliases: CacheAliases,
     from_one: frozenset[tuple[int, int]] = frozenset(),
-) -> tuple[ExportedProgram, ExportedProgram, bool]:
+) -> tuple[ExportedProgram, bool]:
     """torch.export with the chosen dims as Dim.AUTO (export specializes what it must), the rest static.
 
     Not size-oblivious by default: export assumes a dynamic size is at least 2 (its range says so)
@@ -146,7 +151,7 @@ def export_model(
     the (flat input, dim) pairs gjit keeps dynamic from 1 (a KV cache's length,
     `kv_cache.dynamic_leaves`): when one is asked, the trace is size-oblivious, those dims get a
     floor of 1, every other dynamic dim keeps a floor of 2 (and one at an example size below 2
-    stays static). Returns (exported, decomposed, whether the trace was size-oblivious).
+    stays static). Returns (exported, whether the trace was size-oblivious).
     """
     shapes = None
     oblivious = any((i, d) in from_one for i, ranges in dims.items() for d in ranges)
@@ -178,8 +183,30 @@ def export_model(
                 exported = torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
         finally:
             hook.remove()
-        with timed("decompose", timings):
-            return exported, exported.run_decompositions(decomposition_table()), oblivious
+    stats.COUNTERS["exports"] += 1
+    return exported, oblivious
+
+
+def decompose(exported: Exported, timings: dict[str, float]) -> tuple[ExportedProgram, list[sympy.Basic]]:
+    """`run_decompositions()` to core ATen (SDPA kept whole). Returns the decomposed program and the
+    shape guards decomposition added to export's shape environment (a decomposition that branches
+    on a size): a warm start, which does not decompose, gets them from the on-disk entry."""
+    env = _shape_env(exported.user_vals)
+    oblivious = bool(exported.from_one)
+    before = len(env.guards) if env is not None else 0
+    try:  # as export traced: size-obliviously when a dim was asked from 1
+        with timed("decompose", timings), logs.quiet_torch_trace_errors(), _size_oblivious(oblivious):
+            decomposed = exported.program.run_decompositions(decomposition_table())
+    except Exception as e:
+        raise DecompositionError(f"run_decompositions failed: {type(e).__name__}: {e}") from e
+    stats.COUNTERS["decompositions"] += 1
+    added = [g.expr for g in env.guards[before:]] if env is not None else []
+    return decomposed, added
+
+
+def _shape_env(vals: list[Any]):
+    mode = torch._guards.detect_fake_mode(vals)
+    return mode.shape_env if mode is not None else None
 
 
 def _size_oblivious(on: bool):
@@ -211,7 +238,21 @@ class CapturedProgram:
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:
+        """The graph calls run (its placeholders carry values; other nodes may not, when the
+        program came from a package or the on-disk cache in its quick form)."""
         return self.program.graph_module
+
+    @property
+    def full_graph_module(self) -> torch.fx.GraphModule:
+        """The graph with every node's value (lowering, explain and the dump read them)."""
+        full = getattr(self.program, "full", None)
+        if full is None:
+            return self.program.graph_module
+        program = full()
+        if not getattr(program, "_gjit_in_place", False):  # as the served graph was
+            write_in_place(program)
+            program._gjit_in_place = True
+        return program.graph_module
 
     def state_tensor(self, kind: str, fqn: str) -> torch.Tensor:
         if kind == "constant":
@@ -291,6 +332,25 @@ def state_reader(owner: torch.nn.Module, attr: str):
     return lambda flat: getattr(owner, attr)
 
 
+@dataclasses.dataclass
+class Exported:
+    """One call as torch.export gave it, before decomposition. The on-disk cache's key is hashed
+    from it, so a warm start goes from here to the cached entry without decomposing."""
+
+    program: ExportedProgram
+    module: torch.nn.Module | None  # live parameters/buffers come from here (None: from program)
+    aliases: CacheAliases = dataclasses.field(default_factory=CacheAliases)  # returned caches that are inputs
+    # (flat input, dim) traced size-obliviously with a floor of 1 (export's range holds for them)
+    from_one: frozenset[tuple[int, int]] = frozenset()
+
+    @property
+    def user_vals(self) -> list[Any]:
+        """export's placeholder value per flat user input (FakeTensors with SymInt sizes)."""
+        vals = {n.name: n.meta.get("val") for n in self.program.graph.nodes if n.op == "placeholder"}
+        specs = self.program.graph_signature.input_specs
+        return [vals.get(s.arg.name) for s in specs if s.kind == InputKind.USER_INPUT]
+
+
 def capture(
     model: Any,
     args: tuple,
@@ -298,42 +358,40 @@ def capture(
     dims: DimRanges,
     timings: dict[str, float] | None = None,
     from_one: frozenset[tuple[int, int]] = frozenset(),
-) -> CapturedProgram:
-    """Export (unless given a program), decompose to core ATen, and record the calling convention.
+) -> Exported:
+    """Export the call (unless given a program); `decompose` and `captured_program` follow.
 
     `dims`: which input dims to export as dynamic; if export fails with them, gjit retries with
-    static shapes (a failure about types is not retried). `timings` gets "export" and "decompose".
+    static shapes (a failure about types is not retried). `timings` gets "export".
     """
     timings = {} if timings is None else timings
     program = load_program(model)
     if program is not None:
-        with timed("decompose", timings):
-            decomposed = program.run_decompositions(decomposition_table())
-        return _logged(describe(decomposed, None, program))
+        return Exported(program, None)
     module = explicit_keywords(as_module(model), args, kwargs)
     kv_cache.register([*args, *kwargs.values()], model)
     aliases = CacheAliases()
     try:
-        exported, program, oblivious = export_model(module, args, kwargs, dims, timings, aliases, from_one)
+        exported, oblivious = export_model(module, args, kwargs, dims, timings, aliases, from_one)
     except Exception as e:
         if not dims or _not_about_shapes(e):
             raise CaptureError(_explain_failure(e, args, kwargs)) from e
-        # export or its decomposition can fail with dynamic dims where static shapes work
+        # export can fail with dynamic dims where static shapes work
         log.info(
             "capture with dynamic dims failed (%s: %s); retrying with static shapes",
             type(e).__name__,
             str(e).splitlines()[0] if str(e) else "",
         )
         try:
-            exported, program, oblivious = export_model(module, args, kwargs, {}, timings, aliases)
+            exported, oblivious = export_model(module, args, kwargs, {}, timings, aliases)
         except Exception as e2:
             raise CaptureError(_explain_failure(e2, args, kwargs)) from e2
     log.info(
-        "exported %s: %d ATen nodes after decomposition",
+        "exported %s: %d ATen nodes",
         type(model).__name__
         if isinstance(model, torch.nn.Module)
         else getattr(model, "__name__", "function"),
-        len(program.graph.nodes),
+        len(exported.graph.nodes),
     )
     if aliases.unreturned:
         raise CaptureError(
@@ -341,16 +399,25 @@ def capture(
             "with use_cache=False?); a compiled call can only update a cache the model returns, so "
             "this call runs eagerly: pass use_cache=True, or no cache"
         )
-    captured = describe(program, module, exported)
-    captured.aliases = aliases
-    captured.from_one = from_one if oblivious else frozenset()
+    return Exported(exported, module, aliases, from_one if oblivious else frozenset())
+
+
+def captured_program(exported: Exported, decomposed: ExportedProgram) -> CapturedProgram:
+    """The decomposed program with its calling convention. Guards read export's placeholder values
+    (`exported.user_vals`): their shape environment holds export's own guards, also when the
+    decomposed program comes from the on-disk cache (a new shape environment without them)."""
+    captured = describe(decomposed, exported.module, exported.program)
+    captured.user_vals = exported.user_vals
+    captured.aliases = exported.aliases
+    captured.from_one = exported.from_one
     return _logged(captured)
 
 
 def _logged(captured: CapturedProgram) -> CapturedProgram:
     if graph_log.isEnabledFor(logging.DEBUG) and captured.exported is not None:
         graph_log.debug("exported graph, before decomposition:\n%s", readable(captured.exported.graph_module))
-    graph_log.info("ATen graph gjit compiles (core ATen):\n%s", readable(captured.graph_module))
+    if graph_log.isEnabledFor(logging.INFO):
+        graph_log.info("ATen graph gjit compiles (core ATen):\n%s", readable(captured.graph_module))
     return captured
 
 
@@ -404,7 +471,7 @@ def describe(
             raise CaptureError(
                 f"unsupported exported output kind {spec.kind} ({spec.arg}): gjit compiles inference graphs"
             )
-    _write_in_place(program)
+    write_in_place(program)
     return CapturedProgram(
         program=program,
         module=module,
@@ -416,69 +483,6 @@ def describe(
         user_vals=[vals.get(s.arg.name) for s in sig.input_specs if s.kind == InputKind.USER_INPUT],
         exported=exported,
     )
-
-
-# functional write through indices -> the in-place op that writes only the indexed positions
-_IN_PLACE = {
-    torch.ops.aten.index_put.default: torch.ops.aten.index_put_.default,
-    torch.ops.aten.index_copy.default: torch.ops.aten.index_copy_.default,
-}
-
-
-_METADATA_ONLY = (
-    torch.ops.aten.sym_size.int,
-    torch.ops.aten.sym_stride.int,
-    torch.ops.aten.sym_numel.default,
-)
-
-
-def _write_in_place(program: ExportedProgram) -> None:
-    """A write through indices (a static KV cache's `index_copy_`, functionalized by export into
-    `index_put`) runs in place, as in eager, when nothing else reads the tensor it writes into and
-    that tensor is either a mutated input whose new value it is, or a fresh tensor of the program
-    (the cache's zeros, allocated in the prefill). The extern then writes only the new positions,
-    where the functional form copies the whole tensor (and, for an input, copies it back: `finish`
-    skips a copy-back whose source is the target itself)."""
-    returned = list(program.graph.output_node().args[0])
-    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
-    by_target = {s.target: s.arg.name for s in program.graph_signature.input_specs if s.target is not None}
-    updates: dict[torch.fx.Node, torch.fx.Node] = {}  # new value -> the input placeholder it replaces
-    for spec, value in zip(program.graph_signature.output_specs, returned):
-        if spec.kind == OutputKind.USER_INPUT_MUTATION:
-            updates[value] = placeholders.get(spec.target)
-        elif spec.kind == OutputKind.BUFFER_MUTATION:
-            updates[value] = placeholders.get(by_target.get(spec.target))
-    for node in list(program.graph.nodes):
-        if node.op != "call_function" or node.target not in _IN_PLACE:
-            continue
-        accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
-        if node.target is torch.ops.aten.index_put.default and accumulate:
-            continue  # accumulate=True: running it twice (the GJIT_CHECK replay) would add twice
-        base = node.args[0]
-        if any(u is not node and u.target not in _METADATA_ONLY for u in base.users):
-            continue  # another reader of the old value would see the new one
-        if base in pytree.tree_leaves((node.args[1:], node.kwargs)):
-            continue  # the write reads the tensor it writes (its values or indices)
-        if base.op == "placeholder" and updates.get(node) is base:
-            kind = "its input"
-        elif _fresh(base):
-            kind = "the new tensor"
-        else:
-            continue  # an input the program does not mutate, or a view of something else
-        node.target = _IN_PLACE[node.target]
-        log.debug("%s writes into %s %s in place", node.name, kind, base.name)
-    program.graph_module.recompile()
-
-
-def _fresh(node: torch.fx.Node) -> bool:
-    """An op's result that aliases none of its arguments (a factory, an arithmetic op, a copy) and
-    that gjit does not lower as a view (`lift_fresh_copy` reads its constant in place)."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return False
-    if target in (torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.alias.default):
-        return False
-    return not any(r.alias_info is not None for r in target._schema.returns)
 
 
 def bind_call(

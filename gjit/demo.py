@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     abs3, rel3 = errors(pytree.tree_leaves(other)[0], pytree.tree_leaves(expected_other)[0])
     worst_abs = max(worst_abs, abs3)
     print(f"output 0 at x {tuple(x_other.shape)}: max abs error {abs3:.3e}, max rel error {rel3:.3e}")
-    gm = entry.program.captured.graph_module
+    gm = entry.program.captured.full_graph_module
     ops = count_graph_ops(gm)
     fx_nodes = {n.name: n for n in gm.graph.nodes}
     view_externs = [e for e in report.externs if _is_view(fx_nodes[e.node].target)]

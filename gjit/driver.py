@@ -12,7 +12,7 @@ import sympy
 import torch
 
 from gjit import ir, logs, stats
-from gjit.capture import CapturedProgram, size_hints
+from gjit.capture import CapturedProgram, Exported, captured_program, decompose, size_hints
 from gjit.codegen.common import KernelSource, kernel_name
 from gjit.codegen.generate import generate_kernel
 from gjit.config import CompileOptions, config
@@ -23,6 +23,7 @@ from gjit.guards.builder import input_symbols
 from gjit.ir import LoopGraph
 from gjit.lowering.graph import lower_graph
 from gjit.runtime import disk_cache as cache
+from gjit.runtime import program_store
 from gjit.runtime.graph import CompiledGraph
 from gjit.stats import timed
 from gjit.wrapper import WrapperWriter
@@ -30,6 +31,7 @@ from gjit.wrapper import WrapperWriter
 output_code_log = logs.logger("output_code")
 fusion_log = logs.logger("fusion")
 passes_log = logs.logger("passes")
+cache_log = logs.logger("cache")
 
 
 @dataclasses.dataclass
@@ -37,13 +39,16 @@ class CompiledProgram:
     """Everything one compile produced, kept for running, explaining and dumping.
 
     The loop IR and the schedule are kept from a cold compile; an entry loaded from the on-disk
-    cache has only kernels and wrapper, and lowers and fuses again (no codegen) when a report,
-    dump or check asks for them."""
+    cache has the decomposed graph, kernels and wrapper, and lowers and fuses again (no codegen)
+    when a report, dump or check asks for them."""
 
     captured: CapturedProgram
     graph: CompiledGraph
     timings: dict[str, float]
     _analysis: tuple[LoopGraph, list[Step]] | None = None
+    # guards decomposition added to export's shape environment, from the on-disk entry (a cold
+    # compile decomposed in that environment, so its guards already hold them)
+    shape_guards: list[sympy.Basic] = dataclasses.field(default_factory=list)
 
     @property
     def kernels(self) -> list[KernelSource]:
@@ -59,7 +64,7 @@ class CompiledProgram:
 
     def _analyze(self) -> tuple[LoopGraph, list[Step]]:
         if self._analysis is None:
-            loop_graph = lower_graph(self.captured.graph_module)
+            loop_graph = lower_graph(self.captured.full_graph_module)
             steps = fuse(loop_graph)
             regions = [s for s in steps if isinstance(s, Region)]
             for index, region in enumerate(regions):
@@ -122,27 +127,50 @@ class Passes:
 
 
 def compile_program(
-    captured: CapturedProgram, timings: dict[str, float], options: CompileOptions
+    exported: Exported, timings: dict[str, float], options: CompileOptions
 ) -> CompiledProgram:
-    """Kernels + wrapper for a captured program: from the on-disk cache when an entry with the
-    same key is there (gjit/runtime/disk_cache.py), else compiled and stored. A checked compile is
-    fresh: the per-kernel checker needs the schedule, and a check tests what codegen emits now."""
-    gm = captured.graph_module
-    symbols = input_symbols(captured.user_vals)
+    """Decomposed program, kernels and wrapper for an exported call: from the on-disk cache when an
+    entry with the same key is there (gjit/runtime/disk_cache.py; no decomposition then), else
+    decomposed, compiled and stored. A checked compile is fresh: the per-kernel checker needs the
+    schedule, and a check tests what codegen emits now."""
     key = None
     if config.cache and not options.check:
+        gm = exported.program.graph_module
         with timed("cache", timings):
-            key = cache.graph_key(gm, symbols, size_hints(gm), captured.program.range_constraints, options)
-            graph = cache.load(key, gm)
-        if graph is not None:
-            for k in graph.kernels:
-                output_code_log.info("kernel %s from the cache: %s", k.name, graph.kernel_paths[k.name])
-            return CompiledProgram(captured, graph, timings)
-    loop_graph, steps, graph = compile_graph(gm, symbols, Passes(options, timings))
+            symbols = input_symbols(exported.user_vals)
+            ranges = exported.program.range_constraints
+            key = cache.graph_key(gm, symbols, size_hints(gm), ranges, options)
+            program = cache.load(key, lambda record: _from_entry(record, exported, timings))
+        if program is not None:
+            return program
+    decomposed, shape_guards = decompose(exported, timings)
+    stored = None
+    if key is not None:
+        try:
+            # before captured_program's in-place rewrite; export's own constants are read live
+            stored = program_store.dump_program(decomposed, live=exported.program.constants)
+        except program_store.ProgramStoreError as e:
+            cache_log.info("not storing the compiled graph: %s", e)
+            key = None
+    captured = captured_program(exported, decomposed)
+    gm = captured.graph_module
+    loop_graph, steps, graph = compile_graph(gm, input_symbols(captured.user_vals), Passes(options, timings))
     if key is not None:
         with timed("cache_store", timings):
-            cache.store(key, graph)
+            cache.store(key, graph, {"program": stored, "shape_guards": shape_guards})
     return CompiledProgram(captured, graph, timings, (loop_graph, steps))
+
+
+def _from_entry(record: dict, exported: Exported, timings: dict[str, float]) -> CompiledProgram:
+    """A cached entry's program: the stored decomposed graph over the live parameters."""
+    live = exported.program
+    decomposed = program_store.load_served(record["program"], live.state_dict, live.constants)
+    captured = captured_program(exported, decomposed)
+    graph = cache.graph_from_entry(record, captured.graph_module)
+    for k in graph.kernels:
+        output_code_log.info("kernel %s from the cache: %s", k.name, graph.kernel_paths[k.name])
+    shape_guards = cache.decoded(record, "shape_guards")
+    return CompiledProgram(captured, graph, timings, shape_guards=shape_guards)
 
 
 def compile_graph(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import types
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -292,13 +293,15 @@ def build_guards(
     state: Sequence[tuple[Any, str, torch.Tensor, str]] = (),
     mutated: Sequence[int] = (),
     from_one: Collection[tuple[int, int]] = (),
+    shape_guards: Sequence[sympy.Basic] = (),
 ) -> GuardSet:
     """The guard set of one entry. `user_vals`: export's placeholder value per flat input (None:
     static, from the example); `assumptions`: (condition, why) the kernels rely on;
     `state`: (owner module, attribute, export's value, qualified name) of each parameter /
     buffer the program reads live; `mutated`: flat indices of user inputs the program writes to;
     `from_one`: (flat input, dim) pairs export traced size-obliviously from 1 (a KV cache's
-    length): their symbols are admitted from 1, every other symbol from 2."""
+    length): their symbols are admitted from 1, every other symbol from 2; `shape_guards`: guards
+    decomposition added to export's shape environment, when this one lacks them (a warm start)."""
     n = len(flat_inputs)
     user_vals = list(user_vals) if user_vals is not None else [None] * n
     b = _Builder(names)
@@ -320,7 +323,7 @@ def build_guards(
     _ranges(b, range_constraints or {}, {s for s in ones if isinstance(s, sympy.Symbol)})
     env = shape_env_of(user_vals)
     if env is not None:
-        _shape_env_guards(b, env)
+        _shape_env_guards(b, env, shape_guards)
     for cond, why in _strongest(assumptions):
         b.condition(cond, why, "kernel")
     steps = b.steps + b.late_binds + b.later
@@ -397,10 +400,12 @@ def _ranges(b: _Builder, ranges: dict, from_one: set[sympy.Symbol]) -> None:
             b.condition(expr, f"{expr} <= {upper}", "range", code=f"{pyexpr(expr)} <= {upper}")
 
 
-def _shape_env_guards(b: _Builder, env) -> None:
-    """Export's own guards (a branch on a size, a 0/1 split), in the entry's symbols."""
+def _shape_env_guards(b: _Builder, env, more: Sequence[sympy.Basic] = ()) -> None:
+    """Export's own guards (a branch on a size, a 0/1 split), in the entry's symbols; `more` are
+    decomposition's, from the on-disk entry."""
     seen = set()
-    for g in env.guards:
+    stored = [types.SimpleNamespace(expr=e, sloc="run_decompositions") for e in more]
+    for g in [*env.guards, *stored]:
         cond = env.simplify(g.expr)
         if cond == sympy.true or cond in seen:
             continue

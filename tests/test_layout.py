@@ -33,7 +33,7 @@ MAX_LINES = 600
 # "name=" names that module alone (the package `gjit` itself, not everything in it).
 LAYERS = [
     ("base", ["gjit.config", "gjit.logs", "gjit.stats"]),
-    ("capture", ["gjit.kv_cache", "gjit.capture"]),
+    ("capture", ["gjit.kv_cache", "gjit.in_place", "gjit.capture"]),
     ("ir", ["gjit.ir"]),
     ("lowering", ["gjit.lowering"]),
     ("fusion", ["gjit.fusion"]),
@@ -45,7 +45,7 @@ LAYERS = [
     ("guards", ["gjit.guards"]),
     ("debug", ["gjit.debug"]),
     ("driver", ["gjit.driver"]),
-    ("api", ["gjit.api", "gjit.backend", "gjit.aot", "gjit="]),
+    ("api", ["gjit.api", "gjit.backend", "gjit.aot", "gjit.packaging", "gjit="]),
     ("tools", ["gjit.demo", "gjit.demo_llm", "gjit.bench"]),
 ]
 

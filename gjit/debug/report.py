@@ -73,9 +73,9 @@ class Report:
 def hints_for(program: CompiledProgram, symbols: list[sympy.Symbol], sizes: tuple) -> dict:
     """Size symbol values for the byte model: this call's sizes, else export's example values,
     else UNBACKED_HINT for data-dependent sizes."""
-    hints = size_hints(program.captured.graph_module)
+    hints = size_hints(program.captured.full_graph_module)
     hints.update(zip(symbols, sizes))
-    for node in program.captured.graph_module.graph.nodes:
+    for node in program.captured.full_graph_module.graph.nodes:
         for size in getattr(node.meta.get("val"), "shape", ()):
             if isinstance(size, torch.SymInt):
                 for sym in size.node.expr.free_symbols:

@@ -1,15 +1,17 @@
-"""The on-disk compile cache: a second process compiling the same graph skips lowering, fusion,
-codegen and kernel compilation (what remains is capture and guards).
+"""The on-disk compile cache: a second process compiling the same graph skips decomposition,
+lowering, fusion, codegen and kernel compilation (what remains is export and guards).
 
 An entry is one JSON file named by its key, the sha256 of everything that changes generated
-code: the decomposed graph (ops, arguments, every node's sizes, strides, dtype, device and
-user source line), the example sizes codegen chooses by, export's ranges, the config knobs
+code: the exported graph, before decomposition (ops, arguments, every node's sizes, strides, dtype,
+device and user source line), the example sizes codegen chooses by, export's ranges, the config knobs
 that reach codegen, and the versions of gjit (a hash of its sources), torch, triton and Python.
 A changed model, config or install is a different key, never a stale hit.
 
-The entry holds the wrapper and kernel sources and the kernels' launch metadata; sympy
-expressions are stored as JSON trees rebuilt from a fixed table of classes, so loading
-evaluates and unpickles nothing. The first line is the sha256 of the rest: a truncated or
+The entry holds the decomposed program (gjit/runtime/program_store.py), the shape guards
+decomposition added, the wrapper and kernel sources and the kernels' launch metadata; sympy
+expressions are stored as JSON trees rebuilt from a fixed table of classes; loading unpickles
+nothing and evaluates only the program's size expressions, checked first to be calls of sympy's
+functions over literals. The first line is the sha256 of the rest: a truncated or
 edited entry is logged under `cache` and recompiled. Writes are atomic (temp file + rename),
 so two processes compiling one model at once both succeed and agree. Kernel files stay
 content-addressed (runtime.write_source): identical regions of two models or two entries
@@ -25,7 +27,8 @@ import importlib
 import json
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import sympy
 import torch
@@ -40,7 +43,8 @@ from gjit.runtime.graph import CompiledGraph
 
 cache_log = logs.logger("cache")
 
-FORMAT = 1  # bump when the entry layout changes
+FORMAT = 2  # bump when the entry layout changes
+T = TypeVar("T")
 
 
 class CacheError(Exception):
@@ -264,9 +268,9 @@ def entry_path(key: str) -> str:
     return os.path.join(config.cache_dir, "graphs", key[:2], f"{key}.json")
 
 
-def load(key: str, gm: torch.fx.GraphModule) -> CompiledGraph | None:
-    """The cached compile of `gm`, its kernel files rewritten where missing or damaged; None on
-    a miss or an entry that cannot be trusted (logged, then recompiled and overwritten)."""
+def load(key: str, build: Callable[[dict], T]) -> T | None:
+    """`build(record)` of the cached entry (its checksum and key verified); None on a miss or on an
+    entry that cannot be trusted or does not build (logged, then recompiled and overwritten)."""
     path = entry_path(key)
     if not os.path.exists(path):
         cache_log.info("on-disk miss: no compiled graph %s", path)
@@ -281,14 +285,20 @@ def load(key: str, gm: torch.fx.GraphModule) -> CompiledGraph | None:
         record = json.loads(body)
         if record.get("key") != key or record.get("format") != FORMAT:
             raise CacheError("the entry is for another key or format")
-        graph = graph_from_record(record["graph"], gm)
-        write_graph(graph)
+        result = build(record)
     except Exception as e:  # any damage means recompile, never a crash or a wrong answer
         cache_log.warning("gjit: ignoring the damaged cache entry %s (%s); recompiling", path, e)
         stats.COUNTERS["disk_cache_errors"] += 1
         return None
-    cache_log.info("on-disk hit: compiled graph %s (%d kernels)", path, len(graph.kernels))
+    cache_log.info("on-disk hit: compiled graph %s", path)
     stats.COUNTERS["disk_cache_hits"] += 1
+    return result
+
+
+def graph_from_entry(record: dict, gm: torch.fx.GraphModule) -> CompiledGraph:
+    """The entry's kernels and wrapper over `gm`, their files rewritten where missing or damaged."""
+    graph = graph_from_record(record["graph"], gm)
+    write_graph(graph)
     return graph
 
 
@@ -298,14 +308,22 @@ def write_graph(graph: CompiledGraph) -> None:
         write_graph(sub)
 
 
-def store(key: str, graph: CompiledGraph) -> None:
-    """Write the entry atomically; a failure is logged and costs only the next warm start."""
+def store(key: str, graph: CompiledGraph, extra: dict | None = None) -> None:
+    """Write the entry atomically: the graph's record and `extra` (JSON, sympy values encoded);
+    a failure is logged and costs only the next warm start."""
     path = entry_path(key)
     try:
-        body = json.dumps({"format": FORMAT, "key": key, "graph": graph_record(graph)}, sort_keys=True)
+        record = {"format": FORMAT, "key": key, "graph": graph_record(graph)}
+        record |= {name: _encode(value) for name, value in (extra or {}).items()}
+        body = json.dumps(record, sort_keys=True)
         text = hashlib.sha256(body.encode()).hexdigest() + "\n" + body
         atomic_write(path, text)
     except (OSError, CacheError) as e:
         cache_log.warning("gjit: could not write the cache entry %s (%s)", path, e)
         return
     cache_log.info("on-disk store: compiled graph written to %s", path)
+
+
+def decoded(record: dict, name: str) -> Any:
+    """A field `store` wrote from `extra`, sympy values rebuilt."""
+    return _decode(record[name])

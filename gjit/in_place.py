@@ -1,0 +1,98 @@
+"""Writes through indices run in place, as in eager, where that is safe.
+
+A static KV cache's `index_copy_` is functionalized by export into `index_put` plus a copy of the
+whole cache back into the input; `write_in_place` turns it back into `index_put_` on the caller's
+buffer when nothing else reads the old value. `as_functional` undoes that for the span of a
+`torch.export` serialization (the serializer stores the program as decomposition left it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.utils._pytree as pytree
+from torch.export import ExportedProgram
+from torch.export.graph_signature import OutputKind
+
+from gjit import logs
+
+log = logs.logger("capture")
+
+
+# functional write through indices -> the in-place op that writes only the indexed positions
+_IN_PLACE = {
+    torch.ops.aten.index_put.default: torch.ops.aten.index_put_.default,
+    torch.ops.aten.index_copy.default: torch.ops.aten.index_copy_.default,
+}
+
+
+_METADATA_ONLY = (
+    torch.ops.aten.sym_size.int,
+    torch.ops.aten.sym_stride.int,
+    torch.ops.aten.sym_numel.default,
+)
+
+
+def write_in_place(program: ExportedProgram) -> None:
+    """A write through indices (a static KV cache's `index_copy_`, functionalized by export into
+    `index_put`) runs in place, as in eager, when nothing else reads the tensor it writes into and
+    that tensor is either a mutated input whose new value it is, or a fresh tensor of the program
+    (the cache's zeros, allocated in the prefill). The extern then writes only the new positions,
+    where the functional form copies the whole tensor (and, for an input, copies it back: `finish`
+    skips a copy-back whose source is the target itself)."""
+    returned = list(program.graph.output_node().args[0])
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    by_target = {s.target: s.arg.name for s in program.graph_signature.input_specs if s.target is not None}
+    updates: dict[torch.fx.Node, torch.fx.Node] = {}  # new value -> the input placeholder it replaces
+    for spec, value in zip(program.graph_signature.output_specs, returned):
+        if spec.kind == OutputKind.USER_INPUT_MUTATION:
+            updates[value] = placeholders.get(spec.target)
+        elif spec.kind == OutputKind.BUFFER_MUTATION:
+            updates[value] = placeholders.get(by_target.get(spec.target))
+    for node in list(program.graph.nodes):
+        if node.op != "call_function" or node.target not in _IN_PLACE:
+            continue
+        accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+        if node.target is torch.ops.aten.index_put.default and accumulate:
+            continue  # accumulate=True: running it twice (the GJIT_CHECK replay) would add twice
+        base = node.args[0]
+        if any(u is not node and u.target not in _METADATA_ONLY for u in base.users):
+            continue  # another reader of the old value would see the new one
+        if base in pytree.tree_leaves((node.args[1:], node.kwargs)):
+            continue  # the write reads the tensor it writes (its values or indices)
+        if base.op == "placeholder" and updates.get(node) is base:
+            kind = "its input"
+        elif _fresh(base):
+            kind = "the new tensor"
+        else:
+            continue  # an input the program does not mutate, or a view of something else
+        node.target = _IN_PLACE[node.target]
+        log.debug("%s writes into %s %s in place", node.name, kind, base.name)
+    program.graph_module.recompile()
+
+
+@contextlib.contextmanager
+def as_functional(program: ExportedProgram):
+    """Within the block, the writes `write_in_place` made in place are functional again: the
+    program as decomposition left it (what torch.export's serializer stores)."""
+    functional = {v: k for k, v in _IN_PLACE.items()}
+    changed = [n for n in program.graph.nodes if n.op == "call_function" and n.target in functional]
+    for node in changed:
+        node.target = functional[node.target]
+    try:
+        yield program
+    finally:
+        for node in changed:
+            node.target = _IN_PLACE[node.target]
+
+
+def _fresh(node: torch.fx.Node) -> bool:
+    """An op's result that aliases none of its arguments (a factory, an arithmetic op, a copy) and
+    that gjit does not lower as a view (`lift_fresh_copy` reads its constant in place)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target in (torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.alias.default):
+        return False
+    return not any(r.alias_info is not None for r in target._schema.returns)
