@@ -5,6 +5,7 @@ out = cm(x, y)
 print(gjit.explain(cm, x, y)) # kernels, externs, guards
 gjit.mark_dynamic(x, 0, min=2, max=64)  # before the first call: dim 0 of x dynamic in [2, 64]
 gjit.stats(); gjit.reset()
+gjit.save(cm, "model.gjit"); fn = gjit.load("model.gjit", model=model)  # no export in a new process
 """
 
 from gjit import api as _api
@@ -16,6 +17,8 @@ from gjit.config import config
 from gjit.debug.report import Report
 from gjit.guards import mark_dynamic
 from gjit.logs import set_logs
+from gjit.packaging import load, save
+from gjit.runtime.package import PackageError
 
 __version__ = "0.1.0"
 
@@ -34,14 +37,17 @@ def reset() -> None:
 
 __all__ = [
     "CompiledFunction",
+    "PackageError",
     "RecompileError",
     "Report",
     "aot",
     "compile",
     "config",
     "explain",
+    "load",
     "mark_dynamic",
     "reset",
+    "save",
     "set_logs",
     "stats",
 ]

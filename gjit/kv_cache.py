@@ -82,6 +82,16 @@ def register(values: Any = (), model: Any = None) -> bool:
     carried = [v for v in values if type(v).__name__.endswith("Cache")]
     if not carried and not type(owner).__module__.startswith("transformers."):
         return False
+    return _register_classes(base, carried)
+
+
+def register_all() -> bool:
+    """Every transformers cache class (a loaded package whose calls carry caches)."""
+    base = _cache_base()
+    return base is not None and _register_classes(base, [])
+
+
+def _register_classes(base: type, carried: list[Any]) -> bool:
     classes = [base, *_subclasses(base)]
     for value in carried:
         cls = type(value)

@@ -1,0 +1,359 @@
+"""gjit.save / gjit.load: a compiled model as one package a fresh process serves calls from, with no
+export, decomposition, lowering or codegen.
+
+An entry of the package holds what serving needs: the decomposed program (torch.export's own
+serializer, gjit/runtime/program_store.py: the eager fallback runs it on CPU, explain lowers it
+again), the kernels and the wrapper, the call's pytree structure, and what rebuilds its guards
+(export's placeholder values come back with the program; the shape guards export and
+decomposition recorded, the specialized scalars and the input names are stored). The archive
+format and its checks are gjit/runtime/package.py's.
+
+Parameters and buffers come from the live model given to `load` (checked against the manifest)
+or from the package's safetensors weights (`save(..., weights=True)`, then `load(path)`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from gjit import kv_cache, logs, stats
+from gjit.api import CompiledFunction, Entry, Package
+from gjit.capture import CapturedProgram, Exported, captured_program
+from gjit.driver import CompiledProgram
+from gjit.guards import build_guards
+from gjit.guards.builder import shape_env_of
+from gjit.in_place import as_functional
+from gjit.runtime import disk_cache, package, program_store
+from gjit.runtime.package import PackageError
+
+log = logs.logger("cache")
+
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def save(compiled: CompiledFunction, path: str, *, weights: bool = False) -> None:
+    """Write every entry of `compiled` (call it first: entries are made by calls) to one package at
+    `path`. weights=True also stores the parameters and buffers the entries read (safetensors), so
+    `gjit.load(path)` needs no model."""
+    if not isinstance(compiled, CompiledFunction):
+        raise TypeError(f"gjit.save expects what gjit.compile returned, got {type(compiled).__name__}")
+    if not compiled.entries:
+        raise PackageError(
+            f"{compiled._name()} has no compiled entry to save: call it (with the inputs to serve) first"
+        )
+    records = [_entry_record(compiled, e, k) for k, e in enumerate(compiled.entries)]
+    members = {f"entries/{k}.json": json.dumps(r, sort_keys=True).encode() for k, r in enumerate(records)}
+    state = _state_of(compiled)
+    manifest = {
+        "model": _model_name(compiled.model),
+        "name": compiled._name(),
+        "entries": len(records),
+        "state": {fqn: _describe_tensor(t) for fqn, t in state.items()},
+        "weights": weights,
+        "signature": _signature_record(compiled.signature),
+    }
+    if weights:
+        members["weights.safetensors"], manifest["weight_aliases"] = _weights_bytes(state)
+    package.write(path, manifest, members)
+    log.info("saved %d entries of %s to %s", len(records), compiled._name(), path)
+
+
+def load(path: str, model: Any = None, *, recompile: bool = False) -> CompiledFunction:
+    """A callable serving the package's entries. `model`: the live module whose parameters and
+    buffers the entries read (checked against the manifest); without it, the package's own weights.
+    A call no entry admits raises gjit.RecompileError naming the guard that failed, or, with
+    `recompile=True` and a model, compiles a new entry as gjit.compile would."""
+    timings: dict[str, float] = {}
+    with stats.timed("package_read", timings):
+        manifest, members = package.read(path)
+    if model is None and not manifest["weights"]:
+        raise PackageError(
+            f"{path} was saved without weights: pass the model (gjit.load(path, model=...)), or save "
+            "the package with gjit.save(compiled, path, weights=True)"
+        )
+    if recompile and model is None:
+        raise ValueError("gjit.load(recompile=True) needs the model, to export it")
+    if model is not None:
+        _check_model(path, manifest, model)
+        state = _model_state(model)
+    else:
+        aliases = manifest.get("weight_aliases", {})
+        state = _weights_from_bytes(members["weights.safetensors"], manifest["state"], aliases)
+    records = [json.loads(members[f"entries/{k}.json"]) for k in range(manifest["entries"])]
+    if model is not None:
+        kv_cache.register(model=model)
+    if any("transformers." in r["spec"] for r in records):
+        kv_cache.register_all()
+    compiled = CompiledFunction(model)
+    if model is None:
+        compiled.set_signature(_signature_from_record(manifest["signature"]))
+    compiled.package = Package(str(path), manifest["name"], recompile)
+    for record in records:
+        compiled.add_packaged(_entry_from_record(record, model, state, dict(timings)))
+    stats.COUNTERS["package_loads"] += 1
+    log.info("loaded %d entries of %s from %s", len(records), manifest["name"], path)
+    return compiled
+
+
+# ----------------------------------------------------------------------------------------------
+# Entries <-> records
+# ----------------------------------------------------------------------------------------------
+
+
+def _entry_record(compiled: CompiledFunction, entry: Entry, index: int) -> dict:
+    program, captured = entry.program, entry.program.captured
+    with as_functional(captured.program):
+        try:
+            stored = program_store.dump_program(captured.program)
+        except program_store.ProgramStoreError as e:
+            raise PackageError(f"entry {index} cannot be packaged: {e}") from e
+    env = shape_env_of(captured.user_vals)
+    shape_guards = [env.simplify(g.expr) for g in env.guards] if env is not None else []
+    try:
+        spec = pytree.treespec_dumps(entry.spec)
+    except Exception as e:  # a type in the call without a serialized name
+        raise PackageError(f"entry {index} cannot be packaged: its call's structure: {e}") from e
+    return {
+        "program": stored,
+        "graph": disk_cache.graph_record(program.graph),
+        "spec": spec,
+        "names": entry.names,
+        "inputs": _inputs_record(entry, index),
+        "state_prefix": _state_prefix(compiled, captured),
+        "shape_guards": disk_cache._encode([*shape_guards, *program.shape_guards]),
+        "from_one": sorted(list(p) for p in captured.from_one),
+        "cache_aliases": [[_path_record(a), _path_record(b)] for a, b in captured.aliases.pairs],
+    }
+
+
+def _state_prefix(compiled: CompiledFunction, captured: CapturedProgram) -> str:
+    """How the program names the model's state: "" (the model itself was exported) or "model."
+    (a module gjit made to hold it: a bound method, or a call with keywords the forward takes
+    through **kwargs)."""
+    owner = getattr(compiled.model, "__self__", compiled.model)
+    if captured.module is None or captured.module is owner:
+        return ""
+    if getattr(captured.module, "_modules", {}).get("model") is owner:
+        return "model."
+    return ""
+
+
+def _holder(model: Any, prefix: str) -> torch.nn.Module | None:
+    """The module a loaded entry reads live state from, named as its program names it."""
+    owner = getattr(model, "__self__", model)
+    if not isinstance(owner, torch.nn.Module):
+        return None
+    if not prefix:
+        return owner
+    holder = torch.nn.Module()
+    holder.add_module(prefix.rstrip("."), owner)
+    return holder
+
+
+def _inputs_record(entry: Entry, index: int) -> list:
+    """Per flat input: ["tensor", first index of the same tensor] | ["symint"] | ["value", v]."""
+    out = []
+    for i, (kind, value) in enumerate(entry.inputs):
+        if kind == "value" and not isinstance(value, _SCALARS):
+            raise PackageError(
+                f"entry {index} is specialized on input {entry.names[i]} = {value!r} "
+                f"({type(value).__name__}), which a package cannot store"
+            )
+        out.append([kind, value])
+    return out
+
+
+def _entry_from_record(
+    record: dict, model: Any, state: dict[str, torch.Tensor], timings: dict[str, float]
+) -> Entry:
+    prefix = record["state_prefix"]
+    with stats.timed("program", timings):
+        decomposed = program_store.load_served(record["program"], {prefix + k: v for k, v in state.items()})
+        from_one = frozenset(tuple(p) for p in record["from_one"])
+        exported = Exported(decomposed, _holder(model, prefix), kv_cache.CacheAliases(), from_one)
+        captured = captured_program(exported, decomposed)
+        captured.exported = None
+        captured.aliases.pairs = [(_path_from(a), _path_from(b)) for a, b in record["cache_aliases"]]
+        graph = disk_cache.graph_from_entry(record, captured.graph_module)
+    program = CompiledProgram(captured, graph, timings)
+    with stats.timed("guards", timings):
+        flat = _stand_ins(record["inputs"], captured.user_vals)
+        guards = build_guards(
+            flat,
+            record["names"],
+            captured.user_vals,
+            decomposed.range_constraints,
+            [a for k in graph.kernels for a in k.assumptions],
+            captured.state_sources(),
+            [key for kind, key in captured.mutations.values() if kind == "user"],
+            from_one=from_one,
+            shape_guards=disk_cache._decode(record["shape_guards"]),
+        )
+    spec = pytree.treespec_loads(record["spec"])
+    return Entry(guards, spec, program, names=record["names"], inputs=record["inputs"])
+
+
+def _stand_ins(inputs: list, user_vals: list[Any]) -> list[Any]:
+    """What build_guards reads of the example call: export's values for tensors (one object for a
+    tensor passed twice) and symbolic ints, the stored specialized values for the rest."""
+    flat: list[Any] = []
+    for i, (kind, value) in enumerate(inputs):
+        if kind == "tensor":
+            flat.append(flat[value] if value != i else user_vals[i])
+        elif kind == "symint":
+            flat.append(user_vals[i])
+        else:
+            flat.append(value)
+    return flat
+
+
+def _path_record(path: tuple) -> list:
+    out = []
+    for key in path:
+        if isinstance(key, pytree.SequenceKey):
+            out.append(["seq", key.idx])
+        elif isinstance(key, pytree.MappingKey):
+            out.append(["map", key.key])
+        elif isinstance(key, pytree.GetAttrKey):
+            out.append(["attr", key.name])
+        else:
+            raise PackageError(f"cannot store the key path entry {key!r}")
+    return out
+
+
+def _path_from(record: list) -> tuple:
+    kinds = {"seq": pytree.SequenceKey, "map": pytree.MappingKey, "attr": pytree.GetAttrKey}
+    return tuple(kinds[kind](value) for kind, value in record)
+
+
+# ----------------------------------------------------------------------------------------------
+# State: the manifest's description, the model check, weights
+# ----------------------------------------------------------------------------------------------
+
+
+def _state_of(compiled: CompiledFunction) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer the entries read, by its name in the user's model."""
+    state: dict[str, torch.Tensor] = {}
+    for entry in compiled.entries:
+        captured = entry.program.captured
+        prefix = _state_prefix(compiled, captured)
+        for kind, fqn in captured.input_sources:
+            if kind in ("param", "buffer"):
+                state[fqn.removeprefix(prefix)] = captured.state_tensor(kind, fqn)
+    return state
+
+
+def _model_state(model: Any) -> dict[str, torch.Tensor]:
+    owner = getattr(model, "__self__", model)
+    if not isinstance(owner, torch.nn.Module):
+        return {}
+    return {
+        **dict(owner.named_parameters(remove_duplicate=False)),
+        **dict(owner.named_buffers(remove_duplicate=False)),
+    }
+
+
+def _describe_tensor(t: torch.Tensor) -> dict:
+    return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+
+
+def _check_model(path: str, manifest: dict, model: Any) -> None:
+    name = _model_name(model)
+    if name != manifest["model"]:
+        raise PackageError(f"{path} was built for a {manifest['model']}, not a {name}")
+    have = {fqn: _describe_tensor(t) for fqn, t in _model_state(model).items()}
+    differ = []
+    for fqn, want in manifest["state"].items():
+        if fqn not in have:
+            differ.append(f"{fqn} is missing")
+        elif have[fqn] != want:
+            differ.append(f"{fqn} is {_text(have[fqn])}, the package's is {_text(want)}")
+    if differ:
+        more = f" (and {len(differ) - 5} more)" if len(differ) > 5 else ""
+        raise PackageError(f"the model does not match {path}: " + "; ".join(differ[:5]) + more)
+
+
+def _text(desc: dict) -> str:
+    return f"{desc['dtype']}{desc['shape']}"
+
+
+def _weights_bytes(state: dict[str, torch.Tensor]) -> tuple[bytes, dict[str, str]]:
+    """safetensors of the state, a tensor shared by two names stored once (tied embeddings), and
+    those names (name -> the stored one's)."""
+    from safetensors.torch import save
+
+    unique: dict[tuple, str] = {}
+    tensors, aliases = {}, {}
+    for fqn, t in state.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if key in unique:
+            aliases[fqn] = unique[key]
+            continue
+        unique[key] = fqn
+        tensors[fqn] = t.detach().cpu().contiguous()
+    return save(tensors), aliases
+
+
+def _weights_from_bytes(data: bytes, described: dict, aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    tensors = load(data)
+    for fqn, first in aliases.items():
+        tensors[fqn] = tensors[first]
+    for fqn, desc in described.items():
+        if fqn not in tensors or _describe_tensor(tensors[fqn]) != desc:
+            raise PackageError(f"the package's weights do not hold {fqn} as {_text(desc)}")
+    return tensors
+
+
+# ----------------------------------------------------------------------------------------------
+# The forward's signature (a package loaded without its model binds calls with it)
+# ----------------------------------------------------------------------------------------------
+
+
+def _signature_record(signature: inspect.Signature | None) -> list | None:
+    if signature is None:
+        return None
+    params = []
+    for p in signature.parameters.values():
+        default = p.default
+        if default is not inspect.Parameter.empty and not isinstance(default, _SCALARS):
+            default = {"unstored": type(default).__name__}
+        elif default is inspect.Parameter.empty:
+            default = {"required": True}
+        params.append([p.name, p.kind.name, default])
+    return params
+
+
+def _signature_from_record(record: list | None) -> inspect.Signature | None:
+    if record is None:
+        return None
+    params = []
+    for name, kind, default in record:
+        if isinstance(default, dict):
+            default = inspect.Parameter.empty if "required" in default else _Unstored(default["unstored"])
+        params.append(inspect.Parameter(name, getattr(inspect.Parameter, kind), default=default))
+    return inspect.Signature(params)
+
+
+class _Unstored:
+    """A default value the package could not store: a call that relies on it misses every entry."""
+
+    def __init__(self, type_name: str):
+        self.type_name = type_name
+
+    def __repr__(self) -> str:
+        return f"<a {self.type_name} default the package does not store>"
+
+
+def _model_name(model: Any) -> str:
+    owner = getattr(model, "__self__", model)
+    cls = type(owner) if isinstance(owner, torch.nn.Module) else None
+    if cls is None:
+        return getattr(model, "__qualname__", type(model).__name__)
+    return f"{cls.__module__}.{cls.__qualname__}"

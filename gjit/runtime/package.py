@@ -1,0 +1,89 @@
+"""The package file: one zip archive of JSON members (and safetensors weights), checked on read.
+
+    manifest.json     format, versions (gjit's source hash, torch, triton, Python), what the package
+                      was built for (model class, state names, shapes and dtypes), and the sha256 of
+                      every other member
+    entries/<k>.json  one compiled entry each (gjit/packaging.py writes and reads them)
+    weights.safetensors   parameters and buffers, when saved with weights=True
+
+Reading checks, before anything is used: the archive opens and every member's CRC holds, the
+manifest parses and is of this format, every member it lists is there with its sha256 and nothing
+else is, and the versions are this process's. Any failure is a PackageError saying what differs.
+Nothing is unpickled or evaluated here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import zipfile
+from typing import Any
+
+from gjit.codegen.toolchain.files import atomic_write
+from gjit.runtime.disk_cache import versions
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+
+
+class PackageError(Exception):
+    """A package that cannot be written, or one that is refused on load (the message says why)."""
+
+
+def write(path: str, manifest: dict, members: dict[str, bytes]) -> None:
+    """Write the archive atomically; `manifest` gets the format, versions and member hashes."""
+    manifest = {
+        **manifest,
+        "format": FORMAT,
+        "versions": versions(),
+        "members": {name: hashlib.sha256(data).hexdigest() for name, data in sorted(members.items())},
+    }
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1) as archive:
+        archive.writestr(MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+        for name, data in sorted(members.items()):
+            archive.writestr(name, data)
+    atomic_write(os.path.abspath(os.fspath(path)), buffer.getvalue())
+
+
+def read(path: str) -> tuple[dict, dict[str, bytes]]:
+    """(manifest, members) of a package that passed every check above."""
+    try:
+        with zipfile.ZipFile(os.fspath(path)) as archive:
+            names = archive.namelist()
+            data = {name: archive.read(name) for name in names}  # checks each member's CRC
+    except FileNotFoundError:
+        raise
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        raise PackageError(f"{path} is not a readable gjit package ({type(e).__name__}: {e})") from e
+    if MANIFEST not in data:
+        raise PackageError(f"{path} has no {MANIFEST}: not a gjit package")
+    try:
+        manifest = json.loads(data.pop(MANIFEST))
+    except ValueError as e:
+        raise PackageError(f"{path}: the manifest does not parse ({e})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise PackageError(f"{path} is package format {found!r}; this gjit reads format {FORMAT}")
+    _check_versions(path, manifest.get("versions", {}))
+    listed = manifest.get("members", {})
+    if set(listed) != set(data):
+        missing, extra = sorted(set(listed) - set(data)), sorted(set(data) - set(listed))
+        raise PackageError(f"{path} is damaged: members missing {missing}, unexpected {extra}")
+    for name, digest in listed.items():
+        if hashlib.sha256(data[name]).hexdigest() != digest:
+            raise PackageError(f"{path} is damaged: {name} does not match its sha256 in the manifest")
+    return manifest, data
+
+
+def _check_versions(path: str, built: dict[str, Any]) -> None:
+    here = versions()
+    differ = [f"{k} {built.get(k)!r} (this process: {v!r})" for k, v in here.items() if built.get(k) != v]
+    if differ:
+        what = "; ".join(d if not d.startswith("gjit ") else "gjit's sources differ" for d in differ)
+        raise PackageError(
+            f"{path} was built by another version: {what}. Compile the model again (gjit.compile) "
+            "and save a new package with this version."
+        )
