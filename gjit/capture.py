@@ -179,7 +179,7 @@ def export_model(
     hook = aliases.recording(module)
     with logs.quiet_torch_trace_errors(), _size_oblivious(oblivious):
         try:
-            with timed("export", timings), logs.torch_dynamic_logs():
+            with timed("export", timings), logs.torch_dynamic_logs(), _no_fake_tensor_cache():
                 exported = torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
         finally:
             hook.remove()
@@ -207,6 +207,13 @@ def decompose(exported: Exported, timings: dict[str, float]) -> tuple[ExportedPr
 def _shape_env(vals: list[Any]):
     mode = torch._guards.detect_fake_mode(vals)
     return mode.shape_env if mode is not None else None
+
+
+def _no_fake_tensor_cache():
+    """Export without FakeTensorMode's dispatch cache: one trace hits it too rarely to pay for
+    rebuilding each hit's symbolic sizes (a tiny Llama's export: 1.4 s with it, 0.9 s without, in
+    a fresh process). The cache only memoizes; the graph is the same either way."""
+    return torch._dynamo.config.patch(fake_tensor_cache_enabled=False)
 
 
 def _size_oblivious(on: bool):
