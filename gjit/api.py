@@ -406,6 +406,7 @@ class CompiledFunction:
                     [key for kind, key in captured.mutations.values() if kind == "user"],
                     from_one=captured.from_one,
                     shape_guards=program.shape_guards,
+                    returns=program.symbols,
                 )
         except GuardBuildError as e:
             self._capture_failed = f"cannot guard the exported program: {e}"

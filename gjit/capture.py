@@ -204,6 +204,12 @@ def decompose(exported: Exported, timings: dict[str, float]) -> tuple[ExportedPr
     return decomposed, added
 
 
+def shape_guard_texts(vals: list[Any]) -> list[str]:
+    """The guards in the shape environment of these placeholder values, as text."""
+    env = _shape_env(vals)
+    return [str(env.simplify(g.expr)) for g in env.guards] if env is not None else []
+
+
 def _shape_env(vals: list[Any]):
     mode = torch._guards.detect_fake_mode(vals)
     return mode.shape_env if mode is not None else None
@@ -264,8 +270,9 @@ class CapturedProgram:
     def state_tensor(self, kind: str, fqn: str) -> torch.Tensor:
         if kind == "constant":
             return self.program.constants[fqn]
-        if self.module is None:
-            return self.program.state_dict[fqn]
+        if self.module is None:  # a non-persistent buffer is one of the program's constants
+            table = self.program.state_dict if fqn in self.program.state_dict else self.program.constants
+            return table[fqn]
         owner, _, attr = fqn.rpartition(".")
         return getattr(self.module.get_submodule(owner), attr)
 
@@ -414,6 +421,8 @@ def captured_program(exported: Exported, decomposed: ExportedProgram) -> Capture
     (`exported.user_vals`): their shape environment holds export's own guards, also when the
     decomposed program comes from the on-disk cache (a new shape environment without them)."""
     captured = describe(decomposed, exported.module, exported.program)
+    captured.in_spec = exported.program.call_spec.in_spec  # the live export's, as the key covers
+    captured.out_spec = exported.program.call_spec.out_spec
     captured.user_vals = exported.user_vals
     captured.aliases = exported.aliases
     captured.from_one = exported.from_one

@@ -12,7 +12,14 @@ import sympy
 import torch
 
 from gjit import ir, logs, stats
-from gjit.capture import CapturedProgram, Exported, captured_program, decompose, size_hints
+from gjit.capture import (
+    CapturedProgram,
+    Exported,
+    captured_program,
+    decompose,
+    shape_guard_texts,
+    size_hints,
+)
 from gjit.codegen.common import KernelSource, kernel_name
 from gjit.codegen.generate import generate_kernel
 from gjit.config import CompileOptions, config
@@ -49,6 +56,8 @@ class CompiledProgram:
     # guards decomposition added to export's shape environment, from the on-disk entry (a cold
     # compile decomposed in that environment, so its guards already hold them)
     shape_guards: list[sympy.Basic] = dataclasses.field(default_factory=list)
+    # the sizes the wrapper takes, in order (the guard returns them)
+    symbols: list[sympy.Symbol] = dataclasses.field(default_factory=list)
 
     @property
     def kernels(self) -> list[KernelSource]:
@@ -139,7 +148,8 @@ def compile_program(
         with timed("cache", timings):
             symbols = input_symbols(exported.user_vals)
             ranges = exported.program.range_constraints
-            key = cache.graph_key(gm, symbols, size_hints(gm), ranges, options)
+            guards = shape_guard_texts(exported.user_vals)
+            key = cache.graph_key(gm, symbols, size_hints(gm), ranges, options, exported.program, guards)
             program = cache.load(key, lambda record: _from_entry(record, exported, timings))
         if program is not None:
             return program
@@ -154,11 +164,13 @@ def compile_program(
             key = None
     captured = captured_program(exported, decomposed)
     gm = captured.graph_module
-    loop_graph, steps, graph = compile_graph(gm, input_symbols(captured.user_vals), Passes(options, timings))
+    symbols = input_symbols(captured.user_vals)  # after decomposition's replacements
+    loop_graph, steps, graph = compile_graph(gm, symbols, Passes(options, timings))
     if key is not None:
         with timed("cache_store", timings):
-            cache.store(key, graph, {"program": stored, "shape_guards": shape_guards})
-    return CompiledProgram(captured, graph, timings, (loop_graph, steps))
+            extra = {"program": stored, "shape_guards": shape_guards, "symbols": symbols}
+            cache.store(key, graph, extra)
+    return CompiledProgram(captured, graph, timings, (loop_graph, steps), symbols=symbols)
 
 
 def _from_entry(record: dict, exported: Exported, timings: dict[str, float]) -> CompiledProgram:
@@ -170,7 +182,12 @@ def _from_entry(record: dict, exported: Exported, timings: dict[str, float]) -> 
     for k in graph.kernels:
         output_code_log.info("kernel %s from the cache: %s", k.name, graph.kernel_paths[k.name])
     shape_guards = cache.decoded(record, "shape_guards")
-    return CompiledProgram(captured, graph, timings, shape_guards=shape_guards)
+    symbols = cache.decoded(record, "symbols")
+    bound = set(input_symbols(captured.user_vals))
+    unbound = {s for e in [*symbols, *shape_guards] for s in sympy.sympify(e).free_symbols} - bound
+    if unbound:  # decomposition replaced a symbol this export's guards do not bind
+        raise cache.CacheError(f"the entry uses size symbols {sorted(map(str, unbound))} no input binds")
+    return CompiledProgram(captured, graph, timings, shape_guards=shape_guards, symbols=symbols)
 
 
 def compile_graph(

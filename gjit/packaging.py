@@ -22,7 +22,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from gjit import kv_cache, logs, stats
-from gjit.api import CompiledFunction, Entry, Package
+from gjit.api import CompiledFunction, Entry, Package, RecompileError
 from gjit.capture import CapturedProgram, Exported, captured_program
 from gjit.driver import CompiledProgram
 from gjit.guards import build_guards
@@ -54,11 +54,13 @@ def save(compiled: CompiledFunction, path: str, *, weights: bool = False) -> Non
         "name": compiled._name(),
         "entries": len(records),
         "state": {fqn: _describe_tensor(t) for fqn, t in state.items()},
+        "tied": _tied(_model_state(compiled.model), state),
+        "config": _config_of(compiled.model),
         "weights": weights,
         "signature": _signature_record(compiled.signature),
     }
     if weights:
-        members["weights.safetensors"], manifest["weight_aliases"] = _weights_bytes(state)
+        members["weights.safetensors"] = _weights_bytes(state, _tied(state, state))
     package.write(path, manifest, members)
     log.info("saved %d entries of %s to %s", len(records), compiled._name(), path)
 
@@ -67,23 +69,37 @@ def load(path: str, model: Any = None, *, recompile: bool = False) -> CompiledFu
     """A callable serving the package's entries. `model`: the live module whose parameters and
     buffers the entries read (checked against the manifest); without it, the package's own weights.
     A call no entry admits raises gjit.RecompileError naming the guard that failed, or, with
-    `recompile=True` and a model, compiles a new entry as gjit.compile would."""
+    `recompile=True` and a model, compiles a new entry as gjit.compile would.
+
+    A package holds code (the generated wrapper and kernels, which loading imports): load only
+    packages you trust, as with torch.load(weights_only=False). The checks find damage and
+    mismatches, not tampering."""
+    if recompile and model is None:
+        raise ValueError("gjit.load(recompile=True) needs the model, to export it")
     timings: dict[str, float] = {}
     with stats.timed("package_read", timings):
         manifest, members = package.read(path)
+    try:
+        return _load(path, manifest, members, model, recompile, timings)
+    except (PackageError, RecompileError):
+        raise
+    except Exception as e:  # a package that passed the archive checks but does not load: refuse it
+        raise PackageError(f"{path} cannot be loaded: {type(e).__name__}: {e}") from e
+
+
+def _load(
+    path: str, manifest: dict, members: dict, model: Any, recompile: bool, timings: dict
+) -> CompiledFunction:
     if model is None and not manifest["weights"]:
         raise PackageError(
             f"{path} was saved without weights: pass the model (gjit.load(path, model=...)), or save "
             "the package with gjit.save(compiled, path, weights=True)"
         )
-    if recompile and model is None:
-        raise ValueError("gjit.load(recompile=True) needs the model, to export it")
     if model is not None:
         _check_model(path, manifest, model)
         state = _model_state(model)
     else:
-        aliases = manifest.get("weight_aliases", {})
-        state = _weights_from_bytes(members["weights.safetensors"], manifest["state"], aliases)
+        state = _weights_from_bytes(members["weights.safetensors"], manifest["state"])
     records = [json.loads(members[f"entries/{k}.json"]) for k in range(manifest["entries"])]
     if model is not None:
         kv_cache.register(model=model)
@@ -107,25 +123,34 @@ def load(path: str, model: Any = None, *, recompile: bool = False) -> CompiledFu
 
 def _entry_record(compiled: CompiledFunction, entry: Entry, index: int) -> dict:
     program, captured = entry.program, entry.program.captured
-    with as_functional(captured.program):
-        try:
-            stored = program_store.dump_program(captured.program)
-        except program_store.ProgramStoreError as e:
-            raise PackageError(f"entry {index} cannot be packaged: {e}") from e
+    if isinstance(captured.program, program_store.ServedProgram):  # a warm start's or a package's
+        stored = captured.program.record
+    else:
+        with as_functional(captured.program):
+            try:
+                stored = program_store.dump_program(captured.program)
+            except program_store.ProgramStoreError as e:
+                raise PackageError(f"entry {index} cannot be packaged: {e}") from e
     env = shape_env_of(captured.user_vals)
     shape_guards = [env.simplify(g.expr) for g in env.guards] if env is not None else []
     try:
         spec = pytree.treespec_dumps(entry.spec)
     except Exception as e:  # a type in the call without a serialized name
         raise PackageError(f"entry {index} cannot be packaged: its call's structure: {e}") from e
+    try:
+        guards = disk_cache._encode([*shape_guards, *program.shape_guards])
+        symbols = disk_cache._encode(program.symbols)
+    except disk_cache.CacheError as e:
+        raise PackageError(f"entry {index} cannot be packaged: {e}") from e
     return {
         "program": stored,
+        "symbols": symbols,
         "graph": disk_cache.graph_record(program.graph),
         "spec": spec,
         "names": entry.names,
         "inputs": _inputs_record(entry, index),
         "state_prefix": _state_prefix(compiled, captured),
-        "shape_guards": disk_cache._encode([*shape_guards, *program.shape_guards]),
+        "shape_guards": guards,
         "from_one": sorted(list(p) for p in captured.from_one),
         "cache_aliases": [[_path_record(a), _path_record(b)] for a, b in captured.aliases.pairs],
     }
@@ -180,7 +205,8 @@ def _entry_from_record(
         captured.exported = None
         captured.aliases.pairs = [(_path_from(a), _path_from(b)) for a, b in record["cache_aliases"]]
         graph = disk_cache.graph_from_entry(record, captured.graph_module)
-    program = CompiledProgram(captured, graph, timings)
+    symbols = disk_cache._decode(record["symbols"])
+    program = CompiledProgram(captured, graph, timings, symbols=symbols)
     with stats.timed("guards", timings):
         flat = _stand_ins(record["inputs"], captured.user_vals)
         guards = build_guards(
@@ -193,6 +219,7 @@ def _entry_from_record(
             [key for kind, key in captured.mutations.values() if kind == "user"],
             from_one=from_one,
             shape_guards=disk_cache._decode(record["shape_guards"]),
+            returns=symbols,
         )
     spec = pytree.treespec_loads(record["spec"])
     return Entry(guards, spec, program, names=record["names"], inputs=record["inputs"])
@@ -266,49 +293,95 @@ def _check_model(path: str, manifest: dict, model: Any) -> None:
     name = _model_name(model)
     if name != manifest["model"]:
         raise PackageError(f"{path} was built for a {manifest['model']}, not a {name}")
-    have = {fqn: _describe_tensor(t) for fqn, t in _model_state(model).items()}
+    state = _model_state(model)
+    have = {fqn: _describe_tensor(t) for fqn, t in state.items()}
     differ = []
     for fqn, want in manifest["state"].items():
         if fqn not in have:
             differ.append(f"{fqn} is missing")
         elif have[fqn] != want:
             differ.append(f"{fqn} is {_text(have[fqn])}, the package's is {_text(want)}")
+    config, saved = _config_of(model), manifest["config"]
+    for key in sorted(set(config or {}) | set(saved or {})):
+        if (config or {}).get(key) != (saved or {}).get(key):
+            differ.append(
+                f"config.{key} is {(config or {}).get(key)!r}, the package's is {(saved or {}).get(key)!r}"
+            )
+    tied = _tied(state, manifest["state"])
+    if tied != manifest["tied"]:
+        differ.append(f"its tied parameters are {tied}, the package's are {manifest['tied']}")
     if differ:
         more = f" (and {len(differ) - 5} more)" if len(differ) > 5 else ""
         raise PackageError(f"the model does not match {path}: " + "; ".join(differ[:5]) + more)
+
+
+def _config_of(model: Any) -> dict | None:
+    """A transformers model's config as JSON (what shapes cannot show: heads, eps, rope, ...)."""
+    owner = getattr(model, "__self__", model)
+    config = getattr(owner, "config", None)
+    to_dict = getattr(config, "to_dict", None)
+    if not callable(to_dict):
+        return None
+    values = json.loads(json.dumps(to_dict(), default=repr, sort_keys=True))
+    for volatile in ("transformers_version", "_name_or_path", "_commit_hash"):
+        values.pop(volatile, None)
+    return values
+
+
+def _tied(state: dict[str, torch.Tensor], read: Any) -> list[list[str]]:
+    """Groups of names that are one tensor (tied embeddings) among `state`, those with a name in
+    `read` (the entries read one name of a group for all of them), each sorted, in a fixed order."""
+    groups: dict[tuple, list[str]] = {}
+    for fqn, t in state.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        groups.setdefault(key, []).append(fqn)
+    return sorted(sorted(g) for g in groups.values() if len(g) > 1 and any(f in read for f in g))
 
 
 def _text(desc: dict) -> str:
     return f"{desc['dtype']}{desc['shape']}"
 
 
-def _weights_bytes(state: dict[str, torch.Tensor]) -> tuple[bytes, dict[str, str]]:
-    """safetensors of the state, a tensor shared by two names stored once (tied embeddings), and
-    those names (name -> the stored one's)."""
+def _weights_bytes(state: dict[str, torch.Tensor], tied: list[list[str]]) -> bytes:
+    """safetensors of the state (a tied group stored once, under its first name); a tensor that is
+    not contiguous is stored contiguous and its strides kept in the metadata."""
     from safetensors.torch import save
 
-    unique: dict[tuple, str] = {}
-    tensors, aliases = {}, {}
+    skip = {fqn for group in tied for fqn in group[1:]}
+    tensors, strides = {}, {}
     for fqn, t in state.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-        if key in unique:
-            aliases[fqn] = unique[key]
+        if fqn in skip:
             continue
-        unique[key] = fqn
+        if not t.is_contiguous():
+            if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):
+                raise PackageError(f"{fqn} is an expanded view (a stride of 0); store it materialized")
+            strides[fqn] = list(t.stride())
         tensors[fqn] = t.detach().cpu().contiguous()
-    return save(tensors), aliases
+    metadata = {"gjit_strides": json.dumps(strides), "gjit_tied": json.dumps(tied)}
+    return save(tensors, metadata=metadata)
 
 
-def _weights_from_bytes(data: bytes, described: dict, aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+def _weights_from_bytes(data: bytes, described: dict) -> dict[str, torch.Tensor]:
     from safetensors.torch import load
 
     tensors = load(data)
-    for fqn, first in aliases.items():
-        tensors[fqn] = tensors[first]
+    strides = json.loads(_safetensors_metadata(data).get("gjit_strides", "{}"))
+    for fqn, stride in strides.items():
+        t = tensors[fqn]
+        tensors[fqn] = torch.empty_strided(t.shape, stride, dtype=t.dtype).copy_(t)
+    for group in json.loads(_safetensors_metadata(data).get("gjit_tied", "[]")):
+        for fqn in group[1:]:
+            tensors[fqn] = tensors[group[0]]
     for fqn, desc in described.items():
         if fqn not in tensors or _describe_tensor(tensors[fqn]) != desc:
             raise PackageError(f"the package's weights do not hold {fqn} as {_text(desc)}")
     return tensors
+
+
+def _safetensors_metadata(data: bytes) -> dict:
+    """The `__metadata__` of a safetensors buffer (its header: a little-endian u64 length, then JSON)."""
+    length = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + length]).get("__metadata__") or {}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -294,6 +294,7 @@ def build_guards(
     mutated: Sequence[int] = (),
     from_one: Collection[tuple[int, int]] = (),
     shape_guards: Sequence[sympy.Basic] = (),
+    returns: Sequence[sympy.Symbol] | None = None,
 ) -> GuardSet:
     """The guard set of one entry. `user_vals`: export's placeholder value per flat input (None:
     static, from the example); `assumptions`: (condition, why) the kernels rely on;
@@ -301,7 +302,8 @@ def build_guards(
     buffer the program reads live; `mutated`: flat indices of user inputs the program writes to;
     `from_one`: (flat input, dim) pairs export traced size-obliviously from 1 (a KV cache's
     length): their symbols are admitted from 1, every other symbol from 2; `shape_guards`: guards
-    decomposition added to export's shape environment, when this one lacks them (a warm start)."""
+    decomposition added to export's shape environment, when this one lacks them (a warm start);
+    `returns`: the symbols the wrapper takes, in its order (default: every bound symbol)."""
     n = len(flat_inputs)
     user_vals = list(user_vals) if user_vals is not None else [None] * n
     b = _Builder(names)
@@ -327,6 +329,11 @@ def build_guards(
     for cond, why in _strongest(assumptions):
         b.condition(cond, why, "kernel")
     steps = b.steps + b.late_binds + b.later
+    if returns is not None:
+        missing = set(returns) - set(b.bound)
+        if missing:
+            raise GuardBuildError(f"the wrapper takes size symbols {sorted(map(str, missing))} no input binds")
+        symbols = list(returns)
     returned = ", ".join(s.name for s in symbols) + ("," if len(symbols) == 1 else "")
     source = _function_source(steps, f"({returned})")
     exec(compile(source, "<gjit-guard>", "exec"), b.namespace)  # noqa: S102 - generated guard source

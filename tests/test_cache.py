@@ -336,3 +336,42 @@ def test_the_gjit_fingerprint_covers_sub_packages(tmp_path):
     roots = [os.path.abspath(r) for r in cache.fingerprint_roots().values()]
     for path in modules().values():
         assert any(os.path.abspath(path).startswith(r + os.sep) for r in roots), path
+
+
+class Returns(torch.nn.Module):
+    """The same ops, returned as a tuple or as a dict: one graph, two calling conventions."""
+
+    def __init__(self, as_dict: bool):
+        super().__init__()
+        self.as_dict = as_dict
+
+    def forward(self, x):
+        y, z = x.sin(), x.cos()
+        return {"y": y, "z": z} if self.as_dict else (y, z)
+
+
+def test_a_warm_hit_keeps_the_calls_output_structure(disk_cache):
+    x = torch.randn(4, 8)
+    _fresh_compile(Returns(as_dict=False), x)
+    out = _fresh_compile(Returns(as_dict=True), x)(x)
+    assert isinstance(out, dict) and set(out) == {"y", "z"}
+    assert counter("disk_cache_misses") == 2 and counter("disk_cache_hits") == 0
+
+
+class Rotary(torch.nn.Module):
+    """A non-persistent buffer (a constant of the program, read live) and a lifted constant."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.arange(8.0) * scale, persistent=False)
+
+    def forward(self, x):
+        return x * self.inv_freq + torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+
+
+def test_a_warm_hit_reads_buffers_and_constants_of_this_model(disk_cache):
+    x = torch.randn(3, 8)
+    _fresh_compile(Rotary(1.0), x)
+    model = Rotary(2.0)  # the same graph (a hit), other buffer values
+    _fresh_compile(model, x)
+    assert counter("disk_cache_hits") == 1 and counter("decompositions") == 1

@@ -177,7 +177,7 @@ def test_a_miss_compiles_when_allowed(package):
     model, x, path = package
     fn = gjit.load(str(path), model=model, recompile=True)
     y = torch.randn(5, 16, dtype=torch.float64)
-    model.double()  # the entry's parameter guards fail: a new entry, exported from the model
+    model.double()  # the input's dtype guard (and the parameters'): a new entry, exported from the model
     with torch.no_grad(), gjit.config.scope(interpret=True, debug=True):
         torch.testing.assert_close(fn(y), model(y))
     assert len(fn.entries) == 2
@@ -186,9 +186,43 @@ def test_a_miss_compiles_when_allowed(package):
 def test_parameters_are_read_live_from_the_given_model(package):
     model, x, path = package
     fn = gjit.load(str(path), model=model)
-    with torch.no_grad():
+    with torch.no_grad(), gjit.config.scope(interpret=True, debug=True):
         model.proj.weight.mul_(2)
         torch.testing.assert_close(fn(x), model(x))
+        model.proj.weight = torch.nn.Parameter(torch.randn(16, 16).t())  # another layout: a miss
+        with pytest.raises(gjit.RecompileError, match="proj.weight keeps its shape, strides"):
+            fn(x)
+
+
+def test_a_model_with_another_config_is_refused(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 64, (2, 5))
+    with torch.no_grad():
+        cm = gjit.compile(model)
+        cm(ids)
+    gjit.save(cm, str(tmp_path / "g.gjit"))
+    config.layer_norm_epsilon = 1e-3  # no weight shows it
+    other = transformers.GPT2LMHeadModel(config).eval()
+    with pytest.raises(
+        gjit.PackageError, match=r"config.layer_norm_epsilon is 0.001, the package's is 1e-05"
+    ):
+        gjit.load(str(tmp_path / "g.gjit"), model=other)
+
+
+def test_a_package_saved_after_a_warm_start(tmp_path):
+    """Entries that came from the on-disk cache (their program in its served form) package too."""
+    torch.manual_seed(0)
+    model, x = Block().eval(), torch.randn(4, 16)
+    with torch.no_grad(), gjit.config.scope(cache=True, cache_dir=str(tmp_path / "cache")):
+        gjit.compile(model)(x)
+        warm = gjit.compile(model)
+        warm(x)
+        assert gjit.stats()["disk_cache_hits"] == 1
+    gjit.save(warm, str(tmp_path / "warm.gjit"))
+    with torch.no_grad(), gjit.config.scope(interpret=True, debug=True):
+        torch.testing.assert_close(gjit.load(str(tmp_path / "warm.gjit"), model=model)(x), model(x))
 
 
 def test_a_model_that_does_not_match_the_manifest_is_refused(package):
@@ -207,9 +241,21 @@ def test_a_package_without_weights_needs_the_model(package):
         gjit.load(str(path))
 
 
+class Scaled(Block):
+    """A non-persistent buffer and a parameter stored transposed (not contiguous)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.rand(16) + 0.5, persistent=False)
+        self.proj.weight = torch.nn.Parameter(torch.randn(16, 16).t())
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
 def test_a_package_with_weights_runs_without_the_model(tmp_path):
     torch.manual_seed(0)
-    model, x = Block().eval(), torch.randn(4, 16)
+    model, x = Scaled().eval(), torch.randn(4, 16)
     with torch.no_grad():
         cm = gjit.compile(model)
         cm(x)
@@ -267,7 +313,16 @@ def test_a_size_expression_that_is_not_sympy_is_refused():
     from gjit.runtime import program_store
 
     program_store.check_expressions({"expr_str": "Mul(Integer(2), Symbol('s0', integer=True))"})
-    for text in ("__import__('os').system('true')", "Symbol('s0').__class__", "[x for x in ()]"):
+    refused = (
+        "__import__('os').system('true')",
+        "Symbol('s0').__class__",
+        "[x for x in ()]",
+        "S('__import__(1)')",  # sympify of a string
+        "floor('__import__(1)')",  # a function given a string sympifies it
+        "Symbol('s0', integer='__import__(1)')",
+        "Symbol('s0; x')",
+    )
+    for text in refused:
         with pytest.raises(program_store.ProgramStoreError):
             program_store.check_expressions({"a": [{"expr_str": text}]})
 

@@ -26,6 +26,7 @@ import hashlib
 import importlib
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -134,11 +135,17 @@ def graph_key(
     hints: dict,
     range_constraints: dict,
     options: CompileOptions,
+    program: Any = None,
+    shape_guards: list[str] = (),
 ) -> str:
     """`symbols`: the sizes the guard binds for the wrapper; `hints`: example sizes codegen chose by;
-    `options`: what the compile was asked for (backend, debug, block sizes...)."""
+    `options`: what the compile was asked for (backend, debug, block sizes...); `program`: the
+    ExportedProgram (its calling convention: input and output structure, the signature);
+    `shape_guards`: export's own guards (decomposition simplifies with them)."""
     parts = {
         "graph": graph_text(gm),
+        "call": _call_text(program),
+        "shape_guards": sorted(shape_guards),
         "symbols": [s.name for s in symbols],
         "hints": sorted((str(k), int(v)) for k, v in hints.items()),
         "ranges": sorted(f"{k}: {v}" for k, v in range_constraints.items()),
@@ -146,6 +153,16 @@ def graph_key(
         "versions": versions(),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def _call_text(program: Any) -> list[str]:
+    """The program's calling convention: the call's and the output's pytree structure (types, keys,
+    a ModelOutput's class) and every input and output spec (kind, name, target, persistence)."""
+    if program is None:
+        return []
+    spec = program.call_spec
+    sig = program.graph_signature
+    return [str(spec.in_spec), str(spec.out_spec), *map(str, sig.input_specs), *map(str, sig.output_specs)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,6 +183,7 @@ def _sympy_classes() -> dict[str, type]:
 
 
 _CLASSES = _sympy_classes()
+_SYMBOL_NAME = re.compile(r"[a-z][a-z0-9_]*")  # s0, s77, u3, ...
 _SINGLETONS = {
     "oo": sympy.oo,
     "-oo": -sympy.oo,
@@ -204,8 +222,11 @@ def expr_from_json(tree: Any) -> sympy.Basic:
     if "float" in tree:
         return sympy.Float(str(tree["float"]))
     if "symbol" in tree:
+        name = tree["symbol"]
+        if not isinstance(name, str) or not _SYMBOL_NAME.fullmatch(name):
+            raise CacheError(f"not a size symbol's name: {name!r}")
         assumptions = {str(k): bool(v) for k, v in tree["assumptions"].items()}
-        return sympy.Symbol(str(tree["symbol"]), **assumptions)
+        return sympy.Symbol(name, **assumptions)
     if "singleton" in tree:
         return _SINGLETONS[tree["singleton"]]
     cls = _CLASSES.get(tree["func"])
@@ -255,7 +276,10 @@ def graph_from_record(record: dict, gm: torch.fx.GraphModule) -> CompiledGraph:
         kernels.append(KernelSource(**values))
     graph = CompiledGraph(gm, kernels, str(record["wrapper"]))
     for name, sub in record["subgraphs"].items():
-        graph.subgraphs[name] = graph_from_record(sub, getattr(gm, name))
+        branch = graph_from_record(sub, getattr(gm, name))
+        # a branch's placeholders may carry no values (a served program): it runs where its parent does
+        branch.on_cuda = graph.on_cuda
+        graph.subgraphs[name] = branch
     return graph
 
 

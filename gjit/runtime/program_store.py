@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import ast
 import base64
-import builtins
 import functools
 import json
 import math
 import operator
+import re
 import types
 from collections.abc import Collection
 from typing import Any
@@ -137,14 +137,19 @@ def _tensors_from_text(text: str | None) -> dict[str, torch.Tensor]:
 
 @functools.cache
 def allowed_names() -> frozenset[str]:
-    """Names a serialized size expression may call: sympy's classes and singletons and torch's size
-    functions (what `sympy.srepr` writes for the expressions a shape environment makes)."""
-    names = {"Symbol", "Integer", "Rational", "Float", "oo", "zoo", "nan", "true", "false", "S"}
+    """Functions a serialized size expression may call: sympy's and torch's size classes (what
+    `sympy.srepr` writes for the expressions a shape environment makes), no sympify (`S`)."""
+    names = set()
     for module in (sympy, torch_sympy):
         for name, obj in vars(module).items():
             if isinstance(obj, type) and issubclass(obj, sympy.Basic):
                 names.add(name)
     return frozenset(names)
+
+
+_LITERALS = frozenset({"oo", "zoo", "nan", "true", "false"})
+_SYMBOL = re.compile(r"[a-z][a-z0-9_]*")
+_FLOAT = re.compile(r"-?[0-9.]+(e[-+]?[0-9]+)?")
 
 
 def check_expressions(tree: Any) -> None:
@@ -166,19 +171,38 @@ def _check_expression(text: Any) -> None:
     if not isinstance(text, str):
         raise ProgramStoreError(f"a size expression is not text: {text!r}")
     try:
-        parsed = ast.parse(text, mode="eval")
+        parsed = ast.parse(text, mode="eval").body
     except SyntaxError as e:
-        raise ProgramStoreError(f"a size expression does not parse: {text!r}") from e
-    for node in ast.walk(parsed):
-        if isinstance(node, (ast.Expression, ast.Load, ast.keyword, ast.USub, ast.UnaryOp)):
-            continue
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-            continue
-        if isinstance(node, ast.Name) and node.id in allowed_names():
-            continue
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, str, bool)):
-            continue
-        raise ProgramStoreError(f"a size expression holds {ast.dump(node)[:60]}: {text[:120]!r}")
+        raise ProgramStoreError(f"a size expression does not parse: {text[:120]!r}") from e
+    if not _is_expression(parsed):
+        raise ProgramStoreError(f"a size expression is not a sympy expression: {text[:120]!r}")
+
+
+def _is_expression(node: ast.AST) -> bool:
+    """A call of an allowed class over expressions and numbers; a name only as the string argument
+    of Symbol (matching a size symbol's name) and a float only as Float's string."""
+    if isinstance(node, ast.Constant):
+        return type(node.value) in (int, float)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return _is_expression(node.operand)
+    if isinstance(node, ast.Name):
+        return node.id in _LITERALS
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+        return False
+    if not all(
+        isinstance(k.value, ast.Constant) and type(k.value.value) in (bool, int) for k in node.keywords
+    ):
+        return False
+    name, args = node.func.id, node.args
+    if name in ("Symbol", "Float"):
+        pattern = _SYMBOL if name == "Symbol" else _FLOAT
+        return (
+            len(args) == 1
+            and isinstance(args[0], ast.Constant)
+            and isinstance(args[0].value, str)
+            and pattern.fullmatch(args[0].value) is not None
+        ) or (name == "Float" and len(args) == 1 and _is_expression(args[0]))
+    return name in allowed_names() and all(_is_expression(a) for a in args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,7 +243,7 @@ class ServedProgram:
 
     def __init__(self, record: dict, state: dict[str, torch.Tensor], constants: dict[str, Any] | None):
         served = record["served"]
-        self._record, self._state, self._constants = record, state, constants
+        self.record, self._state, self._constants = record, state, constants
         self.graph_module, names = _graph_from_record(served["graph"])
         self.graph = self.graph_module.graph
         self.graph_signature = _signature(served, names)
@@ -247,7 +271,7 @@ class ServedProgram:
 
     def full(self) -> ExportedProgram:
         if self._full is None:
-            self._full = load_program(self._record, self._state, self._constants)
+            self._full = load_program(self.record, self._state, self._constants)
         return self._full
 
 
@@ -311,7 +335,72 @@ def _signature(served: dict, names: dict[str, str]) -> ExportGraphSignature:
 
 # Graph nodes: ops and arguments, no metadata ------------------------------------------------
 
-_MODULES = {"operator": operator, "_operator": operator, "math": math, "builtins": builtins}
+# the plain Python functions an ATen graph calls (size arithmetic, getitem): nothing else is loaded
+_FUNCTIONS = {
+    **{
+        f"operator.{n}": getattr(operator, n)
+        for n in (
+            "getitem",
+            "add",
+            "sub",
+            "mul",
+            "truediv",
+            "floordiv",
+            "mod",
+            "pow",
+            "neg",
+            "pos",
+            "abs",
+            "eq",
+            "ne",
+            "lt",
+            "le",
+            "gt",
+            "ge",
+            "and_",
+            "or_",
+            "xor",
+            "not_",
+            "invert",
+            "lshift",
+            "rshift",
+        )
+    },
+    **{
+        f"math.{n}": getattr(math, n)
+        for n in (
+            "sqrt",
+            "floor",
+            "ceil",
+            "trunc",
+            "exp",
+            "log",
+            "log2",
+            "log10",
+            "sin",
+            "cos",
+            "tan",
+            "tanh",
+            "asin",
+            "acos",
+            "atan",
+            "sinh",
+            "cosh",
+            "asinh",
+            "acosh",
+            "atanh",
+            "pow",
+            "fabs",
+            "gcd",
+        )
+    },
+    **{
+        f"torch.{n}": getattr(torch, n)
+        for n in dir(torch)
+        if n.startswith("sym_") and callable(getattr(torch, n))
+    },
+}
+_NAMES = {id(f): name for name, f in _FUNCTIONS.items()}
 
 
 def _graph_record(gm: torch.fx.GraphModule) -> dict:
@@ -351,27 +440,27 @@ def _target_record(target: Any) -> list:
         return ["op", target._schema.name, target._overloadname]
     if isinstance(target, torch._ops.HigherOrderOperator):
         return ["hop", target.name()]
-    module = getattr(target, "__module__", None)
-    name = getattr(target, "__name__", None)
-    if module in _MODULES and getattr(_MODULES[module], name, None) is target:
-        return ["fn", module, name]
-    if module == "torch" and name.startswith("sym_") and getattr(torch, name, None) is target:
-        return ["fn", "torch", name]
+    if id(target) in _NAMES and _FUNCTIONS[_NAMES[id(target)]] is target:
+        return ["fn", _NAMES[id(target)]]
     raise ProgramStoreError(f"the call target {target!r}")
 
 
 def _target_from(record: list) -> Any:
-    kind = record[0]
-    if kind == "op":
-        namespace, _, op = record[1].partition("::")
-        return getattr(getattr(getattr(torch.ops, namespace), op), record[2])
-    if kind == "hop":
-        return getattr(torch.ops.higher_order, record[1])
-    if kind == "fn" and record[1] in _MODULES:
-        return getattr(_MODULES[record[1]], record[2])
-    if kind == "fn" and record[1] == "torch" and record[2].startswith("sym_"):
-        return getattr(torch, record[2])
-    raise ProgramStoreError(f"an unknown call target {record!r}")
+    kind, *rest = record
+    found: Any = None
+    if kind == "op" and len(rest) == 2:
+        namespace, _, op = str(rest[0]).partition("::")
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        found = getattr(packet, str(rest[1]), None)
+        found = found if isinstance(found, torch._ops.OpOverload) else None
+    elif kind == "hop" and len(rest) == 1:
+        found = getattr(torch.ops.higher_order, str(rest[0]), None)
+        found = found if isinstance(found, torch._ops.HigherOrderOperator) else None
+    elif kind == "fn" and len(rest) == 1:
+        found = _FUNCTIONS.get(rest[0])
+    if found is None:
+        raise ProgramStoreError(f"an unknown call target {record!r}")
+    return found
 
 
 def _arg_record(value: Any) -> Any:
@@ -486,12 +575,15 @@ def _set_placeholder_values(
         ((kind, body),) = placeholders[node.name].items()
         if kind == "tensor":
             dtype, device, sizes, strides = body
+            dtype = getattr(torch, str(dtype), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ProgramStoreError(f"a placeholder of an unknown dtype {body[0]!r}")
             with mode, env.suppress_guards():  # making a value decides nothing about the call
                 val = torch.empty_strided(
                     [size(s) for s in sizes],
                     [size(s) for s in strides],
-                    dtype=getattr(torch, dtype),
-                    device=device,
+                    dtype=dtype,
+                    device=torch.device(device),
                 )
         elif kind == "symint":
             val = size(body)
