@@ -332,7 +332,8 @@ def build_guards(
     if returns is not None:
         missing = set(returns) - set(b.bound)
         if missing:
-            raise GuardBuildError(f"the wrapper takes size symbols {sorted(map(str, missing))} no input binds")
+            names = sorted(map(str, missing))
+            raise GuardBuildError(f"the wrapper takes size symbols {names} no input binds")
         symbols = list(returns)
     returned = ", ".join(s.name for s in symbols) + ("," if len(symbols) == 1 else "")
     source = _function_source(steps, f"({returned})")
