@@ -1,13 +1,19 @@
-"""Cold vs warm compile of the tiny HF models, per stage, each compile in a process of its own.
+"""Start-up time: the first compiled output of a fresh process, gjit next to torch.compile.
 
-    .venv/bin/python bench/warm_start.py                  # gpt2, bert, llama (sdpa)
-    .venv/bin/python bench/warm_start.py --models gpt2-eager --json out.json
+    .venv/bin/python bench/warm_start.py                  # gpt2, bert, llama (sdpa) and an MLP
+    .venv/bin/python bench/warm_start.py --models mlp --json out.json
 
-For each model a first process compiles into empty gjit and Triton caches (cold: export,
-decompose, lower, fuse, codegen, every kernel built for sm_90), then a second process compiles
-the same model again with those caches (warm: the on-disk entry replaces lowering, fusion and
-codegen; Triton finds the sm_90 binaries in its own cache). Times run from gjit.compile to a
-runnable entry with its kernels built, so the interpreter start and imports are not counted.
+Every figure comes from a process of its own, on CPU (no kernels interpreted): the first
+compiled call minus the first eager call of the same process, after a tiny warm-up graph of the
+same system (which pays its one-time imports and start-up). Per model, in one run:
+
+- gjit cold: empty on-disk cache; export, decompose, lower, fuse, codegen, guards, run.
+- gjit warm: a new process with the cache the cold one filled (export, key, entry, guards, run).
+- gjit package: a new process, `gjit.load` of the package the cold process saved (no warm-up
+  graph: nothing of gjit's ran before), then the first call; no export, no compile.
+- torch.compile cold and warm: empty inductor and Triton caches, then a new process with them.
+
+gjit's per-stage seconds are printed next to each total; `import gjit` is timed on its own.
 """
 
 from __future__ import annotations
@@ -15,71 +21,129 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODELS = ("gpt2-sdpa", "bert-sdpa", "llama-sdpa")
+MODELS = ("gpt2-sdpa", "bert-sdpa", "llama-sdpa", "mlp")
 
 CHILD = """
-import json, sys, time, torch, gjit
-sys.path.insert(0, sys.argv[2])
+import json, sys, time
+start = time.perf_counter()
+import torch
+imported_torch = time.perf_counter()
+import gjit
+imported_gjit = time.perf_counter()
+system, phase, name, tests, package = sys.argv[1:6]
+sys.path.insert(0, tests)
 import model_zoo
-model, args = model_zoo.MODELS[sys.argv[1]]()
+
+def build(name):
+    if name != "mlp":
+        return model_zoo.MODELS[name]()
+    torch.manual_seed(0)
+    Linear = torch.nn.Linear
+    layers = [Linear(256, 1024), torch.nn.GELU(), torch.nn.LayerNorm(1024), Linear(1024, 256)]
+    return torch.nn.Sequential(*layers).eval(), (torch.randn(16, 256),)
+
+def first_tensor(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    return next(v for v in out.values() if isinstance(v, torch.Tensor))
+
+model, args = build(name)
 with torch.no_grad():
-    gjit.aot(lambda x: x + 1, torch.randn(8))  # Triton start-up, not the model's compile
-    start = time.perf_counter()
-    cm = gjit.compile(model)
-    entry, _ = cm.entry_for(args, {})
-    built = time.perf_counter()
-    gjit.aot(cm, *args)
-    stages = dict(entry.program.timings)
-    stages["sm_90 build"] = time.perf_counter() - built
-    stages["total"] = time.perf_counter() - start
-print(json.dumps({"stages": stages, "stats": {k: v for k, v in gjit.stats().items() if "disk" in k}}))
+    if phase != "package":  # the system's one-time start-up, paid on another graph
+        warm_up = gjit.compile if system == "gjit" else torch.compile
+        warm_up(lambda x: x * 2 + 1)(torch.randn(8))
+    begin = time.perf_counter()
+    expected = model(*args)
+    eager = time.perf_counter() - begin
+    begin = time.perf_counter()
+    if phase == "package":
+        fn = gjit.load(package, model=model)
+    else:
+        fn = gjit.compile(model) if system == "gjit" else torch.compile(model)
+    out = fn(*args)
+    first = time.perf_counter() - begin
+    torch.testing.assert_close(first_tensor(out), first_tensor(expected), rtol=1e-4, atol=1e-4)
+    if system == "gjit" and phase == "cold":
+        gjit.save(fn, package)
+stats = gjit.stats()
+print(json.dumps({
+    "start": first - eager,
+    "stages": dict(fn.entries[0].program.timings) if system == "gjit" else {},
+    "counters": {k: v for k, v in stats.items() if isinstance(v, int)},
+    "import gjit": imported_gjit - imported_torch,
+}))
 """
 
+RUNS = (
+    ("gjit", "cold"),
+    ("gjit", "warm"),
+    ("gjit", "package"),
+    ("torch.compile", "cold"),
+    ("torch.compile", "warm"),
+)
 
-def compile_in_child(name: str, caches: str) -> dict:
+
+def run_child(system: str, phase: str, name: str, caches: str) -> dict:
     env = dict(os.environ, GJIT_CACHE="1", GJIT_CACHE_DIR=os.path.join(caches, "gjit"))
+    env.pop("GJIT_INTERPRET", None)
     env["TRITON_CACHE_DIR"] = os.path.join(caches, "triton")
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, name, os.path.join(ROOT, "tests")],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(caches, "inductor")
+    package = os.path.join(caches, "model.gjit")
+    argv = [sys.executable, "-c", CHILD, system, phase, name, os.path.join(ROOT, "tests"), package]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"compiling {name} failed:\n{proc.stderr}")
+        raise RuntimeError(f"{system} {phase} start of {name} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def measure(names: tuple[str, ...]) -> dict[str, dict[str, dict]]:
     results = {}
     for name in names:
-        with tempfile.TemporaryDirectory(prefix="gjit_warm_") as caches:
-            cold = compile_in_child(name, caches)
-            warm = compile_in_child(name, caches)
-        if warm["stats"].get("disk_cache_misses") or not warm["stats"].get("disk_cache_hits"):
-            raise RuntimeError(f"the second compile of {name} did not hit the on-disk cache: {warm['stats']}")
-        results[name] = {"cold": cold["stages"], "warm": warm["stages"]}
+        with tempfile.TemporaryDirectory(prefix="gjit_start_") as caches:
+            runs = {f"{system} {phase}": run_child(system, phase, name, caches) for system, phase in RUNS}
+        warm, package = runs["gjit warm"]["counters"], runs["gjit package"]["counters"]
+        if warm.get("disk_cache_misses") or warm.get("decompositions"):
+            raise RuntimeError(f"the warm start of {name} did not come from the on-disk entry: {warm}")
+        if package.get("exports") or package.get("compiles"):
+            raise RuntimeError(f"the package start of {name} exported or compiled: {package}")
+        results[name] = runs
     return results
 
 
 def format_table(results: dict[str, dict[str, dict]]) -> str:
-    stages = list(dict.fromkeys(s for r in results.values() for phase in r.values() for s in phase))
-    stages.sort(key=lambda s: s == "total")
-    head = "".join(f" | {n} cold | {n} warm" for n in results)
-    lines = [f"| stage (ms){head} |", "|---" + "|---:" * (2 * len(results)) + "|"]
+    runs = [f"{s} {p}" for s, p in RUNS]
+    lines = ["| model | " + " | ".join(runs) + " | gjit warm / torch.compile warm |"]
+    lines.append("|---" + "|---:" * (len(runs) + 1) + "|")
+    for name, r in results.items():
+        cells = " | ".join(f"{r[run]['start']:.2f}" for run in runs)
+        ratio = r["gjit warm"]["start"] / r["torch.compile warm"]["start"]
+        lines.append(f"| {name} | {cells} | {ratio:.2f}x |")
+    lines.append("")
+    lines.append("gjit's stages of the model's entry (ms):")
+    lines.append("")
+    gjit_runs = ["gjit cold", "gjit warm", "gjit package"]
+    head = " | ".join(f"{name} {run.split()[1]}" for name in results for run in gjit_runs)
+    lines.append(f"| stage | {head} |")
+    lines.append("|---" + "|---:" * (len(results) * len(gjit_runs)) + "|")
+    stages = list(dict.fromkeys(s for r in results.values() for run in gjit_runs for s in r[run]["stages"]))
     for stage in stages:
-        cells = "".join(
-            f" | {r['cold'].get(stage, 0) * 1e3:.0f} | "
-            + (f"{r['warm'][stage] * 1e3:.0f}" if stage in r["warm"] else "-")
+        cells = " | ".join(
+            f"{r[run]['stages'][stage] * 1e3:.0f}" if stage in r[run]["stages"] else "-"
             for r in results.values()
+            for run in gjit_runs
         )
-        lines.append(f"| {stage}{cells} |")
+        lines.append(f"| {stage} | {cells} |")
+    imports = statistics.median(r[run]["import gjit"] for r in results.values() for run in gjit_runs)
+    lines.append("")
+    lines.append(
+        f"`import gjit` after `import torch`: {imports * 1e3:.0f} ms (median over the gjit processes)"
+    )
     return "\n".join(lines)
 
 
@@ -87,7 +151,7 @@ def main() -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--models", nargs="*", default=list(MODELS))
-    parser.add_argument("--json", help="write the per-stage seconds here")
+    parser.add_argument("--json", help="write every process's figures here")
     opts = parser.parse_args()
     results = measure(tuple(opts.models))
     print(format_table(results))
