@@ -28,6 +28,7 @@ except ImportError:
     _IntWrapper = None
 
 from gjit import kv_cache, logs, stats
+from gjit.decompose import decompose_program
 from gjit.in_place import write_in_place
 from gjit.kv_cache import CacheAliases
 from gjit.stats import timed
@@ -122,14 +123,6 @@ def load_program(model: Any) -> ExportedProgram | None:
     return None
 
 
-def decomposition_table() -> dict:
-    table = torch.export.default_decompositions()
-    # SDPA stays one extern: decomposing it breaks run_decompositions() on GPT-2 in torch 2.13
-    # (a view of the decomposed output) and a fused attention extern beats its decomposition.
-    table.pop(torch.ops.aten.scaled_dot_product_attention.default, None)
-    return table
-
-
 # flat input -> dim -> (min, max); an int input that maps to {} is exported as a symbol
 DimRanges = dict[int, dict[int, tuple[int | None, int | None]]]
 
@@ -188,18 +181,20 @@ def export_model(
 
 
 def decompose(exported: Exported, timings: dict[str, float]) -> tuple[ExportedProgram, list[sympy.Basic]]:
-    """`run_decompositions()` to core ATen (SDPA kept whole). Returns the decomposed program and the
-    shape guards decomposition added to export's shape environment (a decomposition that branches
-    on a size): a warm start, which does not decompose, gets them from the on-disk entry."""
+    """Core ATen, SDPA kept whole (gjit/decompose.py: node by node, else `run_decompositions()`).
+    Returns the decomposed program and the shape guards decomposition added to export's shape
+    environment (a decomposition that branches on a size): a warm start, which does not
+    decompose, gets them from the on-disk entry."""
     env = _shape_env(exported.user_vals)
     oblivious = bool(exported.from_one)
     before = len(env.guards) if env is not None else 0
     try:  # as export traced: size-obliviously when a dim was asked from 1
         with timed("decompose", timings), logs.quiet_torch_trace_errors(), _size_oblivious(oblivious):
-            decomposed = exported.program.run_decompositions(decomposition_table())
+            decomposed, how = decompose_program(exported.program)
     except Exception as e:
         raise DecompositionError(f"run_decompositions failed: {type(e).__name__}: {e}") from e
     stats.COUNTERS["decompositions"] += 1
+    stats.COUNTERS["decompositions_by_node" if how == "nodes" else "decompositions_whole"] += 1
     added = [g.expr for g in env.guards[before:]] if env is not None else []
     return decomposed, added
 

@@ -1,0 +1,277 @@
+"""Decomposition to core ATen: node by node where the exported graph allows it, else torch's
+`run_decompositions()` over the whole program.
+
+`run_decompositions()` traces the whole program again, twice, through functionalization, and
+every symbolic size of every op is worked out again: on the tiny HF models that is more than
+half of a cold compile. An exported graph that mutates nothing is already functional, so most
+of that work is redone for nothing. Such a graph is decomposed here one node at a time: a node
+whose op the table decomposes is traced alone with `make_fx` over its arguments' fake values
+(in export's fake mode, so every size stays a symbol of export's shape environment and every
+guard lands there), and the traced ops replace it; every other node is kept as it is.
+
+Anything the node-by-node pass cannot vouch for goes through `run_decompositions()` whole: a
+mutating or aliasing-write op, a higher-order op or submodule, a call of anything but an ATen
+op, a symbolic-size function or `getitem`, a decomposition whose trace fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import operator
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch._dispatch.python import enable_python_dispatcher
+from torch.export import ExportedProgram
+from torch.export.graph_signature import ExportGraphSignature, OutputSpec, TensorArgument
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+from gjit import logs
+
+try:  # run_decompositions()'s own rules: which CompositeImplicitAutograd op it may keep, how it
+    # updates ranges and the module call graph (torch 2.13); a torch without them decomposes whole
+    from torch._export.utils import _is_cia_op, _is_preservable_cia_op
+    from torch.export.exported_program import _get_updated_module_call_graph, _get_updated_range_constraints
+except ImportError:  # pragma: no cover
+    _is_cia_op = None
+
+log = logs.logger("capture")
+
+# python functions an exported graph calls on sizes (and getitem of a multi-output op)
+SIZE_FUNCTIONS = frozenset(
+    f for module in (operator, math) for f in vars(module).values() if callable(f) and not isinstance(f, type)
+) | {
+    torch.sym_float,
+    torch.sym_int,
+    torch.sym_max,
+    torch.sym_min,
+    torch.sym_not,
+    torch.sym_ite,
+    torch.sym_sum,
+}
+
+SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+# node meta kept from a decomposed node on the nodes that replace it (source lines, module path)
+KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn", "from_node", "custom")
+
+
+@functools.cache
+def decomposition_table() -> dict:
+    """Core ATen decompositions (torch.export's default table, CIA ops included), SDPA kept whole:
+    decomposing it breaks run_decompositions() on GPT-2 in torch 2.13 (a view of the decomposed
+    output) and a fused attention extern beats its decomposition. Built once per process."""
+    table = torch.export.default_decompositions()
+    table.pop(torch.ops.aten.scaled_dot_product_attention.default, None)
+    return table.materialize()
+
+
+def decompose_program(program: ExportedProgram) -> tuple[ExportedProgram, str]:
+    """The program in core ATen, and how: "nodes" (node by node) or "whole" plus the reason."""
+    table = decomposition_table()
+    reason = whole_program_reason(program) if _is_cia_op is not None else "an older torch"
+    if reason is None:
+        try:
+            return decompose_nodes(program, table), "nodes"
+        except Exception as e:  # noqa: BLE001 - torch's own pass is the fallback, and it is exact
+            reason = f"a node's decomposition failed alone ({type(e).__name__}: {e})"
+    log.debug("run_decompositions() over the whole program: %s", reason)
+    return program.run_decompositions(table), f"whole: {reason}"
+
+
+def whole_program_reason(program: ExportedProgram) -> str | None:
+    """Why this program needs `run_decompositions()` whole (functionalization), or None."""
+    signature = program.graph_signature
+    if signature.buffers_to_mutate or signature.user_inputs_to_mutate or signature.backward_signature:
+        return "it mutates a buffer or an input"
+    for node in program.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if free_unbacked_symbols(node.meta.get("val")):  # the retrace often finds the size as an
+            return f"{node.name}'s size is data-dependent"  # expression of the inputs' sizes
+        if node.op != "call_function":
+            return f"{node.op} {node.target}"
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            schema = target._schema
+            if schema.is_mutable:
+                return f"{target} writes an argument in place"
+            continue
+        if target not in SIZE_FUNCTIONS:
+            return f"it calls {getattr(target, '__name__', target)}"
+    return None
+
+
+def decompose_nodes(program: ExportedProgram, table: dict) -> ExportedProgram:
+    """The program with every node whose op is in `table` replaced by its traced decomposition."""
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, Any] = {}  # old node -> new node, or a tree of them for multi-output ops
+    traces: dict[tuple, torch.fx.GraphModule] = {}
+    for node in program.graph.nodes:
+        if node.op == "call_function" and node.target is operator.getitem and node.args[0] in env:
+            value = env[node.args[0]]
+            if not isinstance(value, torch.fx.Node):  # an item of a decomposed multi-output op
+                env[node] = value[node.args[1]]
+                continue
+        if node.op == "call_function" and decomposes(node, table):
+            env[node] = _inline(graph, node, env, table, traces)
+        else:
+            env[node] = graph.node_copy(node, lambda n: _one_node(env[n]))
+            if node.op == "placeholder" and env[node].name != node.name:  # a builtin's name, as export
+                env[node].name = env[node].target = node.name  # names inputs (the signature says so)
+    graph.eliminate_dead_code()  # outputs of a decomposition nobody reads (a norm's saved stats)
+    graph_module = torch.fx.GraphModule(program.graph_module, graph)
+    graph_module.meta.update(program.graph_module.meta)
+    signature = _renamed_outputs(program.graph_signature, program.graph, graph)
+    return ExportedProgram(
+        root=graph_module,
+        graph=graph_module.graph,
+        graph_signature=signature,
+        state_dict=program.state_dict,
+        # as run_decompositions() updates them: a decomposition's guard may have replaced a symbol
+        range_constraints=_get_updated_range_constraints(graph_module, program.range_constraints),
+        module_call_graph=_get_updated_module_call_graph(
+            program.graph_module, program.graph_signature, graph_module, signature, program.module_call_graph
+        ),
+        example_inputs=program.example_inputs,
+        constants=program.constants,
+    )
+
+
+def _one_node(value: Any) -> torch.fx.Node:
+    if not isinstance(value, torch.fx.Node):  # a multi-output op read other than by getitem
+        raise NotImplementedError("a decomposed multi-output op is read whole")
+    return value
+
+
+def decomposes(node: torch.fx.Node, table: dict) -> bool:
+    """Whether run_decompositions() would replace this node: its op is in the table, or it is a
+    CompositeImplicitAutograd op export never keeps (one that may alias, like reshape or `to`).
+    A size query (sym_size) stays."""
+    op = node.target
+    if not isinstance(op, torch._ops.OpOverload) or not isinstance(
+        node.meta.get("val"), torch.Tensor | tuple | list
+    ):
+        return False
+    return op in table or (_is_cia_op(op) and not _is_preservable_cia_op(op))
+
+
+def _inline(graph: torch.fx.Graph, node: torch.fx.Node, env: dict, table: dict, traces: dict) -> Any:
+    """Trace `node`'s op alone over its arguments' fake values and copy the traced ops into
+    `graph`; returns what replaces the node (a node, or a tuple of them). A trace is reused for
+    a node of the same op over arguments of the same sizes, strides and dtypes (`traces`, one
+    program's: the 15 projections of a tiny Llama are traced 3 times)."""
+    args = pytree.tree_map_only(torch.fx.Node, lambda n: _Arg(n, n.meta["val"]), (node.args, node.kwargs))
+    flat, spec = pytree.tree_flatten(args, is_leaf=lambda a: isinstance(a, _Arg))
+    traced_at = [i for i, a in enumerate(flat) if isinstance(a, _Arg)]
+    key = _trace_key(node, flat, spec)
+    traced = traces.get(key) if key is not None else None
+    if traced is None:
+        traced = _trace(node, flat, spec, traced_at, table)
+        if key is not None:
+            traces[key] = traced
+    inputs = iter(env[flat[i].node] for i in traced_at)
+    mapping: dict[torch.fx.Node, Any] = {}
+    result = None
+    for sub in traced.graph.nodes:
+        if sub.op == "placeholder":
+            mapping[sub] = next(inputs)
+        elif sub.op == "output":
+            result = pytree.tree_map_only(torch.fx.Node, mapping.__getitem__, sub.args[0])
+        elif sub.op == "call_function":
+            if isinstance(sub.target, torch._ops.OpOverload) and sub.target._schema.is_mutable:
+                raise NotImplementedError(
+                    f"{node.target} decomposes into {sub.target}, which writes in place"
+                )
+            new = graph.node_copy(sub, lambda n: mapping[n])
+            for name in KEPT_META:
+                if name in node.meta:
+                    new.meta[name] = node.meta[name]
+            mapping[sub] = new
+        else:  # a constant tensor the decomposition made (get_attr): not inlined here
+            raise NotImplementedError(f"the decomposition of {node.target} holds a {sub.op} ({sub.target})")
+    if (
+        isinstance(result, (list, tuple))
+        and len(result) == 1
+        and not isinstance(node.meta["val"], (list, tuple))
+    ):
+        result = result[0]
+    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class _Arg:
+    """A node argument of a node being decomposed, with its fake value."""
+
+    node: torch.fx.Node
+    val: Any
+
+
+def _trace(
+    node: torch.fx.Node, flat: list, spec: Any, traced_at: list[int], table: dict
+) -> torch.fx.GraphModule:
+    op = node.target
+
+    def call(*values):
+        leaves = list(flat)
+        for i, value in zip(traced_at, values, strict=True):
+            leaves[i] = value
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        return op(*args, **kwargs)
+
+    values = [flat[i].val for i in traced_at]
+    fake_mode = torch._guards.detect_fake_mode([*values, node.meta["val"]])  # export's
+    if fake_mode is None:
+        raise NotImplementedError(f"{op} has no fake tensor argument")
+    with fake_mode, enable_python_dispatcher():  # CIA decompositions written in Python, as in export
+        return make_fx(call, decomposition_table=table)(*values)
+
+
+def _trace_key(node: torch.fx.Node, flat: list, spec: Any) -> tuple | None:
+    """What a node's traced decomposition depends on: the op, the arguments' structure and
+    constants, each tensor's sizes, strides, offset and dtype (as export's expressions), which
+    arguments are the same node. None when a value is not one to key on."""
+    if free_unbacked_symbols(node.meta.get("val")):
+        return None
+    first: dict[torch.fx.Node, int] = {}
+    parts: list[Any] = [node.target, str(spec)]
+    for i, leaf in enumerate(flat):
+        if not isinstance(leaf, _Arg):
+            parts.append(leaf)
+            continue
+        val = leaf.val
+        if isinstance(val, torch.Tensor):
+            desc = (str(val.shape), str(val.stride()), str(val.storage_offset()), val.dtype, str(val.device))
+        elif isinstance(val, SYM_TYPES):
+            desc = (type(val).__name__, str(val))
+        else:
+            return None
+        parts.append((desc, first.setdefault(leaf.node, i)))
+    key = tuple(parts)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _renamed_outputs(
+    signature: ExportGraphSignature, old: torch.fx.Graph, new: torch.fx.Graph
+) -> ExportGraphSignature:
+    """The signature with each output spec naming the node that now produces that output."""
+    old_outputs = pytree.tree_leaves(old.output_node().args[0])
+    new_outputs = pytree.tree_leaves(new.output_node().args[0])
+    specs = []
+    for spec, before, after in zip(signature.output_specs, old_outputs, new_outputs, strict=True):
+        if (
+            isinstance(spec.arg, TensorArgument)
+            and isinstance(after, torch.fx.Node)
+            and after.name != before.name
+        ):
+            spec = OutputSpec(kind=spec.kind, arg=TensorArgument(name=after.name), target=spec.target)
+        specs.append(spec)
+    return ExportGraphSignature(input_specs=list(signature.input_specs), output_specs=specs)

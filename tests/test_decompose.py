@@ -1,0 +1,189 @@
+"""Decomposition node by node (gjit/decompose.py), checked against torch's run_decompositions().
+
+A program that mutates nothing is decomposed one node at a time; anything the node-by-node pass
+cannot vouch for (a write in place, a higher-order op, a data-dependent size, a decomposition
+that writes) goes through run_decompositions() whole. Both must compute what eager computes.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+
+import gjit
+from gjit import decompose
+from helpers import check, run_compiled
+from model_zoo import MODELS
+
+pytestmark = pytest.mark.cpu
+
+# run_decompositions() traces with the parameters requiring grad, so torch's matmul keeps a 3-d
+# input's batch dims for autograd (expand + bmm); traced alone, as eager does under no_grad, it
+# folds them into one mm (a contiguous copy of the input, then a view).
+FOLDED_MATMUL = {
+    "transformer_encoder_layer": {
+        "aten.bmm.default": -1,
+        "aten.expand.default": -2,
+        "aten.mm.default": 1,
+        "aten.clone.default": 1,
+        "aten.view.default": -1,
+    }
+}
+
+
+def aten_ops(program: torch.export.ExportedProgram) -> collections.Counter:
+    """The ATen ops of a program, size queries left out (each traced node asks its own sizes)."""
+    return collections.Counter(
+        str(n.target)
+        for n in program.graph.nodes
+        if n.op == "call_function"
+        and isinstance(n.target, torch._ops.OpOverload)
+        and "sym_" not in str(n.target)
+    )
+
+
+def export(model, args, **kwargs) -> torch.export.ExportedProgram:
+    with torch.no_grad():
+        return torch.export.export(model, args, strict=False, **kwargs)
+
+
+def counters() -> tuple[int, int]:
+    stats = gjit.stats()
+    return stats.get("decompositions_by_node", 0), stats.get("decompositions_whole", 0)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_node_by_node_gives_run_decompositions_ops_and_eager_results(name):
+    model, args = MODELS[name]()
+    program = export(model, args)
+    assert decompose.whole_program_reason(program) is None
+    table = decompose.decomposition_table()
+    nodes = decompose.decompose_nodes(program, table)
+    whole = program.run_decompositions(table)
+    difference = aten_ops(nodes)
+    difference.subtract(aten_ops(whole))
+    assert {k: v for k, v in difference.items() if v} == FOLDED_MATMUL.get(name, {})
+    assert not [n for n in nodes.graph.nodes if n.op == "call_function" and decompose.decomposes(n, table)]
+    with torch.no_grad():
+        got, want = nodes.module()(*args), model(*args)
+    for a, e in zip(pytree.tree_leaves(got), pytree.tree_leaves(want), strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+
+
+def test_a_compiled_model_is_decomposed_node_by_node_with_dynamic_sizes():
+    model, args = MODELS["llama-sdpa"]()
+    with torch.no_grad():
+        check(model, *args)
+    assert counters() == (1, 0)
+
+
+class BufferWrite(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(4))
+
+    def forward(self, x):
+        self.steps.add_(1)
+        return F.layer_norm(x, (4,)) * self.steps
+
+
+def test_a_program_that_writes_in_place_is_decomposed_whole():
+    x = torch.randn(3, 4)
+    assert "writes an argument in place" in decompose.whole_program_reason(export(BufferWrite(), (x,)))
+    eager, compiled = BufferWrite(), BufferWrite()
+    cm = gjit.compile(compiled)
+    for _ in range(2):
+        out, _ = run_compiled(cm, x)
+        torch.testing.assert_close(out, eager(x))
+    assert torch.equal(compiled.steps, torch.full((4,), 2.0))
+    assert counters() == (0, 1)
+
+
+def test_a_composite_op_that_writes_when_traced_is_decomposed_whole():
+    # F.batch_norm in training mode is one CompositeImplicitAutograd node in the exported graph;
+    # traced, it updates the running statistics in place: only functionalization handles that
+    def fn(x, mean, var):
+        return F.batch_norm(x, mean, var, training=True, momentum=0.5)
+
+    x = torch.randn(4, 3, 5)
+    mean, var = torch.randn(3), torch.rand(3) + 0.5
+    eager_mean, eager_var = mean.clone(), var.clone()
+    expected = fn(x, eager_mean, eager_var)
+    with gjit.config.scope(interpret=True, debug=True):
+        out = gjit.compile(fn)(x, mean, var)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close((mean, var), (eager_mean, eager_var))
+    assert counters() == (0, 1)
+
+
+def test_a_grad_mode_region_is_decomposed_whole():
+    class NoGradInside(torch.nn.Module):
+        def forward(self, x):
+            with torch.no_grad():
+                y = F.silu(x) * 2
+            return y.reshape(-1)
+
+    x = torch.randn(4, 8)  # with grad enabled outside, export keeps the region as a higher-order op
+    assert "get_attr" in decompose.whole_program_reason(torch.export.export(NoGradInside(), (x,)))
+    check(NoGradInside(), x)
+    assert counters() == (0, 1)
+
+
+def test_a_data_dependent_size_is_decomposed_whole():
+    def fn(x):
+        return torch.nonzero(x > 0).reshape(-1)
+
+    assert "data-dependent" in decompose.whole_program_reason(_export_fn(fn, torch.randn(6, 5)))
+
+
+def _export_fn(fn, *args) -> torch.export.ExportedProgram:
+    class Wrap(torch.nn.Module):
+        def forward(self, *a):
+            return fn(*a)
+
+    return export(Wrap(), args)
+
+
+def test_multi_output_ops_and_outputs_replaced_by_their_decomposition():
+    def fn(input):  # an input named like a builtin keeps its name (the signature names it)
+        var, mean = torch.var_mean(input.reshape(4, -1), -1)
+        normed = F.layer_norm(input, (8,))
+        return var, mean, normed.to(torch.float32), input.t().reshape(-1)
+
+    x = torch.randn(4, 8)
+    program = _export_fn(fn, x)
+    nodes = decompose.decompose_nodes(program, decompose.decomposition_table())
+    assert [s.arg.name for s in nodes.graph_signature.input_specs] == [
+        s.arg.name for s in program.graph_signature.input_specs
+    ]
+    outputs = [n.name for n in nodes.graph.output_node().args[0]]
+    assert [s.arg.name for s in nodes.graph_signature.output_specs] == outputs
+    for a, e in zip(nodes.module()(x), fn(x), strict=True):
+        torch.testing.assert_close(a, e)
+    check(fn, x)
+    check(fn, torch.randn(8, 4).t())  # non-contiguous: reshape copies
+    assert counters() == (2, 0)
+
+
+def test_a_reused_trace_keeps_each_node_source_line():
+    class TwoProjections(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            first = self.a(x)
+            return self.b(first)
+
+    program = export(TwoProjections(), (torch.randn(3, 8),))
+    nodes = decompose.decompose_nodes(program, decompose.decomposition_table())
+    addmms = [n for n in nodes.graph.nodes if n.target == torch.ops.aten.addmm.default]
+    assert len(addmms) == 2
+    lines = [re.findall(r"line (\d+)", n.meta["stack_trace"]) for n in addmms]
+    assert lines[0] != lines[1]
+    assert [n.meta["nn_module_stack"] for n in addmms] != [addmms[0].meta["nn_module_stack"]] * 2
