@@ -11,10 +11,13 @@ or stack use spills registers.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import multiprocessing
 import os
 import re
 import subprocess
+import warnings
 from typing import Any
 
 import triton
@@ -104,9 +107,17 @@ def build(kernel: Any, path: str, arch: int, out_dir: str) -> KernelBinary:
     return KernelBinary(kernel.name, ptx_path, cubin_path, **usage, vector_loads=vector, scalar_loads=scalar)
 
 
-def aot(model: Any, *args: Any, arch: str = "sm_90", out_dir: str | None = None, **kwargs: Any) -> AotReport:
+def aot(
+    model: Any,
+    *args: Any,
+    arch: str = "sm_90",
+    out_dir: str | None = None,
+    workers: int | None = None,
+    **kwargs: Any,
+) -> AotReport:
     """Compile `model` for this call (capture, lower, fuse, codegen; nothing runs) and build every
-    kernel, torch.cond branches included, for `arch`; PTX and cubins go to `out_dir`."""
+    kernel, torch.cond branches included, for `arch`; PTX and cubins go to `out_dir`. `workers`
+    processes build at once (default `gjit.config.compile_workers`, the CPU count)."""
     from gjit.api import CompiledFunction
 
     number = int(arch.removeprefix("sm_"))
@@ -115,10 +126,41 @@ def aot(model: Any, *args: Any, arch: str = "sm_90", out_dir: str | None = None,
     if entry is None:
         raise RuntimeError(f"gjit could not capture {cm._name()}: {getattr(cm, '_capture_failed', '')}")
     out_dir = out_dir or os.path.join(config.cache_dir, "aot", arch)
-    kernels = []
+    jobs = []
     graphs = [entry.program.graph]
     while graphs:
         graph = graphs.pop(0)
-        kernels += [build(k, graph.kernel_paths[k.name], number, out_dir) for k in graph.kernels]
+        jobs += [(k, graph.kernel_paths[k.name]) for k in graph.kernels]
         graphs += list(graph.subgraphs.values())
-    return AotReport(arch, kernels)
+    workers = config.compile_workers if workers is None else workers
+    return AotReport(arch, build_all(jobs, number, out_dir, workers))
+
+
+def _warm_up_triton() -> None:
+    """Triton's one-time work per process: the hash of its own sources and library that keys its
+    cache (about 0.6 s), the import of its code generator."""
+    try:
+        import triton.compiler.code_generator  # noqa: F401
+        from triton.runtime.cache import triton_key
+    except ImportError:  # another Triton: each worker pays it
+        return
+    triton_key()
+
+
+def build_all(jobs: list[tuple[Any, str]], arch: int, out_dir: str, workers: int) -> list[KernelBinary]:
+    """Every (kernel, source path) built for sm_<arch>, in order: in `workers` processes at once
+    (each kernel's Triton pipeline and ptxas run in its own process, as Inductor's compile
+    workers do), or in this process when there is one worker or one kernel. Workers are forked:
+    a build touches no tensor, and a fork starts in milliseconds where a fresh interpreter would
+    import torch and Triton again (seconds)."""
+    workers = max(1, min(workers, len(jobs)))
+    if workers == 1:
+        return [build(kernel, path, arch, out_dir) for kernel, path in jobs]
+    _warm_up_triton()  # once here, inherited by every fork, instead of once per worker per call
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    with warnings.catch_warnings():  # Python 3.12+ warns on any fork of a threaded process
+        warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+            futures = [pool.submit(build, kernel, path, arch, out_dir) for kernel, path in jobs]
+            return [future.result() for future in futures]

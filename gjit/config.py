@@ -21,6 +21,8 @@
     gjit.config.check                 GJIT_CHECK=1       run every kernel and the eager fallback on the
                                                          same inputs, report the error per kernel
     gjit.config.dump_dir              GJIT_DUMP_DIR      write every compile stage of each entry here
+    gjit.config.compile_workers       GJIT_COMPILE_WORKERS  processes that build kernel binaries for a GPU
+                                                         target (gjit.aot) at once (default: CPU count)
 
 Tests override knobs with ``with gjit.config.scope(interpret=True): ...``.
 """
@@ -153,6 +155,12 @@ class Config:
         "GJIT_DUMP_DIR",
         lambda: os.environ.get("GJIT_DUMP_DIR") or None,
         "write every compile stage of each entry under this folder",
+    )
+
+    compile_workers = _Knob(
+        "GJIT_COMPILE_WORKERS",
+        _env_int("GJIT_COMPILE_WORKERS", os.cpu_count() or 1),
+        "worker processes that build a graph's kernel binaries for a GPU target at once (1: in process)",
     )
 
     def __init__(self) -> None:

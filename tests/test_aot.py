@@ -33,3 +33,30 @@ def test_reductions_report_shared_memory_and_no_spills(tmp_path):
 def test_torch_cond_branch_kernels_are_built_too(tmp_path):
     report = gjit.aot(Cond(), torch.randn(4, 3), out_dir=str(tmp_path))
     assert len(report.kernels) == 3  # the predicate's reduction and one kernel per branch
+
+
+def test_workers_build_the_same_binaries_as_one_process(tmp_path, monkeypatch):
+    # Triton's own cache would hand the second build the first one's binaries: one cache each
+    def f(x, w):
+        h = torch.nn.functional.gelu(x @ w)
+        return torch.softmax(h, -1), torch.nn.functional.layer_norm(h, (h.shape[-1],)), (h * 2).sum(0)
+
+    x, w = torch.randn(16, 32), torch.randn(32, 48)
+    reports = {}
+    for workers in (1, 2):
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / f"triton{workers}"))
+        out = tmp_path / f"out{workers}"
+        reports[workers] = gjit.aot(gjit.compile(f), x, w, out_dir=str(out), workers=workers)
+    serial, parallel = reports[1].kernels, reports[2].kernels
+    assert len(serial) >= 2  # two processes build at once
+    assert [k.name for k in parallel] == [k.name for k in serial]
+    for a, b in zip(serial, parallel):
+        assert open(a.cubin_path, "rb").read() == open(b.cubin_path, "rb").read()
+        assert (a.registers, a.shared, a.spills) == (b.registers, b.shared, b.spills)
+
+
+def test_compile_workers_knob_reads_the_environment(monkeypatch):
+    monkeypatch.setenv("GJIT_COMPILE_WORKERS", "1")
+    assert gjit.config.compile_workers == 1
+    monkeypatch.delenv("GJIT_COMPILE_WORKERS")
+    assert gjit.config.compile_workers == (os.cpu_count() or 1)
