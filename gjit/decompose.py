@@ -26,7 +26,14 @@ import torch
 import torch.utils._pytree as pytree
 from torch._dispatch.python import enable_python_dispatcher
 from torch.export import ExportedProgram
-from torch.export.graph_signature import ExportGraphSignature, OutputSpec, TensorArgument
+from torch.export.graph_signature import (
+    ExportGraphSignature,
+    OutputSpec,
+    SymBoolArgument,
+    SymFloatArgument,
+    SymIntArgument,
+    TensorArgument,
+)
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
@@ -41,20 +48,30 @@ except ImportError:  # pragma: no cover
 
 log = logs.logger("capture")
 
-# python functions an exported graph calls on sizes (and getitem of a multi-output op)
-SIZE_FUNCTIONS = frozenset(
-    f for module in (operator, math) for f in vars(module).values() if callable(f) and not isinstance(f, type)
-) | {
-    torch.sym_float,
-    torch.sym_int,
-    torch.sym_max,
-    torch.sym_min,
-    torch.sym_not,
-    torch.sym_ite,
-    torch.sym_sum,
-}
+# python functions an exported graph calls on sizes (and getitem of a multi-output op): pure ones
+SIZE_FUNCTIONS = (
+    frozenset(
+        getattr(operator, name)
+        for name in (
+            "add sub mul truediv floordiv mod pow neg pos abs and_ or_ xor not_ invert lshift rshift "
+            "eq ne lt le gt ge truth getitem"
+        ).split()
+    )
+    | frozenset(f for f in vars(math).values() if callable(f))
+    | {
+        torch.sym_float,
+        torch.sym_int,
+        torch.sym_max,
+        torch.sym_min,
+        torch.sym_not,
+        torch.sym_ite,
+        torch.sym_sum,
+    }
+)
 
 SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
+# output specs that name the node producing the output
+NAMED_ARGUMENTS = (TensorArgument, SymIntArgument, SymFloatArgument, SymBoolArgument)
 
 # node meta kept from a decomposed node on the nodes that replace it (source lines, module path)
 KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn", "from_node", "custom")
@@ -240,8 +257,8 @@ def _trace_key(node: torch.fx.Node, flat: list, spec: Any) -> tuple | None:
     first: dict[torch.fx.Node, int] = {}
     parts: list[Any] = [node.target, str(spec)]
     for i, leaf in enumerate(flat):
-        if not isinstance(leaf, _Arg):
-            parts.append(leaf)
+        if not isinstance(leaf, _Arg):  # 1, 1.0 and True are equal keys, and so are 0.0 and -0.0:
+            parts.append((type(leaf).__name__, repr(leaf)))  # the type and the spelling tell them apart
             continue
         val = leaf.val
         if isinstance(val, torch.Tensor):
@@ -267,11 +284,8 @@ def _renamed_outputs(
     new_outputs = pytree.tree_leaves(new.output_node().args[0])
     specs = []
     for spec, before, after in zip(signature.output_specs, old_outputs, new_outputs, strict=True):
-        if (
-            isinstance(spec.arg, TensorArgument)
-            and isinstance(after, torch.fx.Node)
-            and after.name != before.name
-        ):
-            spec = OutputSpec(kind=spec.kind, arg=TensorArgument(name=after.name), target=spec.target)
+        renamed = isinstance(after, torch.fx.Node) and after.name != before.name
+        if renamed and isinstance(spec.arg, NAMED_ARGUMENTS):
+            spec = OutputSpec(kind=spec.kind, arg=type(spec.arg)(name=after.name), target=spec.target)
         specs.append(spec)
     return ExportGraphSignature(input_specs=list(signature.input_specs), output_specs=specs)

@@ -187,3 +187,35 @@ def test_a_reused_trace_keeps_each_node_source_line():
     lines = [re.findall(r"line (\d+)", n.meta["stack_trace"]) for n in addmms]
     assert lines[0] != lines[1]
     assert [n.meta["nn_module_stack"] for n in addmms] != [addmms[0].meta["nn_module_stack"]] * 2
+
+
+def test_a_trace_is_not_reused_across_constants_that_compare_equal():
+    # 1 == 1.0 == True and 0.0 == -0.0 in Python: a reused trace would keep the first one's
+    # constant (an int result for 1.0 - x, +0.0 for -0.0 - x)
+    def fn(x):
+        y = x.float()
+        return 1 - x, 1.0 - x, torch.arange(5), torch.arange(5.0), 0.0 - y, -0.0 - y
+
+    x = torch.arange(6)
+    program = _export_fn(fn, x)
+    for got, want in zip(
+        decompose.decompose_nodes(program, decompose.decomposition_table()).module()(x), fn(x)
+    ):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        assert torch.equal(torch.signbit(got.float()), torch.signbit(want.float()))
+    check(fn, x)
+    assert counters() == (1, 0)
+
+
+def test_a_returned_size_keeps_its_output_spec():
+    class ChunkAndSize(torch.nn.Module):
+        def forward(self, x, y):
+            return x.chunk(2, 0)[0], y.shape[0] + 1, y.reshape(-1)
+
+    auto = torch.export.Dim.AUTO
+    args = (torch.randn(4, 3), torch.randn(5, 2))
+    program = torch.export.export(ChunkAndSize(), args, dynamic_shapes=({0: auto}, {0: auto}), strict=False)
+    decomposed, how = decompose.decompose_program(program)
+    assert how == "nodes"
+    got = decomposed.module()(*args)
+    assert got[1] == 6 and torch.equal(got[0], args[0][:2]) and torch.equal(got[2], args[1].reshape(-1))
