@@ -11,6 +11,7 @@ or stack use spills registers.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import multiprocessing
@@ -22,9 +23,11 @@ from typing import Any
 
 import triton
 
+from gjit import logs
 from gjit.codegen.toolchain.compile_only import compile_kernel
 from gjit.config import config
 
+log = logs.logger("output_code")
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
@@ -76,8 +79,9 @@ def resource_usage(cubin_path: str) -> dict[str, int]:
     return {"registers": reg, "stack": stack, "shared": shared, "local": local}
 
 
-def build(kernel: Any, path: str, arch: int, out_dir: str) -> KernelBinary:
-    """PTX and cubin of one kernel: Triton's pipeline, or NVRTC for a CUDA C kernel."""
+def build(kernel: Any, path: str, arch: int, out_dir: str, file_name: str | None = None) -> KernelBinary:
+    """PTX and cubin of one kernel: Triton's pipeline, or NVRTC for a CUDA C kernel. They are
+    written as `file_name` (default the kernel's name) .ptx and .cubin in `out_dir`."""
     if kernel.backend == "cuda":  # CuPy's NVRTC binding, needed for this backend only
         from gjit.codegen.toolchain import nvrtc
 
@@ -94,8 +98,9 @@ def build(kernel: Any, path: str, arch: int, out_dir: str) -> KernelBinary:
         ptx, cubin = binary.asm["ptx"], binary.asm["cubin"]
         usage = None
     os.makedirs(out_dir, exist_ok=True)
-    ptx_path = os.path.join(out_dir, f"{kernel.name}.ptx")
-    cubin_path = os.path.join(out_dir, f"{kernel.name}.cubin")
+    file_name = file_name or kernel.name
+    ptx_path = os.path.join(out_dir, f"{file_name}.ptx")
+    cubin_path = os.path.join(out_dir, f"{file_name}.cubin")
     with open(ptx_path, "w") as f:
         f.write(ptx)
     with open(cubin_path, "wb") as f:
@@ -153,14 +158,28 @@ def build_all(jobs: list[tuple[Any, str]], arch: int, out_dir: str, workers: int
     workers do), or in this process when there is one worker or one kernel. Workers are forked:
     a build touches no tensor, and a fork starts in milliseconds where a fresh interpreter would
     import torch and Triton again (seconds)."""
-    workers = max(1, min(workers, len(jobs)))
+    seen: collections.Counter[str] = collections.Counter()
+    builds = []  # two torch.cond branches may hold kernels of one name: one file each
+    for kernel, path in jobs:
+        seen[kernel.name] += 1
+        suffix = f"_{seen[kernel.name]}" if seen[kernel.name] > 1 else ""
+        builds.append((kernel, path, arch, out_dir, kernel.name + suffix))
+    workers = max(1, min(workers, len(builds)))
+    if workers > 1 and multiprocessing.current_process().daemon:
+        log.info("gjit.aot: building in process (a daemonic process cannot start workers)")
+        workers = 1
     if workers == 1:
-        return [build(kernel, path, arch, out_dir) for kernel, path in jobs]
+        return [build(*job) for job in builds]
     _warm_up_triton()  # once here, inherited by every fork, instead of once per worker per call
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     with warnings.catch_warnings():  # Python 3.12+ warns on any fork of a threaded process
         warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-            futures = [pool.submit(build, kernel, path, arch, out_dir) for kernel, path in jobs]
-            return [future.result() for future in futures]
+            futures = [pool.submit(build, *job) for job in builds]
+            try:
+                return [future.result() for future in futures]
+            except BaseException:
+                for future in futures:  # the first failure is the error: do not wait for the rest
+                    future.cancel()
+                raise

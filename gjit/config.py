@@ -22,7 +22,7 @@
                                                          same inputs, report the error per kernel
     gjit.config.dump_dir              GJIT_DUMP_DIR      write every compile stage of each entry here
     gjit.config.compile_workers       GJIT_COMPILE_WORKERS  processes that build kernel binaries for a GPU
-                                                         target (gjit.aot) at once (default: CPU count)
+                                                         target (gjit.aot) at once (default: usable CPUs)
 
 Tests override knobs with ``with gjit.config.scope(interpret=True): ...``.
 """
@@ -60,6 +60,14 @@ def _env_str(name: str, default: Callable[[], str]) -> Callable[[], str]:
         return os.environ.get(name) or default()
 
     return read
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity, a container's limit), else the CPU count."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
 
 
 def _default_cache_dir() -> str:
@@ -159,7 +167,7 @@ class Config:
 
     compile_workers = _Knob(
         "GJIT_COMPILE_WORKERS",
-        _env_int("GJIT_COMPILE_WORKERS", os.cpu_count() or 1),
+        _env_int("GJIT_COMPILE_WORKERS", _usable_cpus()),
         "worker processes that build a graph's kernel binaries for a GPU target at once (1: in process)",
     )
 
@@ -212,4 +220,3 @@ class CompileOptions:
         values = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls)}
         values.update({k: v for k, v in given.items() if v is not None})
         return cls(**values)
-

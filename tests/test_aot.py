@@ -1,5 +1,6 @@
 """gjit.aot: every kernel built for sm_90 without a GPU, with its resource usage from the cubin."""
 
+import multiprocessing
 import os
 
 import pytest
@@ -60,3 +61,32 @@ def test_compile_workers_knob_reads_the_environment(monkeypatch):
     assert gjit.config.compile_workers == 1
     monkeypatch.delenv("GJIT_COMPILE_WORKERS")
     assert gjit.config.compile_workers == (os.cpu_count() or 1)
+
+
+def test_cond_branches_with_kernels_of_one_name_get_a_file_each(tmp_path):
+    def branches(x):
+        return torch.cond(x.sum() > 0, lambda t: t * 2, lambda t: t * 3, (x,))
+
+    report = gjit.aot(branches, torch.randn(8), out_dir=str(tmp_path), workers=2)
+    cubins = [k.cubin_path for k in report.kernels]
+    assert len(set(cubins)) == len(cubins) == 3
+    assert all(os.path.getsize(p) > 0 for p in cubins)
+
+
+def _aot_in_daemon(out_dir, queue):
+    try:
+        f = lambda a: (torch.softmax(a, -1), (a * 2).sum(0))  # noqa: E731 - two kernels
+        report = gjit.aot(f, torch.randn(8, 16), out_dir=out_dir, workers=2)
+        queue.put(len(report.kernels))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        queue.put(f"{type(e).__name__}: {e}")
+
+
+def test_a_daemonic_process_builds_in_process(tmp_path):
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_aot_in_daemon, args=(str(tmp_path), queue), daemon=True)
+    child.start()
+    result = queue.get(timeout=300)
+    child.join(timeout=60)
+    assert result == 2, result
