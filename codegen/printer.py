@@ -7,11 +7,14 @@ language's integer `//` and `%` (C truncation in Triton agrees with floor there)
 from __future__ import annotations
 
 import sympy
+from torch.utils._sympy import printers as torch_printers
 from torch.utils._sympy.functions import (
     CeilDiv,
+    CeilToInt,
     CleanDiv,
     FloatTrueDiv,
     FloorDiv,
+    FloorToInt,
     IntTrueDiv,
     Max,
     Min,
@@ -71,6 +74,13 @@ class ExprPrinter:
         if isinstance(expr, CeilDiv):
             a, b = map(self.paren, expr.args)
             return f"({a} + {b} - 1) // {b}"
+        if isinstance(expr, (CeilToInt, FloorToInt)) and isinstance(expr.args[0], IntTrueDiv):
+            # ceil/floor of an int over an int (math.ceil(n / 3) on a size): exact integer math;
+            # a divisor that is not a positive literal is left to the subclass (or refused)
+            a, b = expr.args[0].args
+            if b.is_Integer and b > 0:
+                a, b = self.paren(a), self.paren(b)
+                return f"({a} + {b} - 1) // {b}" if isinstance(expr, CeilToInt) else f"{a} // {b}"
         if isinstance(expr, ModularIndexing):
             base, div, mod = expr.args
             inner = self.paren(base) if div == 1 else f"({self.paren(base)} // {self.paren(div)})"
@@ -121,7 +131,11 @@ class ExprPrinter:
 
 class PythonPrinter(ExprPrinter):
     """For generated Python wrappers and guards, where sizes may also meet floats: a SymFloat
-    argument of an extern (e.g. the scale an upsampling decomposition computes)."""
+    argument of an extern (e.g. the scale an upsampling decomposition computes). Whatever the
+    index printer does not know (the rest of torch's size functions: CeilToInt of a float,
+    RoundToInt, RoundDecimal, FloatPow, OpaqueUnaryFn_sqrt, Where, bitwise functions, ...) is
+    printed by torch's own PythonPrinter, as Inductor prints its wrappers (`math.*` calls: the
+    wrapper and the guards import math)."""
 
     def doprint(self, expr: sympy.Basic) -> str:
         if isinstance(expr, sympy.Float):
@@ -132,7 +146,22 @@ class PythonPrinter(ExprPrinter):
             return f"int({self.doprint(expr.args[0])})"
         if isinstance(expr, (FloatTrueDiv, IntTrueDiv)):
             return f"{self.paren(expr.args[0])} / {self.paren(expr.args[1])}"
-        return super().doprint(expr)
+        if isinstance(expr, (CeilToInt, FloorToInt)) and isinstance(expr.args[0], IntTrueDiv):
+            a, b = map(self.paren, expr.args[0].args)  # Python's // floors for any signs: exact
+            return f"-(-{a} // {b})" if isinstance(expr, CeilToInt) else f"{a} // {b}"
+        try:
+            return super().doprint(expr)
+        except ValueError:
+            return self.torch_print(expr)
+
+    def torch_print(self, expr: sympy.Basic) -> str:
+        renamed = {
+            s: sympy.Symbol(self.names[s], **s.assumptions0) for s in expr.free_symbols if s in self.names
+        }
+        try:
+            return f"({_TORCH_PYTHON.doprint(expr.xreplace(renamed))})"
+        except Exception as e:  # noqa: BLE001 - any failure of torch's printer is "cannot print"
+            raise ValueError(f"cannot print {type(expr).__name__} {expr}: {e}") from e
 
 
 class TritonPrinter(ExprPrinter):
@@ -143,6 +172,9 @@ class TritonPrinter(ExprPrinter):
     and_op = " & "
     or_op = " | "
     not_op = "~"
+
+
+_TORCH_PYTHON = torch_printers.PythonPrinter()
 
 
 def pyexpr(expr, names: dict[sympy.Symbol, str] | None = None) -> str:

@@ -170,7 +170,7 @@ def export_model(
                     shapes[leaf] = spec_dims
         args, kwargs = pytree.tree_unflatten(leaves, spec)
     hook = aliases.recording(module)
-    with logs.quiet_torch_trace_errors(), _size_oblivious(oblivious):
+    with logs.quiet_torch_trace_errors(), _size_oblivious(oblivious), _kept_dim_markers(args, kwargs):
         try:
             with timed("export", timings), logs.torch_dynamic_logs(), _no_fake_tensor_cache():
                 exported = torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
@@ -208,6 +208,37 @@ def shape_guard_texts(vals: list[Any]) -> list[str]:
 def _shape_env(vals: list[Any]):
     mode = torch._guards.detect_fake_mode(vals)
     return mode.shape_env if mode is not None else None
+
+
+# the attributes torch.export (and torch._dynamo.mark_dynamic) keep on an input tensor about its dims
+DIM_MARKERS = (
+    "_dynamo_weak_dynamic_indices",
+    "_dynamo_dynamic_indices",
+    "_dynamo_dynamic_range",
+    "_dynamo_static_indices",
+    "_dynamo_unbacked_indices",
+    "_dynamo_propagated_dynamic_indices",
+    "_has_dynamo_dim_marking",
+)
+
+
+@contextlib.contextmanager
+def _kept_dim_markers(args: tuple, kwargs: dict):
+    """Capture never changes a user's tensor: torch.export overwrites the dim markers of every
+    input tensor (a user's mark_dynamic for torch.compile included), deletes them when it
+    succeeds and leaves its own when it fails, which would make the static retry fail the same
+    way. Whatever the tensors had before is put back."""
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    saved = [{name: t.__dict__[name] for name in DIM_MARKERS if name in t.__dict__} for t in tensors]
+    try:
+        yield
+    finally:
+        for t, markers in zip(tensors, saved):
+            for name in DIM_MARKERS:
+                if name in markers:
+                    setattr(t, name, markers[name])
+                elif name in t.__dict__:
+                    delattr(t, name)
 
 
 def _no_fake_tensor_cache():

@@ -208,10 +208,16 @@ def compile_graph(
     graph = run("write", write_graph, gm, kernels, wrapper)
     if options.check:
         graph.checker = region_checker(gm, loop_graph, steps)
-    for node in gm.graph.nodes:  # torch.cond branches
-        if node.op == "get_attr" and isinstance(getattr(gm, node.target), torch.fx.GraphModule):
+    for node in gm.graph.nodes:  # torch.cond branches (other higher-order ops run theirs eagerly)
+        if node.op == "get_attr" and is_cond_branch(gm, node):
             graph.subgraphs[node.target] = compile_graph(getattr(gm, node.target), [], run)[2]
     return loop_graph, steps, graph
+
+
+def is_cond_branch(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    return isinstance(getattr(gm, node.target), torch.fx.GraphModule) and all(
+        user.target is torch.ops.higher_order.cond for user in node.users
+    )
 
 
 def generate_kernels(

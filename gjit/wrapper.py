@@ -236,6 +236,8 @@ def _op_name(target: Any) -> str:
         )
     if target is operator.getitem:
         return "operator.getitem"
+    if isinstance(target, torch._ops.HigherOrderOperator):  # its subgraphs run eagerly (map, scan, ...)
+        return f"torch.ops.higher_order.{target.name()}"
     raise WrapperError(f"cannot call {target} from the wrapper")
 
 

@@ -34,8 +34,8 @@ from gjit.lowering.registry import (
     cast,
     complex_reason,
     contiguous_layout,
-    float_size_reason,
     meta_layout,
+    size_reason,
     to_sympy,
     to_sympy_any,
 )
@@ -190,7 +190,7 @@ class Lowering:
             return val  # size arithmetic (sym_size, operator.mul, ...): a sympy expression, no op to run
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: self.values[n])
         fn = LOWERINGS.get(target)
-        reason = EXTERN_REASONS.get(target) or float_size_reason(val) or complex_reason(node)
+        reason = EXTERN_REASONS.get(target) or size_reason(val) or complex_reason(node)
         if fn is not None and reason is None:
             try:
                 return fn(self, *args, **kwargs)

@@ -15,7 +15,19 @@ from typing import Any
 import sympy
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
-from torch.utils._sympy.functions import FloatTrueDiv, IntTrueDiv, ToFloat, TruncToInt
+from torch.utils._sympy.functions import (
+    CeilDiv,
+    CeilToInt,
+    CleanDiv,
+    FloorDiv,
+    FloorToInt,
+    IntTrueDiv,
+    Max,
+    Min,
+    Mod,
+    ModularIndexing,
+    PythonMod,
+)
 
 from gjit import ir
 from gjit.ir import Const, Expr, Index, Op, Read
@@ -118,17 +130,55 @@ def to_sympy_any(value: Any) -> sympy.Expr:
     return sympy.sympify(value)
 
 
-FLOAT_SIZE_FUNCTIONS = (ToFloat, TruncToInt, FloatTrueDiv, IntTrueDiv, sympy.Float)
+# what kernels print as integer index math (codegen/printer.py): anything else in a size makes the op
+# an extern, which ATen sizes itself
+INDEX_FUNCTIONS = (
+    FloorDiv,
+    CleanDiv,
+    CeilDiv,
+    ModularIndexing,
+    Mod,
+    PythonMod,
+    Min,
+    Max,
+    sympy.Min,
+    sympy.Max,
+)
 
 
-def float_size_reason(val: Any) -> str | None:
-    """Kernels print sizes as integer index math; a size computed through floats (1-D nearest
-    upsampling by 1.5: int(1.5 * float(s))) makes the op an extern, which ATen sizes itself."""
+def _index_math(expr: sympy.Basic) -> bool:
+    """Whether the kernel printers print `expr` as integer math."""
+    if isinstance(expr, (sympy.Symbol, sympy.Integer)) or expr in (sympy.true, sympy.false):
+        return True
+    if isinstance(expr, (CeilToInt, FloorToInt)):  # math.ceil(n / 3): ceil/floor of an int over a
+        inner = expr.args[0]  # positive literal
+        return (
+            isinstance(inner, IntTrueDiv)
+            and inner.args[1].is_Integer
+            and inner.args[1] > 0
+            and _index_math(inner.args[0])
+        )
+    if isinstance(expr, sympy.Pow):
+        return expr.args[1].is_Integer and expr.args[1] > 0 and _index_math(expr.args[0])
+    if isinstance(expr, sympy.floor) and isinstance(expr.args[0], sympy.Mul):
+        return all(_index_math(a) for a in sympy.fraction(expr.args[0]))
+    if isinstance(
+        expr, (sympy.Add, sympy.Mul, sympy.core.relational.Relational, sympy.And, sympy.Or, sympy.Not)
+    ):
+        return all(_index_math(a) for a in expr.args)
+    return isinstance(expr, INDEX_FUNCTIONS) and all(_index_math(a) for a in expr.args)
+
+
+def size_reason(val: Any) -> str | None:
+    """Kernels print sizes as integer index math. A size computed through floats (1-D nearest
+    upsampling by 1.5: int(1.5 * float(s))), rounding (round(n / 3)) or any other function of
+    torch's shape environment the printers do not write makes the op an extern, which ATen
+    sizes itself; the wrapper prints it with torch's Python printer."""
     for t in val if isinstance(val, (list, tuple)) else [val]:
         if isinstance(t, torch.Tensor):
             for s in (*t.shape, *t.stride(), t.storage_offset()):
-                if isinstance(s, torch.SymInt) and s.node.expr.atoms(*FLOAT_SIZE_FUNCTIONS):
-                    return f"a size computed through floats: {s.node.expr}"
+                if isinstance(s, torch.SymInt) and not _index_math(s.node.expr):
+                    return f"a size kernels cannot print as integer math: {s.node.expr}"
     return None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import types
 from collections.abc import Callable
@@ -147,13 +148,32 @@ class CompiledGraph:
                 for k in self.kernels
                 if k.backend != "cuda"
             }
-            extra = {"gjit_alloc": gjit_alloc, "gjit_alloc_poisoned": gjit_alloc_poisoned, **kernels}
+            # math: size expressions torch's printer writes as math.ceil(...), math.floor(...)
+            extra = {
+                "gjit_alloc": gjit_alloc,
+                "gjit_alloc_poisoned": gjit_alloc_poisoned,
+                "math": math,
+                **kernels,
+            }
             extra |= {name: sub.run_branch for name, sub in self.subgraphs.items()}
+            extra |= self.eager_subgraphs()
             if self.checker is not None:
                 extra["gjit_check"] = self.checker.check_region
             call = load_module(self.wrapper_path, extra).call
             self._calls[key] = _interpreted(call) if interpret else call
         return self._calls[key]
+
+    def eager_subgraphs(self) -> dict[str, torch.fx.GraphModule]:
+        """The subgraphs of higher-order ops other than torch.cond (map, scan, while_loop, ...),
+        by node name: the wrapper hands them to the op, which runs them eagerly."""
+        gm = self.graph_module
+        return {
+            node.name: getattr(gm, node.target)
+            for node in gm.graph.nodes
+            if node.op == "get_attr"
+            and node.target not in self.subgraphs
+            and isinstance(getattr(gm, node.target, None), torch.fx.GraphModule)
+        }
 
     @functools.cached_property
     def on_cuda(self) -> bool:
