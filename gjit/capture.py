@@ -28,7 +28,6 @@ except ImportError:
     _IntWrapper = None
 
 from gjit import kv_cache, logs, stats
-from gjit.decompose import decompose_program
 from gjit.in_place import write_in_place
 from gjit.kv_cache import CacheAliases
 from gjit.stats import timed
@@ -170,7 +169,7 @@ def export_model(
                     shapes[leaf] = spec_dims
         args, kwargs = pytree.tree_unflatten(leaves, spec)
     hook = aliases.recording(module)
-    with logs.quiet_torch_trace_errors(), _size_oblivious(oblivious), _kept_dim_markers(args, kwargs):
+    with logs.quiet_torch_trace_errors(), size_oblivious(oblivious), _kept_dim_markers(args, kwargs):
         try:
             with timed("export", timings), logs.torch_dynamic_logs(), _no_fake_tensor_cache():
                 exported = torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
@@ -180,32 +179,14 @@ def export_model(
     return exported, oblivious
 
 
-def decompose(exported: Exported, timings: dict[str, float]) -> tuple[ExportedProgram, list[sympy.Basic]]:
-    """Core ATen, SDPA kept whole (gjit/decompose.py: node by node, else `run_decompositions()`).
-    Returns the decomposed program and the shape guards decomposition added to export's shape
-    environment (a decomposition that branches on a size): a warm start, which does not
-    decompose, gets them from the on-disk entry."""
-    env = _shape_env(exported.user_vals)
-    oblivious = bool(exported.from_one)
-    before = len(env.guards) if env is not None else 0
-    try:  # as export traced: size-obliviously when a dim was asked from 1
-        with timed("decompose", timings), logs.quiet_torch_trace_errors(), _size_oblivious(oblivious):
-            decomposed, how = decompose_program(exported.program)
-    except Exception as e:
-        raise DecompositionError(f"run_decompositions failed: {type(e).__name__}: {e}") from e
-    stats.COUNTERS["decompositions"] += 1
-    stats.COUNTERS["decompositions_by_node" if how == "nodes" else "decompositions_whole"] += 1
-    added = [g.expr for g in env.guards[before:]] if env is not None else []
-    return decomposed, added
-
-
 def shape_guard_texts(vals: list[Any]) -> list[str]:
     """The guards in the shape environment of these placeholder values, as text."""
-    env = _shape_env(vals)
+    env = shape_env_of(vals)
     return [str(env.simplify(g.expr)) for g in env.guards] if env is not None else []
 
 
-def _shape_env(vals: list[Any]):
+def shape_env_of(vals: list[Any]):
+    """The shape environment of export's placeholder values (None: all static)."""
     mode = torch._guards.detect_fake_mode(vals)
     return mode.shape_env if mode is not None else None
 
@@ -248,7 +229,7 @@ def _no_fake_tensor_cache():
     return torch._dynamo.config.patch(fake_tensor_cache_enabled=False)
 
 
-def _size_oblivious(on: bool):
+def size_oblivious(on: bool):
     """Trace with backed sizes treated size-obliviously (no 0/1 specialization) while `on`."""
     if not on:
         return contextlib.nullcontext()
@@ -408,6 +389,9 @@ def capture(
     program = load_program(model)
     if program is not None:
         return Exported(program, None)
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and leaf.layout != torch.strided:
+            raise CaptureError(f"an input has layout {leaf.layout}: gjit compiles strided tensors only")
     module = explicit_keywords(as_module(model), args, kwargs)
     kv_cache.register([*args, *kwargs.values()], model)
     aliases = CacheAliases()

@@ -20,8 +20,11 @@ import dataclasses
 import functools
 import math
 import operator
+import re
+from collections.abc import Callable
 from typing import Any
 
+import sympy
 import torch
 import torch.utils._pytree as pytree
 from torch._dispatch.python import enable_python_dispatcher
@@ -37,7 +40,9 @@ from torch.export.graph_signature import (
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from gjit import logs
+from gjit import logs, stats
+from gjit.capture import DecompositionError, Exported, shape_env_of, size_oblivious
+from gjit.stats import timed
 
 try:  # run_decompositions()'s own rules: which CompositeImplicitAutograd op it may keep, how it
     # updates ranges and the module call graph (torch 2.13); a torch without them decomposes whole
@@ -77,6 +82,44 @@ NAMED_ARGUMENTS = (TensorArgument, SymIntArgument, SymFloatArgument, SymBoolArgu
 KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn", "from_node", "custom")
 
 
+def decompose(
+    exported: Exported,
+    timings: dict[str, float],
+    lowered: Callable[[torch._ops.OpOverload], bool] | None = None,
+) -> tuple[ExportedProgram, list[sympy.Basic]]:
+    """Core ATen, SDPA kept whole (node by node, else `run_decompositions()`), timed as "decompose".
+    Returns the decomposed program and the shape guards decomposition added to export's shape
+    environment (a decomposition that branches on a size): a warm start, which does not
+    decompose, gets them from the on-disk entry. `lowered` (the driver's: whether gjit lowers an
+    op): an op it does not is then decomposed with torch.compile's table where it has one."""
+    env = shape_env_of(exported.user_vals)
+    oblivious = bool(exported.from_one)
+    before = len(env.guards) if env is not None else 0
+    try:  # as export traced: size-obliviously when a dim was asked from 1
+        with timed("decompose", timings), logs.quiet_torch_trace_errors(), size_oblivious(oblivious):
+            decomposed, how = decompose_program(exported.program)
+            if lowered is not None:
+                decomposed = _decompose_unlowered(decomposed, lowered)
+    except Exception as e:
+        raise DecompositionError(f"run_decompositions failed: {type(e).__name__}: {e}") from e
+    stats.COUNTERS["decompositions"] += 1
+    stats.COUNTERS["decompositions_by_node" if how == "nodes" else "decompositions_whole"] += 1
+    added = [g.expr for g in env.guards[before:]] if env is not None else []
+    return decomposed, added
+
+
+def _decompose_unlowered(program: ExportedProgram, lowered: Callable) -> ExportedProgram:
+    try:
+        decomposed, ops = decompose_unlowered(program, lowered)
+    except Exception as e:  # noqa: BLE001 - the ops stay externs, as they were
+        log.info("torch.compile's decompositions of ops without a lowering failed, kept whole: %s", e)
+        return program
+    if ops:
+        log.info("decomposed for lack of a lowering (torch.compile's decompositions): %s", ", ".join(ops))
+        stats.COUNTERS["decomposed_for_lowering"] += len(ops)
+    return decomposed
+
+
 @functools.cache
 def decomposition_table() -> dict:
     """Core ATen decompositions (torch.export's default table, CIA ops included), SDPA kept whole:
@@ -98,6 +141,50 @@ def decompose_program(program: ExportedProgram) -> tuple[ExportedProgram, str]:
             reason = f"a node's decomposition failed alone ({type(e).__name__}: {e})"
     log.debug("run_decompositions() over the whole program: %s", reason)
     return program.run_decompositions(table), f"whole: {reason}"
+
+
+# what a node decomposed for lack of a lowering records in its meta "custom"
+DECOMPOSED_FROM = "gjit_decomposed_from"
+# ops never decomposed for lack of a lowering: heavy ops ATen runs best (matmul, convolution,
+# attention), random ops (an extern keeps eager's random stream), in-place and backward ops
+KEEP_WHOLE = re.compile(
+    r"mm|mv|conv|attention|bernoulli|normal|rand|uniform|exponential|cauchy|geometric"
+    r"|dropout|_foreach|backward|quantized|_$"
+)
+
+
+@functools.cache
+def fallback_table() -> dict:
+    """torch.compile's own decompositions (Inductor's table), for ops gjit has no lowering for."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return {
+        op: fn
+        for op, fn in select_decomp_table().items()
+        if isinstance(op, torch._ops.OpOverload)
+        and not op._schema.is_mutable
+        and not KEEP_WHOLE.search(op.name().split("::")[-1])
+    }
+
+
+def decompose_unlowered(
+    program: ExportedProgram, lowered: Callable[[torch._ops.OpOverload], bool]
+) -> tuple[ExportedProgram, list[str]]:
+    """The core-ATen program with each op gjit cannot lower (`lowered` says) and torch.compile
+    decomposes replaced by that decomposition, whose pieces gjit lowers: round(decimals=) into
+    multiply, round, divide; bilinear upsampling into index math. Returns the program and the
+    ops decomposed. A program node-by-node decomposition cannot vouch for is left as it is."""
+    table = fallback_table()
+    targets = {
+        n.target
+        for n in program.graph.nodes
+        if n.op == "call_function" and n.target in table and not lowered(n.target)
+    }
+    if not targets or whole_program_reason(program) is not None:
+        return program, []
+    trace_table = {**decomposition_table(), **{op: table[op] for op in targets}}
+    decomposed = decompose_nodes(program, trace_table, pick=lambda n: n.target in targets, tag=True)
+    return decomposed, sorted(map(str, targets))
 
 
 def whole_program_reason(program: ExportedProgram) -> str | None:
@@ -123,8 +210,16 @@ def whole_program_reason(program: ExportedProgram) -> str | None:
     return None
 
 
-def decompose_nodes(program: ExportedProgram, table: dict) -> ExportedProgram:
-    """The program with every node whose op is in `table` replaced by its traced decomposition."""
+def decompose_nodes(
+    program: ExportedProgram,
+    table: dict,
+    pick: Callable[[torch.fx.Node], bool] | None = None,
+    tag: bool = False,
+) -> ExportedProgram:
+    """The program with every node `pick` chooses (default: those run_decompositions() would
+    replace) replaced by its decomposition traced with `table`. `tag`: the new nodes' meta
+    "custom" names the op they came from (explain lists it; torch's serializer keeps it)."""
+    pick = pick or (lambda node: decomposes(node, table))
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, Any] = {}  # old node -> new node, or a tree of them for multi-output ops
     traces: dict[tuple, torch.fx.GraphModule] = {}
@@ -134,8 +229,8 @@ def decompose_nodes(program: ExportedProgram, table: dict) -> ExportedProgram:
             if not isinstance(value, torch.fx.Node):  # an item of a decomposed multi-output op
                 env[node] = value[node.args[1]]
                 continue
-        if node.op == "call_function" and decomposes(node, table):
-            env[node] = _inline(graph, node, env, table, traces)
+        if node.op == "call_function" and pick(node):
+            env[node] = _inline(graph, node, env, table, traces, tag)
         else:
             env[node] = graph.node_copy(node, lambda n: _one_node(env[n]))
             if node.op == "placeholder" and env[node].name != node.name:  # a builtin's name, as export
@@ -177,7 +272,9 @@ def decomposes(node: torch.fx.Node, table: dict) -> bool:
     return op in table or (_is_cia_op(op) and not _is_preservable_cia_op(op))
 
 
-def _inline(graph: torch.fx.Graph, node: torch.fx.Node, env: dict, table: dict, traces: dict) -> Any:
+def _inline(
+    graph: torch.fx.Graph, node: torch.fx.Node, env: dict, table: dict, traces: dict, tag: bool = False
+) -> Any:
     """Trace `node`'s op alone over its arguments' fake values and copy the traced ops into
     `graph`; returns what replaces the node (a node, or a tuple of them). A trace is reused for
     a node of the same op over arguments of the same sizes, strides and dtypes (`traces`, one
@@ -208,6 +305,8 @@ def _inline(graph: torch.fx.Graph, node: torch.fx.Node, env: dict, table: dict, 
             for name in KEPT_META:
                 if name in node.meta:
                     new.meta[name] = node.meta[name]
+            if tag:
+                new.meta["custom"] = {**node.meta.get("custom", {}), DECOMPOSED_FROM: str(node.target)}
             mapping[sub] = new
         else:  # a constant tensor the decomposition made (get_attr): not inlined here
             raise NotImplementedError(f"the decomposition of {node.target} holds a {sub.op} ({sub.target})")

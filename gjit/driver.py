@@ -16,7 +16,6 @@ from gjit.capture import (
     CapturedProgram,
     Exported,
     captured_program,
-    decompose,
     shape_guard_texts,
     size_hints,
 )
@@ -25,10 +24,12 @@ from gjit.codegen.generate import generate_kernel
 from gjit.config import CompileOptions, config
 from gjit.debug import dump
 from gjit.debug.check import RegionChecker
+from gjit.decompose import decompose
 from gjit.fusion import Region, Step, fuse, verify_schedule
 from gjit.guards.builder import input_symbols
 from gjit.ir import LoopGraph
 from gjit.lowering.graph import lower_graph
+from gjit.lowering.registry import EXTERN_REASONS, LOWERINGS
 from gjit.runtime import disk_cache as cache
 from gjit.runtime import program_store
 from gjit.runtime.graph import CompiledGraph
@@ -153,7 +154,7 @@ def compile_program(
             program = cache.load(key, lambda record: _from_entry(record, exported, timings))
         if program is not None:
             return program
-    decomposed, shape_guards = decompose(exported, timings)
+    decomposed, shape_guards = decompose(exported, timings, lowered=has_lowering)
     stored = None
     if key is not None:
         try:
@@ -212,6 +213,11 @@ def compile_graph(
         if node.op == "get_attr" and is_cond_branch(gm, node):
             graph.subgraphs[node.target] = compile_graph(getattr(gm, node.target), [], run)[2]
     return loop_graph, steps, graph
+
+
+def has_lowering(op: torch._ops.OpOverload) -> bool:
+    """Whether gjit lowers `op` (else capture decomposes it with torch.compile's table if it can)."""
+    return op in LOWERINGS and op not in EXTERN_REASONS
 
 
 def is_cond_branch(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:

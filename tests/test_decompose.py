@@ -219,3 +219,54 @@ def test_a_returned_size_keeps_its_output_spec():
     assert how == "nodes"
     got = decomposed.module()(*args)
     assert got[1] == 6 and torch.equal(got[0], args[0][:2]) and torch.equal(got[2], args[1].reshape(-1))
+
+
+# name -> (function, the op decomposed, whether every piece is a kernel)
+UNLOWERED = {
+    "round_decimals": (lambda a: torch.round(a * 10, decimals=2), "aten.round.decimals", True),
+    "bilinear": (
+        lambda a: F.interpolate(a, scale_factor=2, mode="bilinear"),
+        "aten.upsample_bilinear2d.vec",
+        True,
+    ),
+    # the scale (in - 1) / (out - 1) of a dynamic size is a SymFloat: the multiply by it stays an extern
+    "bilinear_aligned": (
+        lambda a: F.interpolate(a, size=(5, 11), mode="bilinear", align_corners=True),
+        "aten.upsample_bilinear2d.vec",
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNLOWERED))
+def test_an_op_without_a_lowering_is_decomposed_with_torch_compiles_table(name, tmp_path):
+    fn, op, all_kernels = UNLOWERED[name]
+    x = torch.randn(2, 3, 8, 8)
+    with gjit.config.scope(cache=True, cache_dir=str(tmp_path)):
+        cm = check(fn, x)
+    report = gjit.explain(cm, x)
+    assert report.decomposed == [op] and report.kernels, report
+    assert not [e for e in report.externs if e.op == op] and (not report.externs or not all_kernels), report
+    assert "decomposed for lack of a lowering" in str(report)
+    gjit.reset()  # from the on-disk entry, explain still says what was decomposed
+    with gjit.config.scope(cache=True, cache_dir=str(tmp_path)):
+        warm = check(fn, x)
+    assert gjit.stats()["disk_cache_hits"] == 1 and gjit.explain(warm, x).decomposed == [op]
+
+
+def test_grid_sample_is_one_kernel_and_exact_out_of_bounds():
+    def fn(a, grid):
+        return F.grid_sample(a, grid, align_corners=False)
+
+    grid = torch.rand(2, 4, 4, 2) * 2.4 - 1.2  # some points outside [-1, 1]: zeros padding
+    cm = check(fn, torch.randn(2, 3, 8, 8), grid)
+    assert len(gjit.explain(cm, torch.randn(2, 3, 8, 8), grid).kernels) == 1
+
+
+def test_heavy_and_random_ops_are_never_decomposed_for_lack_of_a_lowering():
+    table = decompose.fallback_table()
+    aten = torch.ops.aten
+    assert aten.round.decimals in table and aten.upsample_bilinear2d.vec in table
+    for op in (aten.mm.default, aten.bmm.default, aten.addmm.default, aten.rand_like.default):
+        assert op not in table, op
+    assert not [op for op in table if op._schema.is_mutable]

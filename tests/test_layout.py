@@ -33,7 +33,7 @@ MAX_LINES = 600
 # "name=" names that module alone (the package `gjit` itself, not everything in it).
 LAYERS = [
     ("base", ["gjit.config", "gjit.logs", "gjit.stats"]),
-    ("capture", ["gjit.kv_cache", "gjit.in_place", "gjit.decompose", "gjit.capture"]),
+    ("capture", ["gjit.kv_cache", "gjit.in_place", "gjit.capture", "gjit.decompose"]),
     ("ir", ["gjit.ir"]),
     ("lowering", ["gjit.lowering"]),
     ("fusion", ["gjit.fusion"]),

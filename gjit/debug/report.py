@@ -14,6 +14,7 @@ import torch
 
 from gjit.capture import size_hints
 from gjit.debug.byte_model import Traffic, traffic
+from gjit.decompose import DECOMPOSED_FROM
 from gjit.fusion import Region
 from gjit.ir import ExternNode
 
@@ -53,6 +54,8 @@ class Report:
     dynamic_dims: list[str] = dataclasses.field(default_factory=list)  # "x.size(0) = s0"
     specialized_dims: list[str] = dataclasses.field(default_factory=list)  # "x.size(1) = 64: <line>"
     perf_hints: list[str] = dataclasses.field(default_factory=list)
+    # ops gjit has no lowering for that torch.compile's decompositions turned into ops it lowers
+    decomposed: list[str] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         out = [f"gjit: {len(self.kernels)} kernel(s), {len(self.externs)} extern(s)"]
@@ -60,6 +63,10 @@ class Report:
             out.append(f"  kernel {k.name}: {', '.join(n.split(':')[0] for n in k.aten_nodes)}")
         for e in self.externs:
             out.append(f"  extern {e.node} = {e.op}: {e.reason}")
+        if self.decomposed:
+            out.append(
+                f"  decomposed for lack of a lowering (torch.compile's table): {', '.join(self.decomposed)}"
+            )
         out.append(f"  dynamic dims: {', '.join(self.dynamic_dims) or 'none'}")
         for s in self.specialized_dims:
             out.append(f"  specialized: {s}")
@@ -116,7 +123,14 @@ def build_report(entry: Any, sizes: tuple = ()) -> Report:
         entry.guards.dynamic_dims,
         list(entry.specialized),
         perf_hints(program, entry.specialized),
+        decomposed_ops(program.captured.full_graph_module),
     )
+
+
+def decomposed_ops(gm: torch.fx.GraphModule) -> list[str]:
+    """The ops whose decomposition (for lack of a lowering) made some node of the graph."""
+    found = {n.meta.get("custom", {}).get(DECOMPOSED_FROM) for n in gm.graph.nodes}
+    return sorted(op for op in found if op)
 
 
 def perf_hints(program: CompiledProgram, specialized: list[str]) -> list[str]:
