@@ -64,6 +64,10 @@ def _inputs_record(flat: list, user_vals: list) -> list:
     return out
 
 
+# the input leaves gjit guards: tensors, and values export takes as (or specializes to) constants
+GUARDABLE = (torch.Tensor, int, float, bool, str, complex, type(None), torch.dtype, torch.device)
+
+
 def _input_names(args: tuple, kwargs: dict, signature) -> list[str]:
     params = list(signature.parameters) if signature is not None else []
     names = []
@@ -394,6 +398,13 @@ class CompiledFunction:
             self._capture_failed = str(e)
             return None
         captured = program.captured
+        if len(captured.user_vals) != len(flat):  # a leaf export bakes in (an nn.Module argument)
+            kinds = sorted({type(v).__name__ for v in flat if not isinstance(v, GUARDABLE)})
+            self._capture_failed = (
+                f"torch.export took {len(captured.user_vals)} of the call's {len(flat)} inputs as graph "
+                f"inputs; gjit cannot guard the others ({', '.join(kinds) or 'unknown types'})"
+            )
+            return None
         try:
             with timed("guards", timings):
                 guards = build_guards(

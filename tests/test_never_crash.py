@@ -138,3 +138,35 @@ def test_capture_keeps_a_users_torch_compile_dim_marks():
     marked = {k: v for k, v in x.__dict__.items() if k.startswith("_dynamo")}
     check(lambda t: t.sin() + 1, x)
     assert {k: v for k, v in x.__dict__.items() if k.startswith("_dynamo")} == marked
+
+
+def test_reductions_of_a_0d_tensor_over_dim_0():
+    check(lambda t: (t.mean(0), t.any(-1), t.sum(0, keepdim=True), t.amax(0)), torch.tensor(3.0))
+
+
+def test_a_lowering_that_fails_makes_its_node_an_extern(monkeypatch):
+    from gjit.lowering.registry import LOWERINGS
+
+    def broken(*args, **kwargs):
+        raise IndexError("a planted lowering bug")
+
+    monkeypatch.setitem(LOWERINGS, torch.ops.aten.sin.default, broken)
+    cm = check(lambda x: torch.sin(x) * 2, torch.randn(4, 5))
+    (extern,) = gjit.explain(cm, torch.randn(4, 5)).externs
+    assert extern.op == "aten.sin.default" and "lowering failed (IndexError" in extern.reason
+
+
+def test_a_sparse_input_runs_eagerly_with_the_reason():
+    a = torch.randn(4, 4).relu().to_sparse_csr()
+    cm = gjit.compile(lambda s, d: s @ d)
+    check(cm, a, torch.randn(4, 3), expect_eager=True)
+    assert "layout torch.sparse_csr" in cm.eager_reason
+
+
+def test_an_input_export_bakes_in_runs_eagerly_with_the_reason():
+    def loss(a, b, distance):
+        return distance(a, b).mean()
+
+    cm = gjit.compile(loss)
+    check(cm, torch.randn(3, 4), torch.randn(3, 4), torch.nn.PairwiseDistance(), expect_eager=True)
+    assert "cannot guard" in cm.eager_reason and "PairwiseDistance" in cm.eager_reason

@@ -196,6 +196,11 @@ class Lowering:
                 return fn(self, *args, **kwargs)
             except Unsupported as e:
                 reason = f"lowering refused: {e}"
+            except Exception as e:  # noqa: BLE001 - a lowering's bug is an extern, never a crash
+                reason = f"lowering failed ({type(e).__name__}: {e}); ATen runs it"
+                log.warning(
+                    "gjit's lowering of %s failed, running it in ATen: %s: %s", target, type(e).__name__, e
+                )
         if reason is None:
             reason = f"no lowering for {target}"
         return self.extern(node, reason)

@@ -41,6 +41,8 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def reduced_dims(dims, rank: int) -> tuple[int, ...]:
+    if rank == 0:  # a 0-d tensor reduces over dim 0 or -1 as over nothing: it is its own result
+        return ()
     if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
         return tuple(range(rank))
     if isinstance(dims, int):
