@@ -14,7 +14,10 @@ def pytest_collection_modifyitems(config, items):
     if untiered:
         raise pytest.UsageError(f"tests without a tier marker ({', '.join(TIERS)}): {untiered[:10]}")
     slow = os.environ.get("GJIT_TEST_SLOW") == "1"
+    opinfo = os.environ.get("GJIT_TEST_OPINFO") == "1"
     for item in items:
+        if "opinfo" in item.keywords and not opinfo:
+            item.add_marker(pytest.mark.skip(reason="all of OpInfo: GJIT_TEST_OPINFO=1 runs it (CI does)"))
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         if "slow" in item.keywords and not slow:
