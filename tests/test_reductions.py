@@ -219,6 +219,25 @@ def test_argmax_argmin_tie_break_and_nan_like_eager(name, mode):
         check(ARG[name], torch.randint(-3, 3, (4, 6, 10)))  # integers
 
 
+MAX_DIM = {
+    "max_last": lambda x: torch.max(x, -1),
+    "min_middle_keepdim": lambda x: torch.min(x, 1, keepdim=True),
+    "max_first_values_and_indices_used": lambda x: (x.max(0).values * 2, x.max(0).indices + 1),
+    "max_of_half": lambda x: torch.max(x.half(), 2),
+    "min_transposed": lambda x: torch.min(x.transpose(0, 2), 0),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(MAX_DIM), ids=list(MAX_DIM))
+def test_max_min_with_a_dim_are_one_kernel_for_values_and_indices(name, mode):
+    x = torch.randint(-3, 3, (4, 6, 10)).float()  # many ties: the first index wins
+    x[1, 2, 3] = float("nan")  # NaN is the max and the min, at its own index
+    with gjit.config.scope(reduction=mode, rblock=4):
+        check(MAX_DIM[name], x, kernels=1)
+        check(MAX_DIM[name], torch.randint(-3, 3, (4, 6, 10)))  # integers
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_bool_and_integer_max_min(mode):
     """amax/amin of bools (identities False/True, was a torch.iinfo(bool) error), and integer

@@ -141,6 +141,42 @@ def argmax(ctx: Lowering, x: TensorValue, dim=None, keepdim: bool = False):
     )
 
 
+@register_lowering(aten.max.dim, aten.min.dim)
+def max_dim(ctx: Lowering, x: TensorValue, dim: int, keepdim: bool = False):
+    """Values and indices of the max (min) along `dim`: two reductions over the same rows, which
+    fusion puts in one kernel. The index is the first extreme's, and NaN counts as the max (and
+    the min), as in eager."""
+    if len(x.size) == 0:
+        raise Unsupported("max/min of a 0-d tensor along a dim")
+    if x.dtype == torch.bool:
+        raise Unsupported("max/min of a bool tensor along a dim")
+    dims = reduced_dims(dim, len(x.size))
+    acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    kind = "max" if ctx.node.target is aten.max.dim else "min"
+    out_values, out_indices = ctx.out_val
+    values = ctx.reduction(
+        lambda idx: cast(x.load(idx), acc),
+        x.size,
+        dims,
+        kind,
+        out_values.dtype,
+        keepdim,
+        layout=meta_layout(out_values),
+        suffix="_values",
+    )
+    indices = ctx.reduction(
+        lambda idx: cast(x.load(idx), acc),
+        x.size,
+        dims,
+        f"arg{kind}",
+        torch.int64,
+        keepdim,
+        layout=meta_layout(out_indices),
+        suffix="_indices",
+    )
+    return [values, indices]
+
+
 @register_lowering(aten.mean.dim, aten.mean.default)
 def mean(ctx: Lowering, x: TensorValue, dims=None, keepdim: bool = False, *, dtype=None):
     out = ctx.out_val
