@@ -6,6 +6,8 @@ language's integer `//` and `%` (C truncation in Triton agrees with floor there)
 
 from __future__ import annotations
 
+import ast
+
 import sympy
 from torch.utils._sympy import printers as torch_printers
 from torch.utils._sympy.functions import (
@@ -159,9 +161,18 @@ class PythonPrinter(ExprPrinter):
             s: sympy.Symbol(self.names[s], **s.assumptions0) for s in expr.free_symbols if s in self.names
         }
         try:
-            return f"({_TORCH_PYTHON.doprint(expr.xreplace(renamed))})"
+            text = _TORCH_PYTHON.doprint(expr.xreplace(renamed))
         except Exception as e:  # noqa: BLE001 - any failure of torch's printer is "cannot print"
             raise ValueError(f"cannot print {type(expr).__name__} {expr}: {e}") from e
+        symbols = {s.name for s in expr.xreplace(renamed).free_symbols}
+        unknown = (
+            {n.id for n in ast.walk(ast.parse(text, mode="eval")) if isinstance(n, ast.Name)}
+            - symbols
+            - _PYTHON_NAMES
+        )
+        if unknown:  # torch printed a function as its sympy name (Where(...)): not Python
+            raise ValueError(f"cannot print {type(expr).__name__} {expr}: {sorted(unknown)} undefined")
+        return f"({text})"
 
 
 class TritonPrinter(ExprPrinter):
@@ -175,6 +186,8 @@ class TritonPrinter(ExprPrinter):
 
 
 _TORCH_PYTHON = torch_printers.PythonPrinter()
+# what torch's printer may call: the wrapper's and the guards' globals have math and torch
+_PYTHON_NAMES = {"math", "torch", "abs", "round", "int", "float", "min", "max", "True", "False"}
 
 
 def pyexpr(expr, names: dict[sympy.Symbol, str] | None = None) -> str:

@@ -85,13 +85,14 @@ KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn", "f
 def decompose(
     exported: Exported,
     timings: dict[str, float],
-    lowered: Callable[[torch._ops.OpOverload], bool] | None = None,
+    lowered: Callable[[torch.fx.Node], bool] | None = None,
 ) -> tuple[ExportedProgram, list[sympy.Basic]]:
     """Core ATen, SDPA kept whole (node by node, else `run_decompositions()`), timed as "decompose".
     Returns the decomposed program and the shape guards decomposition added to export's shape
     environment (a decomposition that branches on a size): a warm start, which does not
-    decompose, gets them from the on-disk entry. `lowered` (the driver's: whether gjit lowers an
-    op): an op it does not is then decomposed with torch.compile's table where it has one."""
+    decompose, gets them from the on-disk entry. `lowered` (the driver's: whether gjit lowers a
+    node or keeps it an extern on purpose): any other is then decomposed with torch.compile's
+    table where it has an entry."""
     env = shape_env_of(exported.user_vals)
     oblivious = bool(exported.from_one)
     before = len(env.guards) if env is not None else 0
@@ -149,7 +150,10 @@ DECOMPOSED_FROM = "gjit_decomposed_from"
 # attention), random ops (an extern keeps eager's random stream), in-place and backward ops
 KEEP_WHOLE = re.compile(
     r"mm|mv|conv|attention|bernoulli|normal|rand|uniform|exponential|cauchy|geometric"
-    r"|dropout|_foreach|backward|quantized|_$"
+    r"|dropout|rrelu|noise|_foreach|backward|quantized"
+    # round(decimals=) as round(x * 10^d) * 10^-d drifts from eager's x * 10^d, round, / 10^d by an
+    # ulp in float32 and overflows float16 (10000 * 10 = inf): ATen's is exact
+    r"|^round\."
 )
 
 
@@ -163,27 +167,32 @@ def fallback_table() -> dict:
         for op, fn in select_decomp_table().items()
         if isinstance(op, torch._ops.OpOverload)
         and not op._schema.is_mutable
+        and torch.Tag.nondeterministic_seeded not in op.tags  # its decomposition draws differently
         and not KEEP_WHOLE.search(op.name().split("::")[-1])
     }
 
 
 def decompose_unlowered(
-    program: ExportedProgram, lowered: Callable[[torch._ops.OpOverload], bool]
+    program: ExportedProgram, lowered: Callable[[torch.fx.Node], bool]
 ) -> tuple[ExportedProgram, list[str]]:
-    """The core-ATen program with each op gjit cannot lower (`lowered` says) and torch.compile
+    """The core-ATen program with each node gjit cannot lower (`lowered` says) and torch.compile
     decomposes replaced by that decomposition, whose pieces gjit lowers: round(decimals=) into
     multiply, round, divide; bilinear upsampling into index math. Returns the program and the
     ops decomposed. A program node-by-node decomposition cannot vouch for is left as it is."""
     table = fallback_table()
-    targets = {
-        n.target
+    picked = {
+        n
         for n in program.graph.nodes
-        if n.op == "call_function" and n.target in table and not lowered(n.target)
+        if n.op == "call_function"
+        and n.target in table
+        and isinstance(n.meta.get("val"), torch.Tensor | tuple | list)
+        and not lowered(n)
     }
-    if not targets or whole_program_reason(program) is not None:
+    if not picked or whole_program_reason(program) is not None:
         return program, []
+    targets = {n.target for n in picked}
     trace_table = {**decomposition_table(), **{op: table[op] for op in targets}}
-    decomposed = decompose_nodes(program, trace_table, pick=lambda n: n.target in targets, tag=True)
+    decomposed = decompose_nodes(program, trace_table, pick=picked.__contains__, tag=True)
     return decomposed, sorted(map(str, targets))
 
 

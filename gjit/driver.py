@@ -29,7 +29,7 @@ from gjit.fusion import Region, Step, fuse, verify_schedule
 from gjit.guards.builder import input_symbols
 from gjit.ir import LoopGraph
 from gjit.lowering.graph import lower_graph
-from gjit.lowering.registry import EXTERN_REASONS, LOWERINGS
+from gjit.lowering.registry import EXTERN_REASONS, LOWERINGS, size_reason
 from gjit.runtime import disk_cache as cache
 from gjit.runtime import program_store
 from gjit.runtime.graph import CompiledGraph
@@ -215,9 +215,11 @@ def compile_graph(
     return loop_graph, steps, graph
 
 
-def has_lowering(op: torch._ops.OpOverload) -> bool:
-    """Whether gjit lowers `op` (else capture decomposes it with torch.compile's table if it can)."""
-    return op in LOWERINGS and op not in EXTERN_REASONS
+def has_lowering(node: torch.fx.Node) -> bool:
+    """Whether gjit lowers `node`'s op, or keeps it an extern on purpose (an always-extern op, a
+    result whose sizes kernels cannot print): else decomposition tries torch.compile's table."""
+    op = node.target
+    return op in LOWERINGS or op in EXTERN_REASONS or size_reason(node.meta.get("val")) is not None
 
 
 def is_cond_branch(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:

@@ -223,7 +223,6 @@ def test_a_returned_size_keeps_its_output_spec():
 
 # name -> (function, the op decomposed, whether every piece is a kernel)
 UNLOWERED = {
-    "round_decimals": (lambda a: torch.round(a * 10, decimals=2), "aten.round.decimals", True),
     "bilinear": (
         lambda a: F.interpolate(a, scale_factor=2, mode="bilinear"),
         "aten.upsample_bilinear2d.vec",
@@ -266,7 +265,41 @@ def test_grid_sample_is_one_kernel_and_exact_out_of_bounds():
 def test_heavy_and_random_ops_are_never_decomposed_for_lack_of_a_lowering():
     table = decompose.fallback_table()
     aten = torch.ops.aten
-    assert aten.round.decimals in table and aten.upsample_bilinear2d.vec in table
-    for op in (aten.mm.default, aten.bmm.default, aten.addmm.default, aten.rand_like.default):
+    assert aten.upsample_bilinear2d.vec in table and aten.grid_sampler_2d.default in table
+    for op in (
+        aten.mm.default,
+        aten.bmm.default,
+        aten.addmm.default,
+        aten.rand_like.default,
+        aten.rrelu_with_noise_functional.default,
+        aten.round.decimals,
+    ):
         assert op not in table, op
     assert not [op for op in table if op._schema.is_mutable]
+
+
+def test_round_with_decimals_stays_exact_in_half_precision():
+    # torch.compile's decomposition multiplies by 10^d in float16: 10000 * 10 overflows
+    x = torch.tensor([10000.0, 86.125, -12736.0, 0.33], dtype=torch.float16)
+    for decimals in (1, 2, -2):
+        cm = check(lambda t, d=decimals: torch.round(t, decimals=d), x)
+        assert gjit.explain(cm, x).decomposed == []
+    check(lambda t: torch.round(t, decimals=-2), x.bfloat16())
+
+
+def test_a_random_op_is_not_decomposed_so_it_draws_as_eager():
+    x = torch.randn(64)
+    torch.manual_seed(0)
+    expected = F.rrelu(x, 0.1, 0.3, training=True)
+    cm = gjit.compile(lambda t: F.rrelu(t, 0.1, 0.3, training=True))
+    torch.manual_seed(0)
+    got, _ = run_compiled(cm, x)
+    assert torch.equal(got, expected)
+
+
+def test_a_result_with_float_sizes_is_not_decomposed_into_many_externs():
+    cm = gjit.compile(lambda a: F.interpolate(a, scale_factor=2.5, mode="bilinear"), dynamic=True)
+    x = torch.randn(2, 3, 8, 8)
+    check(cm, x)
+    report = gjit.explain(cm, x)
+    assert report.decomposed == [] and len(report.externs) == 1, report

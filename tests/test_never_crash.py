@@ -170,3 +170,43 @@ def test_an_input_export_bakes_in_runs_eagerly_with_the_reason():
     cm = gjit.compile(loss)
     check(cm, torch.randn(3, 4), torch.randn(3, 4), torch.nn.PairwiseDistance(), expect_eager=True)
     assert "cannot guard" in cm.eager_reason and "PairwiseDistance" in cm.eager_reason
+
+
+SCALAR_OPERANDS = {
+    "floor_negative": lambda x: x + math.floor((x.shape[0] - 20) / 3),
+    "ceil_negative": lambda x: x + math.ceil((x.shape[0] - 20) / 3),
+    "floordiv_negative": lambda x: x + (x.shape[0] - 20) // 3,
+    "round": lambda x: x + round(x.shape[0] / 3),
+    "roll_by_round": lambda x: torch.roll(x, round(x.shape[0] / 3), 0),
+    "full_of_round": lambda x: torch.full((4,), round(x.shape[0] / 3)) + x[0, 0],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCALAR_OPERANDS))
+def test_a_size_used_as_a_value_is_exact_or_an_extern(name):
+    cm = gjit.compile(SCALAR_OPERANDS[name], dynamic=True)
+    for rows in (10, 14, 29):
+        check(cm, torch.randn(rows, 4))
+
+
+def test_a_lowering_that_fails_midway_leaves_nothing_behind(monkeypatch):
+    from gjit.lowering.registry import LOWERINGS
+
+    real = LOWERINGS[torch.ops.aten.sin.default]
+
+    def half_done(ctx, *args, **kwargs):
+        real(ctx, *args, **kwargs)  # builds its node, then fails
+        raise RuntimeError("a planted bug after the work")
+
+    monkeypatch.setitem(LOWERINGS, torch.ops.aten.sin.default, half_done)
+    cm = check(lambda x: torch.sin(x) * 2, torch.randn(4, 5))
+    report = gjit.explain(cm, torch.randn(4, 5))
+    assert [e.op for e in report.externs] == ["aten.sin.default"]
+    assert all("sin" not in ", ".join(k.aten_nodes) for k in report.kernels), report
+
+
+def test_the_python_printer_refuses_what_torch_prints_as_a_sympy_name():
+    from torch.utils._sympy.functions import Where
+
+    with pytest.raises(ValueError, match="undefined"):
+        PythonPrinter()(Where(sympy.Gt(n, 0), n, -n))

@@ -35,6 +35,7 @@ from gjit.lowering.registry import (
     complex_reason,
     contiguous_layout,
     meta_layout,
+    scalar_reason,
     size_reason,
     to_sympy,
     to_sympy_any,
@@ -190,13 +191,16 @@ class Lowering:
             return val  # size arithmetic (sym_size, operator.mul, ...): a sympy expression, no op to run
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: self.values[n])
         fn = LOWERINGS.get(target)
-        reason = EXTERN_REASONS.get(target) or size_reason(val) or complex_reason(node)
+        reason = EXTERN_REASONS.get(target) or size_reason(val) or scalar_reason(node) or complex_reason(node)
         if fn is not None and reason is None:
+            mark = (len(self.nodes), set(self.views), set(self.buffers))
             try:
                 return fn(self, *args, **kwargs)
             except Unsupported as e:
                 reason = f"lowering refused: {e}"
+                self._roll_back(mark)
             except Exception as e:  # noqa: BLE001 - a lowering's bug is an extern, never a crash
+                self._roll_back(mark)
                 reason = f"lowering failed ({type(e).__name__}: {e}); ATen runs it"
                 log.warning(
                     "gjit's lowering of %s failed, running it in ATen: %s: %s", target, type(e).__name__, e
@@ -204,6 +208,15 @@ class Lowering:
         if reason is None:
             reason = f"no lowering for {target}"
         return self.extern(node, reason)
+
+    def _roll_back(self, mark: tuple[int, set[str], set[str]]) -> None:
+        """Drop what a lowering made before it refused or failed: its node is an extern now."""
+        node_count, view_names, buffer_names = mark
+        del self.nodes[node_count:]
+        for name in set(self.views) - view_names:
+            del self.views[name]
+        for name in set(self.buffers) - buffer_names:
+            del self.buffers[name]
 
     def require(self, value: TensorValue) -> None:
         """The wrapper needs this value as a real tensor: mark it (and a view's bases) in memory."""

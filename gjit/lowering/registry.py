@@ -146,27 +146,46 @@ INDEX_FUNCTIONS = (
 )
 
 
-def _index_math(expr: sympy.Basic) -> bool:
-    """Whether the kernel printers print `expr` as integer math."""
+FLOOR_LIKE = (FloorDiv, CleanDiv, CeilDiv, ModularIndexing, Mod, PythonMod)
+
+
+def _index_math(expr: sympy.Basic, scalar: bool = False) -> bool:
+    """Whether the kernel printers print `expr` as integer math. Kernels print floor division
+    and modulo as the language's, which truncate (C, Triton): exact for a size's own terms
+    (non-negative), so a `scalar` operand needs a numerator sympy knows is non-negative."""
     if isinstance(expr, (sympy.Symbol, sympy.Integer)) or expr in (sympy.true, sympy.false):
         return True
+    if scalar and isinstance(expr, FLOOR_LIKE + (CeilToInt, FloorToInt)):
+        numerator = expr.args[0].args[0] if isinstance(expr, (CeilToInt, FloorToInt)) else expr.args[0]
+        if not getattr(numerator, "is_nonnegative", False):
+            return False
     if isinstance(expr, (CeilToInt, FloorToInt)):  # math.ceil(n / 3): ceil/floor of an int over a
         inner = expr.args[0]  # positive literal
         return (
             isinstance(inner, IntTrueDiv)
             and inner.args[1].is_Integer
             and inner.args[1] > 0
-            and _index_math(inner.args[0])
+            and _index_math(inner.args[0], scalar)
         )
     if isinstance(expr, sympy.Pow):
-        return expr.args[1].is_Integer and expr.args[1] > 0 and _index_math(expr.args[0])
+        return expr.args[1].is_Integer and expr.args[1] > 0 and _index_math(expr.args[0], scalar)
     if isinstance(expr, sympy.floor) and isinstance(expr.args[0], sympy.Mul):
-        return all(_index_math(a) for a in sympy.fraction(expr.args[0]))
+        return not scalar and all(_index_math(a) for a in sympy.fraction(expr.args[0]))
     if isinstance(
         expr, (sympy.Add, sympy.Mul, sympy.core.relational.Relational, sympy.And, sympy.Or, sympy.Not)
     ):
-        return all(_index_math(a) for a in expr.args)
-    return isinstance(expr, INDEX_FUNCTIONS) and all(_index_math(a) for a in expr.args)
+        return all(_index_math(a, scalar) for a in expr.args)
+    return isinstance(expr, INDEX_FUNCTIONS) and all(_index_math(a, scalar) for a in expr.args)
+
+
+def scalar_reason(node: torch.fx.Node) -> str | None:
+    """A size-valued operand (x + round(n / 3), torch.roll(x, (n - 20) // 3)) the kernels cannot
+    compute exactly as integer math makes the op an extern."""
+    for arg in node.all_input_nodes:
+        val = arg.meta.get("val")
+        if isinstance(val, (torch.SymInt, torch.SymBool)) and not _index_math(val.node.expr, scalar=True):
+            return f"a size operand kernels cannot compute as integer math: {val.node.expr}"
+    return None
 
 
 def size_reason(val: Any) -> str | None:
