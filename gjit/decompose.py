@@ -176,8 +176,8 @@ def decompose_unlowered(
     program: ExportedProgram, lowered: Callable[[torch.fx.Node], bool]
 ) -> tuple[ExportedProgram, list[str]]:
     """The core-ATen program with each node gjit cannot lower (`lowered` says) and torch.compile
-    decomposes replaced by that decomposition, whose pieces gjit lowers: round(decimals=) into
-    multiply, round, divide; bilinear upsampling into index math. Returns the program and the
+    decomposes replaced by that decomposition, whose pieces gjit lowers: bilinear upsampling and
+    grid_sample into index math and gathers. Returns the program and the
     ops decomposed. A program node-by-node decomposition cannot vouch for is left as it is."""
     table = fallback_table()
     picked = {
