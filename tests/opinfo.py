@@ -5,17 +5,24 @@ kernels (Triton's interpreter, poisoned buffers) and compared with eager.
     python tests/opinfo.py --every 10               # every tenth op (the default suite's subset)
     python tests/opinfo.py --dtypes float16 bfloat16 --report docs/opinfo.md
     python tests/opinfo.py --ops hypot cumsum -v    # some ops, every sample's outcome
+    python tests/opinfo.py --inductor /tmp/inductor.json --report docs/opinfo.md
+                                                    # and torch.compile's kernels on the same samples
 
 A sample's outcome is one of
 - kernel: compiled, and gjit generated at least one kernel for it;
 - extern: compiled, every op ran as an ATen call inside the compiled program;
 - eager: capture failed and gjit ran the call eagerly (as it promises, with a logged reason);
-- wrong: a value differs from eager beyond the tolerance of its dtype (float16/bfloat16: farther
-  from a float64 reference than about twice eager's own error); for an op whose eager result
-  depends on the random seed (dropout in training, bernoulli), a shape or dtype differs;
+- wrong: a value differs from eager beyond the tolerance of its dtype, and (where the op runs in
+  float64) it is farther from the float64 result than about twice eager's own error; for an op
+  whose eager result depends on the random seed (dropout in training, bernoulli), a shape or dtype differs;
 - crash: gjit raised where eager did not.
 A sample eager rejects is not counted. An op's outcome is its worst sample's if any was wrong or
 crashed, else its best sample's (kernel > extern > eager).
+
+With --inductor, each sample also runs through torch.compile (CPU Inductor, a fresh Dynamo cache per
+sample) and the op is "kernel" for Inductor if it generated a kernel for one of its samples. Those
+outcomes are kept in the given JSON file (by op and dtype) and read back on the next run, so a
+sweep after a gjit change compares against them without compiling with Inductor again.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import json
+import os
 import sys
 import time
 import traceback
@@ -123,6 +132,7 @@ class Outcome:
     samples: int
     detail: str = ""
     seconds: float = 0.0
+    inductor: str = ""  # kernel | no kernel | error (torch.compile failed) | "" (not measured)
 
 
 def _compare(got: Any, want: Any, reference: Any) -> str | None:
@@ -164,7 +174,8 @@ def run_sample(op, sample, dtype: torch.dtype) -> tuple[str, str]:
         except Exception:  # noqa: BLE001 - a sample eager rejects is not gjit's to run
             return "none", ""
         reference = None
-        if dtype in (torch.float16, torch.bfloat16) and torch.float64 in op.supported_dtypes("cpu"):
+        wide = torch.float64 in op.supported_dtypes("cpu")
+        if dtype in (torch.float32, torch.float16, torch.bfloat16) and wide:
             up = pytree.tree_map(
                 lambda t: t.double() if isinstance(t, torch.Tensor) and t.dtype == dtype else t,
                 (args, kwargs),
@@ -191,6 +202,47 @@ def run_sample(op, sample, dtype: torch.dtype) -> tuple[str, str]:
         got, want, reference = _metadata(got), _metadata(want), None
     wrong = _compare(got, want, reference)
     return ("wrong", wrong) if wrong else (kind, cm.eager_reason or "")
+
+
+def inductor_sample(op, sample) -> str:
+    """Whether torch.compile (CPU Inductor) generates a kernel for this sample."""
+    import torch._dynamo
+    from torch._inductor import metrics
+
+    def call(*args, **kwargs):
+        return op(*args, **kwargs)
+
+    args, kwargs = (sample.input, *sample.args), dict(sample.kwargs)
+    with torch.no_grad():
+        try:
+            torch.manual_seed(0)
+            call(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - a sample eager rejects is not counted
+            return "none"
+        torch._dynamo.reset()
+        metrics.reset()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.manual_seed(0)
+                torch.compile(call, backend="inductor")(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - torch.compile's failure is its outcome here
+            return "error"
+    return "kernel" if metrics.generated_kernel_count else "no kernel"
+
+
+def inductor_op(op, dtype: torch.dtype, max_samples: int = 3) -> str:
+    if dtype not in op.supported_dtypes("cpu"):
+        return "none"
+    try:
+        samples = list(op.sample_inputs("cpu", dtype, requires_grad=False))[:max_samples]
+    except Exception:  # noqa: BLE001 - OpInfo's own sample generator failed
+        return "none"
+    kinds = [inductor_sample(op, sample) for sample in samples]
+    for kind in ("kernel", "no kernel", "error"):
+        if kind in kinds:
+            return kind
+    return "none"
 
 
 def _random(call, args: tuple, kwargs: dict) -> bool:
@@ -236,52 +288,86 @@ def run_op(op, dtype: torch.dtype, max_samples: int = 3, verbose: bool = False) 
 
 
 def run(
-    names: list[str] | None, every: int, dtypes: list[torch.dtype], verbose: bool = False
+    names: list[str] | None,
+    every: int,
+    dtypes: list[torch.dtype],
+    verbose: bool = False,
+    inductor: str | None = None,
+    gjit_too: bool = True,
 ) -> list[Outcome]:
     ops = op_db()
     if names:
         ops = [op for op in ops if op.name in names or op_name(op) in names]
     ops = ops[::every]
+    known: dict[str, str] = {}
+    if inductor and os.path.exists(inductor):
+        with open(inductor) as f:
+            known = json.load(f)
     outcomes = []
     for op in ops:
         for dtype in dtypes:
             try:
-                outcomes.append(run_op(op, dtype, verbose=verbose))
+                if gjit_too:
+                    outcomes.append(run_op(op, dtype, verbose=verbose))
+                else:
+                    outcomes.append(Outcome(op_name(op), family(op), "none", 0, "not run"))
             except Exception:  # noqa: BLE001 - the harness itself must not stop the sweep
                 outcomes.append(Outcome(op_name(op), family(op), "crash", 0, traceback.format_exc(limit=2)))
+            o = outcomes[-1]
+            if inductor:
+                key = f"{o.op} {dtype}"
+                if key not in known:
+                    known[key] = inductor_op(op, dtype)
+                    with open(inductor, "w") as f:
+                        json.dump(known, f, indent=0, sort_keys=True)
+                o.inductor = known[key]
             if verbose:
-                o = outcomes[-1]
-                print(f"{o.op} [{dtype}]: {o.kind} {o.detail} ({o.seconds:.1f} s)", flush=True)
+                print(f"{o.op} [{dtype}]: {o.kind} {o.detail} ({o.seconds:.1f} s) {o.inductor}", flush=True)
     return outcomes
 
 
 def table(outcomes: list[Outcome]) -> str:
     """Per family: ops with samples, and how many got a kernel, ran as externs, ran eagerly, were
-    wrong or crashed; the kernel rate is kernel ops over ops with samples."""
+    wrong or crashed; the kernel rate is kernel ops over ops with samples. Where torch.compile was
+    measured: the ops it made a kernel for, and the share of those gjit made a kernel for too."""
+    measured = any(o.inductor for o in outcomes)
     by_family: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for o in outcomes:
         if o.kind != "none":
-            by_family[o.family][o.kind] += 1
-    lines = [
-        "| family | ops | kernel | extern | eager | wrong | crash | kernel rate |",
-        "|---" + "|---:" * 7 + "|",
-    ]
-    total: collections.Counter = collections.Counter()
-    for name in sorted(by_family):
-        c = by_family[name]
-        total.update(c)
-        n = sum(c.values())
-        lines.append(
+            c = by_family[o.family]
+            c[o.kind] += 1
+            if o.inductor == "kernel":
+                c["tc"] += 1
+                c["both"] += o.kind == "kernel"
+    head = "| family | ops | kernel | extern | eager | wrong | crash | kernel rate |"
+    if measured:
+        head += " torch.compile kernel | gjit kernel where torch.compile has one |"
+    lines = [head, "|---" + "|---:" * (head.count("|") - 2) + "|"]
+
+    def row(name: str, c: collections.Counter) -> str:
+        n = sum(c[k] for k in ORDER)
+        line = (
             f"| {name} | {n} | {c['kernel']} | {c['extern']} | {c['eager']} | {c['wrong']} | "
             f"{c['crash']} | {c['kernel'] / n:.0%} |"
         )
-    n = sum(total.values())
-    if n:
-        lines.append(
-            f"| all | {n} | {total['kernel']} | {total['extern']} | {total['eager']} | {total['wrong']} | "
-            f"{total['crash']} | {total['kernel'] / n:.0%} |"
-        )
+        if measured:
+            share = f"{c['both']} ({c['both'] / c['tc']:.0%})" if c["tc"] else "-"
+            line += f" {c['tc']} ({c['tc'] / n:.0%}) | {share} |"
+        return line
+
+    total: collections.Counter = collections.Counter()
+    for name in sorted(by_family):
+        total.update(by_family[name])
+        lines.append(row(name, by_family[name]))
+    if by_family:
+        lines.append(row("all", total))
     return "\n".join(lines)
+
+
+def missing(outcomes: list[Outcome]) -> str:
+    """The ops torch.compile made a kernel for and gjit did not, with what gjit did instead."""
+    rows = [o for o in outcomes if o.inductor == "kernel" and o.kind in ("extern", "eager")]
+    return "\n".join(f"- {o.op} ({o.kind}{': ' + o.detail if o.detail else ''})" for o in rows)
 
 
 def main() -> int:
@@ -292,11 +378,13 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=1, help="every n-th op of op_db, sorted by name")
     parser.add_argument("--dtypes", nargs="*", default=["float32"])
     parser.add_argument("--report", help="write the table and the externs-only ops (markdown) here")
+    parser.add_argument("--inductor", help="also torch.compile each sample; its outcomes kept in this JSON")
+    parser.add_argument("--inductor-only", action="store_true", help="fill the --inductor JSON, run no gjit")
     parser.add_argument("-v", "--verbose", action="store_true")
     opts = parser.parse_args()
     dtypes = [getattr(torch, d) for d in opts.dtypes]
     start = time.perf_counter()
-    outcomes = run(opts.ops, opts.every, dtypes, opts.verbose)
+    outcomes = run(opts.ops, opts.every, dtypes, opts.verbose, opts.inductor, not opts.inductor_only)
     text = table(outcomes)
     bad = [o for o in outcomes if o.kind in ("wrong", "crash")]
     text += f"\n\n{len(outcomes)} op/dtype pairs in {time.perf_counter() - start:.0f} s"
@@ -312,6 +400,10 @@ def main() -> int:
                 + ", ".join(externs)
                 + "\n"
             )
+            if opts.inductor:
+                f.write(
+                    "\nOps torch.compile makes a kernel for and gjit does not:\n\n" + missing(outcomes) + "\n"
+                )
     return 1 if bad else 0
 
 
