@@ -8,16 +8,20 @@ from gjit import ir
 from gjit.codegen.common import KernelSource, kernel_name
 from gjit.codegen.cuda.pointwise import CudaKernelWriter
 from gjit.codegen.cuda.reduction import CudaReductionWriter
+from gjit.codegen.cuda.scan import CudaScanWriter
 from gjit.codegen.triton.pointwise import KernelWriter
 from gjit.codegen.triton.reduction import ReductionWriter
+from gjit.codegen.triton.scan import ScanWriter
 from gjit.config import CompileOptions
 from gjit.fusion import Region
 
-WRITERS = {  # (backend, a reduction region?) -> writer class
-    ("triton", False): KernelWriter,
-    ("triton", True): ReductionWriter,
-    ("cupy", False): CudaKernelWriter,
-    ("cupy", True): CudaReductionWriter,
+WRITERS = {  # (backend, region kind) -> writer class
+    ("triton", "pointwise"): KernelWriter,
+    ("triton", "reduction"): ReductionWriter,
+    ("triton", "scan"): ScanWriter,
+    ("cupy", "pointwise"): CudaKernelWriter,
+    ("cupy", "reduction"): CudaReductionWriter,
+    ("cupy", "scan"): CudaScanWriter,
 }
 
 
@@ -26,5 +30,6 @@ def generate_kernel(
 ) -> KernelSource:
     """The kernel of `region`, the `index`-th of its graph; names the region after it."""
     region.name = kernel_name(region, index)
-    writer = WRITERS[options.backend, region.reduction is not None]
+    kind = "scan" if region.scan else "reduction" if region.reduction is not None else "pointwise"
+    writer = WRITERS[options.backend, kind]
     return writer(region, graph, hints, options).generate(region.name)

@@ -13,6 +13,8 @@ Rules, in order:
      and reduced dims; pointwise nodes over the full space or over the outer space join it
      when every read between members lines up in those coordinates (softmax, layer_norm,
      rms_norm, mean/var are one kernel each). Producers read only by reductions are inlined.
+     A ScanNode (cumsum, ...) is a region of its own over (rows x the scanned dim), its
+     producers inlined the same way; what reads it reads the stored scan.
   a merge that would create a cycle through a third region or an extern is refused.
 Every refusal is logged to `GJIT_LOGS=fusion` as "cannot fuse A with B: reason".
 A region stores exactly the nodes that something outside it needs.
@@ -28,7 +30,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from gjit import ir
-from gjit.ir import ComputeNode, Expr, ExternNode, LoopGraph, Read, ReduceNode
+from gjit.ir import ComputeNode, Expr, ExternNode, LoopGraph, Read, ReduceNode, ScanNode
 
 log = logging.getLogger("gjit.fusion")
 
@@ -81,6 +83,11 @@ class Region:
     @property
     def size(self) -> ir.Index:
         return self.nodes[0].size
+
+    @property
+    def scan(self) -> bool:
+        """A scan's region: its one node, over (rows x the scanned dim) in `reduction`."""
+        return isinstance(self.nodes[0], ScanNode)
 
     def aten_ops(self) -> list[str]:
         seen: list[str] = []
@@ -142,7 +149,7 @@ class Fusion:
         indirect = {r.name for n in self.compute.values() for r in ir.reads(n.body) if r.indirect}
         for name in reversed(list(self.compute)):
             node = self.compute[name]
-            reduction = isinstance(node, ReduceNode)
+            reduction = isinstance(node, (ReduceNode, ScanNode))
             gatherable = _gatherable(node) and self.reads_memory(name)
             kept = name in self.graph.needed_in_memory or (name in indirect and not gatherable)
             if not reduction and not kept and identity_consumers[name] == 0:
@@ -154,7 +161,7 @@ class Fusion:
                     log.debug("inline %s into its consumers: no consumer reads it element-for-element", name)
                 continue
             if reduction:
-                continue  # a producer read only by reductions is inlined into their bodies
+                continue  # a producer read only by reductions (and scans) is inlined into their bodies
             for r in ir.reads(node.body):
                 producer = self.compute.get(r.name)
                 if producer is not None and producer.size == node.size and _identity(r, node.size):
@@ -165,7 +172,7 @@ class Fusion:
         """Does `name`'s value read a buffer or a reduction, itself or through its producers?
         Those are never inlined: a gather that recomputes it keeps a read to check the gathered
         index against (a gather of a value made of constants is written first)."""
-        if name not in self.compute or isinstance(self.compute[name], ReduceNode):
+        if name not in self.compute or isinstance(self.compute[name], (ReduceNode, ScanNode)):
             return True
         if name not in self.memory_readers:
             reads = {r.name for r in ir.reads(self.compute[name].body)}
@@ -256,6 +263,8 @@ class Fusion:
             node = self.compute[m]
             if isinstance(node, ReduceNode):
                 return ReductionSpace(tuple(node.full_size), tuple(node.reduced))
+            if isinstance(node, ScanNode):
+                return ReductionSpace(tuple(node.size), (node.dim,))
         return None
 
     def why_not(self, a: str, b: str) -> str | None:
@@ -263,6 +272,8 @@ class Fusion:
         ma, mb = self.group_members(a), self.group_members(b)
         if any(m not in self.bodies for m in ma + mb):
             return "an extern never fuses"
+        if any(isinstance(self.compute[m], ScanNode) for m in ma + mb):
+            return "a scan is a kernel of its own"
         members = set(ma) | set(mb)
         space_a, space_b = self.space(a), self.space(b)
         if space_a is not None and space_b is not None and space_a != space_b:

@@ -84,6 +84,9 @@ OPS = frozenset(
         *("exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "sigmoid"),
         *("sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh"),
         *("erf", "erfinv", "floor", "ceil", "trunc", "round", "frac", "signbit"),
+        *("erfc", "erfcx", "lgamma", "ndtri", "hypot", "nextafter"),
+        *("digamma", "trigamma", "zeta"),
+        *("bessel_i0", "bessel_i1", "bessel_j0", "bessel_j1", "bessel_y0", "bessel_y1"),
         *("isnan", "isinf", "isfinite", "eq", "ne", "lt", "le", "gt", "ge"),
         *("logical_and", "logical_or", "logical_xor", "logical_not"),
         *("bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "lshift", "rshift"),
@@ -274,6 +277,16 @@ class ReduceNode(ComputeNode):
         if self.keepdim:
             return tuple(sympy.Integer(0) if k in self.reduced else v for k, v in enumerate(full_index))
         return tuple(v for k, v in enumerate(full_index) if k not in self.reduced)
+
+
+@dataclasses.dataclass
+class ScanNode(ComputeNode):
+    """An inclusive scan along `dim` (cumsum, cumprod, logcumsumexp): `body` is one element of the
+    scanned input at `index_vars(len(size))`; the node's element at index i combines the body's
+    elements at i with the dim's index <= i[dim], in order. Same size as its input."""
+
+    dim: int = 0
+    scan_type: str = "sum"  # "sum" | "prod" | "logsumexp"
 
 
 @dataclasses.dataclass

@@ -8,7 +8,10 @@ only at __syncthreads(), and lanes exchange values only through __shfl_down_sync
 mask, every lane of every warp taking part (blocks are a multiple of 32 threads).
 """
 
-CUDA_PRELUDE = r"""// ---- gjit CUDA C prelude ----
+from gjit.kernels.special_math import cuda_special
+
+CUDA_PRELUDE = (
+    r"""// ---- gjit CUDA C prelude ----
 #ifndef GJIT_PRELUDE
 #define GJIT_PRELUDE
 #ifndef GJIT_HOST
@@ -107,6 +110,36 @@ __device__ __forceinline__ T gjit_block_reduce(T v, Op op, T identity) {
 __device__ __forceinline__ float gjit_exp(float x) { return expf(x); }
 __device__ __forceinline__ double gjit_exp(double x) { return exp(x); }
 
+// One value per thread in, the inclusive scan over the block's threads in thread order out
+// (Hillis-Steele in shared memory); `total` gets the last thread's, the whole block's.
+template <typename T, typename Op>
+__device__ __forceinline__ T gjit_block_scan(T v, Op op, T& total) {
+    GJIT_SHARED(T, gjit_scan, 1024);
+    const int t = threadIdx.x;
+    for (int o = 1; o < (int)blockDim.x; o <<= 1) {
+        gjit_scan[t] = v;
+        __syncthreads();
+        if (t >= o) v = op(gjit_scan[t - o], v);
+        __syncthreads();
+    }
+    gjit_scan[t] = v;
+    __syncthreads();
+    total = gjit_scan[blockDim.x - 1];
+    __syncthreads();  // the buffer is reused by the next step
+    return v;
+}
+
+// log(exp(a) + exp(b)), logcumsumexp's combine: equal infinities stay, NaN propagates.
+struct GjitLogAddExp {
+    template <typename T>
+    __device__ __forceinline__ T operator()(T a, T b) const {
+        if (a != a || b != b) return a + b;
+        const T hi = a > b ? a : b, lo = a > b ? b : a;
+        if (hi == lo && (hi == (T)GJIT_INF || hi == (T)(-GJIT_INF))) return hi;
+        return hi + log1p(gjit_exp(lo - hi));
+    }
+};
+
 // Online softmax: per thread, the sum of exp(x - peak) for its running max `peak`, rescaled
 // when the max grows; a thread that has seen only -inf (or nothing) holds 0.
 template <typename T>
@@ -186,6 +219,9 @@ __device__ __forceinline__ long long gjit_block_argreduce(T v, long long i, bool
     __syncthreads();
     return i;
 }
-#endif  // GJIT_PRELUDE
+"""
+    + cuda_special()
+    + r"""#endif  // GJIT_PRELUDE
 // ---- end of prelude ----
 """
+)

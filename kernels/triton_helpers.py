@@ -1,14 +1,24 @@
-"""Hand-written Triton helpers that generated reduction kernels call: NaN-propagating max/min,
-product, first-index argmax/argmin, online softmax and Welford's variance per lane.
+"""Hand-written Triton helpers that generated kernels call: NaN-propagating max/min, product,
+first-index argmax/argmin, online softmax and Welford's variance per lane (reductions), digamma,
+trigamma and the Hurwitz zeta function (kernels/special_math.py).
 
 Each is Triton source text that codegen copies into a kernel's file when the kernel uses it
 (a generated kernel file stands alone: Triton's JIT and interpreter read it by itself).
 """
 
+from gjit.kernels.special_math import triton_digamma, triton_trigamma, triton_zeta
+
 HELPERS = {
     "max_nan": "@triton.jit\ndef _max_nan(a, b):\n    return tl.maximum(a, b, tl.PropagateNan.ALL)\n",
     "min_nan": "@triton.jit\ndef _min_nan(a, b):\n    return tl.minimum(a, b, tl.PropagateNan.ALL)\n",
     "mul": "@triton.jit\ndef _mul(a, b):\n    return a * b\n",
+    "add": "@triton.jit\ndef _add(a, b):\n    return a + b\n",
+    # log(exp(a) + exp(b)) (logcumsumexp's combine): equal infinities stay, NaN propagates
+    "logaddexp": "@triton.jit\ndef _logaddexp(a, b):\n"
+    "    hi = tl.maximum(a, b)\n    lo = tl.minimum(a, b)\n"
+    "    same = (hi == lo) & (tl.abs(hi) == float('inf'))\n"
+    "    out = tl.where(same, hi, hi + libdevice.log1p(tl.exp(lo - hi)))\n"
+    "    return tl.where((a != a) | (b != b), a + b, out)\n",
     # first index of the max / min; NaN counts as the max (and the min), as in eager
     "argmax": "@triton.jit\ndef _argmax(v1, i1, v2, i2):\n"
     "    nan1 = v1 != v1\n    nan2 = v2 != v2\n"
@@ -46,4 +56,7 @@ HELPERS = {
     "    nan1 = v1 != v1\n    nan2 = v2 != v2\n"
     "    better = (v1 < v2) | (nan1 & (nan2 == 0))\n    same = (v1 == v2) | (nan1 & nan2)\n"
     "    take = better | (same & (i1 < i2))\n    return tl.where(take, v1, v2), tl.where(take, i1, i2)\n",
+    "digamma": triton_digamma(),
+    "trigamma": triton_trigamma(),
+    "zeta": triton_zeta(),
 }

@@ -28,6 +28,17 @@ CASES = {
         lambda x: torch.tanh(x) + torch.expm1(x) + torch.log1p(x.abs()) + x.pow(2.5).nan_to_num(),
         lambda: (torch.randn(64),),
     ),
+    "special_functions": (
+        lambda x: (
+            torch.digamma(x)
+            + torch.polygamma(1, x)
+            + torch.polygamma(2, x)
+            + torch.special.zeta(x.abs() + 1, 2.0),
+            torch.special.bessel_j0(x) + torch.special.i1(x) + torch.special.erfcx(x) + torch.lgamma(x),
+            torch.special.ndtri(x.sigmoid()) + torch.hypot(x, 2 * x) + torch.nextafter(x, x + 1),
+        ),
+        lambda: (torch.randn(64),),
+    ),
     "casts_fp16_bf16_int": (
         lambda x, i: ((x.half() * 2).to(torch.bfloat16), (i // 3 + (i % 5)).float() + x),
         lambda: (torch.randn(40), torch.randint(-50, 50, (40,))),

@@ -28,6 +28,7 @@ from test_indexing import (  # noqa: F401
 from test_models import check_model
 from test_pointwise_ops import (  # noqa: F401
     test_activation,
+    test_bessel_float64_is_accurate,
     test_binary,
     test_bitwise,
     test_bool_ops,
@@ -37,10 +38,13 @@ from test_pointwise_ops import (  # noqa: F401
     test_clamp,
     test_comparisons_convert_operands_to_their_common_dtype,
     test_constants,
+    test_digamma_polygamma_zeta_are_accurate,
+    test_digamma_polygamma_zeta_special_values_as_eager,
     test_float64,
     test_integer_division_signs,
     test_layouts,
     test_layouts_low_precision,
+    test_ldexp_is_a_times_two_to_the_n,
     test_round_half_to_even,
     test_scalar_overloads,
     test_shifts,
@@ -54,6 +58,7 @@ from test_reductions import (  # noqa: F401
     test_group_norm_statistics_per_group_of_channels,
     test_looped_rows_fold_the_second_level_into_the_first_pass,
     test_low_precision_accumulates_in_float32,
+    test_max_min_of_everything_and_reductions_of_a_0d_tensor,
     test_max_pool2d_with_its_indices_used_is_an_extern,
     test_nan_and_large_inputs,
     test_normalizations_are_one_kernel,
@@ -65,13 +70,22 @@ from test_reductions import (  # noqa: F401
     test_vector_norm,
     test_welford_only_for_the_row_mean_and_without_overflow,
 )
+from test_scans import (  # noqa: F401
+    test_scan,
+    test_scan_dtypes_accumulate_as_eager,
+    test_scan_layouts_and_edge_sizes,
+    test_scan_nan_and_inf_as_eager,
+    test_scan_sizes_are_dynamic,
+)
 from test_views import (  # noqa: F401
     test_cat,
     test_constant_pad_is_index_math,
     test_flip_reads_the_mirrored_index,
     test_nearest_upsampling_by_whole_factors_is_index_math,
+    test_repeat_and_tile_read_the_input_modulo_its_size,
     test_view_chain,
     test_view_then_pointwise,
+    test_writes_into_a_view_are_index_math,
 )
 
 pytestmark = [pytest.mark.cpu, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
@@ -266,6 +280,23 @@ def test_looped_row_kernels_compile_for_sm90_without_spills():
     assert not kernel.persistent and "gjit_online_sum_exp(" in kernel.source
     assert "gjit_welford_add(" in kernel.source
     assert [k.name for k in report.kernels if k.spills] == []
+
+
+@pytest.mark.compile_only
+def test_special_function_kernels_compile_for_sm90():
+    """digamma, trigamma and zeta are the prelude's (kernels/special_math.py); the rest CUDA's."""
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    from test_compile_only import CASES
+
+    fn, make_args = CASES["special_functions"]
+    cm = gjit.compile(fn)
+    report = gjit.aot(cm, *make_args(), arch="sm_90")
+    sources = "".join(k.source for k in cm.entries[0].program.kernels)
+    for call in ("gjit_digamma(", "gjit_trigamma(", "gjit_zeta(", "j0f(", "normcdfinvf(", "erfcxf("):
+        assert call in sources, call
+    # no register spills (local memory); the stack frame is CUDA's double sin/tan argument
+    # reduction (40 bytes, as in eager's own digamma and trigamma kernels)
+    assert report.kernels and [k.name for k in report.kernels if k.local] == []
 
 
 @pytest.mark.gpu

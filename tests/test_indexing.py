@@ -107,12 +107,6 @@ def test_writes_through_indices_are_named_externs():
     assert reasons == ["writes through indices run as an ATen extern"]
 
 
-def test_cumsum_is_a_named_extern():
-    x = torch.randn(3, 7)
-    cm = check(lambda x: x.cumsum(-1) * 2, x, kernels=1)
-    assert [e.reason for e in gjit.explain(cm, x).externs] == ["scans (cumsum/cumprod) run as an ATen extern"]
-
-
 def test_indexing_kernels_compile_for_sm90():
     from gjit.codegen.toolchain.compile_only import compile_kernel
 

@@ -26,7 +26,32 @@ EXTREMES = [0.0, -0.0, INF, -INF, NAN, 1.2e-38, -1.2e-38, 1e-45, 3.4e38, -3.4e38
 REL = 2.4e-7  # ~2 ulp of float32
 ABS = 1e-38  # below float32's smallest normal: subnormal results round coarser than REL
 
-# libdevice symbol -> (fn, domain [lo, hi], values to add: domain edges and just past them)
+
+def _mpmath(fn):
+    """A float64 reference from mpmath (torch's float64 Bessel functions lose up to 1e-5 near
+    their zeros); +-inf and complex values give NaN, as eager's do."""
+
+    def value(v: float) -> float:
+        if math.isinf(v):
+            return math.nan
+        r = complex(fn(v))
+        return r.real if r.imag == 0 else math.nan
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([value(v) for v in x.tolist()], dtype=torch.float64)
+
+    return reference
+
+
+def _bessel(kind: str, order: int):
+    import mpmath
+
+    exact = getattr(mpmath, kind)
+    return _mpmath(lambda v: exact(order, v) if v == v else math.nan)
+
+
+# libdevice symbol -> (fn, domain [lo, hi], values to add: domain edges and just past them[,
+# the float64 reference when it is not fn itself])
 UNARY = {
     "tan": (torch.tan, (-1.57, 1.57), [1.5707963, -1.5707963, 100.0, 1e4]),
     "tanh": (torch.tanh, (-12, 12), [20.0, -20.0, 1e-20]),
@@ -46,11 +71,21 @@ UNARY = {
     "trunc": (torch.trunc, (-50, 50), [0.5, -0.5, 2.5, -2.5, 8388607.5]),
     "rint": (torch.round, (-50, 50), [0.5, -0.5, 1.5, 2.5, -2.5, 8388607.5]),
     "signbit": (torch.signbit, (-50, 50), []),
+    "erfc": (torch.erfc, (-10, 10), [9.19, 10.06, -4.0]),
+    "erfcx": (torch.special.erfcx, (-9, 50), [-9.4, 1e10, 30.0]),
+    "lgamma": (torch.lgamma, (-20, 50), [1.0, 2.0, -1.0, -2.5, 1e30, 4e36]),
+    "normcdfinv": (torch.special.ndtri, (0, 1), [1e-30, 1e-10, 0.999999, 1.0, -0.1, 1.1]),
+    "cyl_bessel_i0": (torch.special.i0, (-30, 30), [88.0, 92.0, -92.0, 1e-20]),
+    "cyl_bessel_i1": (torch.special.i1, (-30, 30), [88.0, 92.0, -92.0, 1e-20]),
+    "j0": (torch.special.bessel_j0, (-40, 40), [2.4048255, 5.5200781, 1e5], _bessel("besselj", 0)),
+    "j1": (torch.special.bessel_j1, (-40, 40), [3.8317060, 7.0155867, 1e5], _bessel("besselj", 1)),
+    "y0": (torch.special.bessel_y0, (1e-3, 40), [0.8935770, 3.9576784, 1e5], _bessel("bessely", 0)),
+    "y1": (torch.special.bessel_y1, (1e-3, 40), [2.1971413, 5.4296810, 1e5], _bessel("bessely", 1)),
 }
 
 
 def unary_points(name: str) -> torch.Tensor:
-    _, (lo, hi), edges = UNARY[name]
+    _, (lo, hi), edges, *_ = UNARY[name]
     return torch.cat([torch.linspace(lo, hi, 3001), torch.tensor(EXTREMES + edges)]).float()
 
 
@@ -83,14 +118,14 @@ def assert_calls_libdevice(fn, symbol: str, *args) -> None:
 
 @pytest.mark.parametrize("name", list(UNARY), ids=list(UNARY))
 def test_unary_stand_in(name):
-    fn = UNARY[name][0]
+    fn, _, _, *reference = UNARY[name]
     x = unary_points(name)
     out, cm = run_compiled(fn, x)
     assert_calls_libdevice(cm, name, x)
     if name == "signbit":
         assert torch.equal(out, torch.signbit(x))
     else:
-        assert_close_to_reference(out, fn(x.double()))
+        assert_close_to_reference(out, (reference[0] if reference else fn)(x.double()))
 
 
 def test_pow_scalar_exponents():
@@ -108,8 +143,8 @@ def test_pow_scalar_exponents():
 
 @pytest.mark.parametrize(
     "name,fn",
-    [("pow", torch.pow), ("atan2", torch.atan2), ("copysign", torch.copysign)],
-    ids=["pow", "atan2", "copysign"],
+    [("pow", torch.pow), ("atan2", torch.atan2), ("copysign", torch.copysign), ("hypot", torch.hypot)],
+    ids=["pow", "atan2", "copysign", "hypot"],
 )
 def test_binary_stand_in(name, fn):
     a, b = pair_points()
@@ -129,6 +164,15 @@ def test_float64_stand_in(name):
     torch.testing.assert_close(out, expected, rtol=1e-15, atol=0, equal_nan=True)
 
 
+def test_nextafter_steps_in_the_arguments_precision():
+    a, b = pair_points()
+    for x, y in ((a, b), (a.double(), b.double())):
+        out, cm = run_compiled(torch.nextafter, x, y)
+        assert_calls_libdevice(cm, "nextafter", x, y)
+        assert torch.equal(out.isnan(), torch.nextafter(x, y).isnan())
+        assert torch.equal(out.nan_to_num(), torch.nextafter(x, y).nan_to_num())
+
+
 def emitted_symbols() -> set[str]:
     """The libdevice functions the Triton emitter table can produce (for float and int results)."""
     symbols = set()
@@ -144,7 +188,7 @@ def emitted_symbols() -> set[str]:
 def test_every_emitted_symbol_has_a_tested_stand_in():
     emitted = emitted_symbols()
     assert emitted <= set(interpret.LIBDEVICE), emitted - set(interpret.LIBDEVICE)
-    assert emitted == set(UNARY) | {"pow", "atan2", "copysign"}
+    assert emitted == set(UNARY) | {"pow", "atan2", "copysign", "hypot", "nextafter"}
 
 
 def test_lookup_resolves_precision_suffix():

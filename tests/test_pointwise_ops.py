@@ -145,6 +145,17 @@ UNARY = {
     "sigmoid": (torch.sigmoid, (-8.0, 8.0), True),
     "erf": (torch.erf, ANY, True),
     "erfinv": (torch.erfinv, UNIT, True),
+    "digamma": (torch.digamma, ANY, True),
+    "erfc": (torch.erfc, ANY, True),
+    "erfcx": (torch.special.erfcx, ANY, True),
+    "lgamma": (torch.lgamma, ANY, True),
+    "ndtri": (torch.special.ndtri, (0.01, 0.99), False),
+    "i0": (torch.i0, ANY, True),
+    "i1": (torch.special.i1, ANY, True),
+    "bessel_j0": (torch.special.bessel_j0, (-8.0, 8.0), True),
+    "bessel_j1": (torch.special.bessel_j1, (-8.0, 8.0), True),
+    "bessel_y0": (torch.special.bessel_y0, POS, True),
+    "bessel_y1": (torch.special.bessel_y1, POS, True),
     "reciprocal": (torch.reciprocal, ANY, False),
     "abs": (torch.abs, ANY, True),
     "neg": (torch.neg, ANY, True),
@@ -163,25 +174,93 @@ UNARY = {
     "square": (torch.square, ANY, True),
     "nan_to_num": (torch.nan_to_num, ANY, True),
 }
+# eager CPU has these in float32 and float64 only
+NO_HALF = {"erfcx", "ndtri", "bessel_j0", "bessel_j1", "bessel_y0", "bessel_y1"}
+# eager's float64 Bessel functions of the first and second kind are off by up to 1e-5 (relatively)
+# near their zeros: float64 is checked against mpmath (test_bessel_float64_is_accurate)
+BESSEL = {"bessel_j0": 0, "bessel_j1": 1, "bessel_y0": 0, "bessel_y1": 1}
 BOOL_INPUTS = {"exp", "sigmoid", "sign", "signbit", "isnan", "isinf", "isfinite", "logical_not", "nan_to_num"}
 
 
 def unary_inputs(name: str) -> list[torch.Tensor]:
     """The op's domain in every float dtype (and integers, bools), then NaN/Inf/edge values."""
     _, (low, high), ints = UNARY[name]
-    args = [make(dtype, low=low, high=high) for dtype in FLOATS]
+    floats = (F32,) if name in BESSEL else (F32, torch.float64) if name in NO_HALF else FLOATS
+    args = [make(dtype, low=low, high=high) for dtype in floats]
     if ints:
         args += [make(I64, low=low, high=high), make(I32, low=low, high=high)]
     if name == "reciprocal":  # integer inputs promote to float; keep zero out of them
         args += [make(I64, low=1, high=5), -make(I32, low=1, high=5)]
     if name in BOOL_INPUTS:
         args.append(make(BOOL))
-    return args + [specials(dtype) for dtype in FLOATS]
+    return args + [specials(dtype) for dtype in floats]
 
 
 @pytest.mark.parametrize("name", list(UNARY), ids=list(UNARY))
 def test_unary(name):
     check_lowered(each(UNARY[name][0], names=[name]), *unary_inputs(name))
+
+
+def test_bessel_float64_is_accurate():
+    import mpmath
+
+    x = torch.cat([torch.linspace(0.05, 40.0, 97, dtype=torch.float64), torch.tensor([5.52007811, 1e-3])])
+    fns = [UNARY[name][0] for name in BESSEL]
+    out, _ = run_compiled(lambda a: tuple(fn(a) for fn in fns), x)
+    for name, got in zip(BESSEL, out):
+        exact = mpmath.besselj if name.startswith("bessel_j") else mpmath.bessely
+        want = torch.tensor([float(exact(BESSEL[name], v)) for v in x.tolist()], dtype=torch.float64)
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-15, msg=name)
+
+
+def test_digamma_polygamma_zeta_are_accurate():
+    """float64 against mpmath (eager's own float64 trigamma is good to 1e-10 only)."""
+    import mpmath
+
+    x = torch.cat(
+        [
+            torch.linspace(-7.9, 25.0, 101, dtype=torch.float64),
+            torch.tensor([1e-8, 0.5, 1.4616321449683622, 100.0, 1e5, -0.5, -2.25], dtype=torch.float64),
+        ]
+    )
+    s = torch.linspace(1.5, 12.0, len(x), dtype=torch.float64)
+    q = torch.linspace(0.05, 30.0, len(x), dtype=torch.float64)
+    s[:3], q[:3] = torch.tensor([3.0, 2.0, 4.0]), torch.tensor([-2.5, -7.25, -0.5])
+
+    def fn(a, s, q):
+        return torch.digamma(a), torch.polygamma(1, a), torch.polygamma(3, a), torch.special.zeta(s, q)
+
+    out, _ = run_compiled(fn, x, s, q)
+    exact = [
+        [mpmath.digamma(v) for v in x.tolist()],
+        [mpmath.psi(1, v) for v in x.tolist()],
+        [mpmath.psi(3, v) for v in x.tolist()],
+        [mpmath.zeta(a, b) for a, b in zip(s.tolist(), q.tolist())],
+    ]
+    for got, want in zip(out, exact):
+        want = torch.tensor([float(v) for v in want], dtype=torch.float64)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+
+
+def test_digamma_polygamma_zeta_special_values_as_eager():
+    x = torch.tensor([0.0, -0.0, -1.0, -2.0, INF, -INF, NAN, -3.0, -1e-300], dtype=torch.float64)
+    s = torch.tensor([1.0, 0.5, 2.0, 2.0, 2.5, 3.0, NAN, 2.0, 2.0, 4.0], dtype=torch.float64)
+    q = torch.tensor([2.0, 2.0, 0.0, -1.0, -1.5, -1.5, 1.0, NAN, INF, -2e6], dtype=torch.float64)
+
+    def fn(x, s, q):
+        return torch.digamma(x), torch.polygamma(1, x), torch.special.zeta(s, q), torch.digamma(x.float())
+
+    check_lowered(fn, x, s, q)
+
+
+def test_ldexp_is_a_times_two_to_the_n():
+    """Overflow to inf, underflow to (sub)normals and 0, as eager's a * 2.0**n."""
+    n = torch.tensor([-150, -140, -126, -1, 0, 1, 10, 127, 130, 3, -3, 2, 0, 5, 1, 0, -1], dtype=I32)
+
+    def fn(x, n, h, e):
+        return torch.ldexp(x, n), torch.ldexp(h, n), torch.ldexp(x, e), torch.ldexp(x.double(), n)
+
+    check_lowered(fn, specials(), n, specials(F16), make(F32, shape=(17,), low=-4, high=4).round())
 
 
 def test_round_half_to_even():
@@ -231,6 +310,7 @@ BINARY = {
     "pow": (torch.pow, False),
     "atan2": (torch.atan2, True),
     "copysign": (torch.copysign, True),
+    "hypot": (torch.hypot, False),
     "eq": (torch.eq, True),
     "ne": (torch.ne, True),
     "lt": (torch.lt, True),

@@ -250,6 +250,34 @@ def test_bool_and_integer_max_min(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_max_min_of_everything_and_reductions_of_a_0d_tensor(mode):
+    """max()/min() without a dim are one reduction over every element (NaN wins, as in eager);
+    a 0-d tensor is its own sum, max, ... along dim 0 or -1, and its argmax is 0."""
+    x = torch.randn(6, 300)
+    x[2, 7] = float("nan")
+    b = torch.rand(4, 5) > 0.5
+    i = torch.randint(-9, 9, (3, 70), dtype=torch.int32)
+    s = torch.tensor(-1.5)
+    with gjit.config.scope(reduction=mode, rblock=32):
+        check(lambda x: (x.max(), x.min(), x[:, :5].max() * 2), x)
+        check(lambda b, i: (b.max(), b.min(), i.max(), i.min()), b, i)
+        check(
+            lambda s: (
+                s.sum(),
+                s.amax(0),
+                s.prod(-1, keepdim=True),
+                s.argmax(),
+                s.argmin(0),
+                torch.max(s, 0),
+                s.max(),
+                s.sum(dtype=torch.float64),
+                (s > 0).sum(0),
+            ),
+            s,
+        )
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_any_all_of_nothing(mode):
     """any() over an empty dim is False, all() is True (an empty row's max, INT_MIN, read as True)."""
     x = torch.randn(3, 0)

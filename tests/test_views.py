@@ -270,6 +270,47 @@ def test_nearest_upsampling_by_whole_factors_is_index_math():
         assert report.kernels if scale != 1.5 else not report.kernels
 
 
+def test_repeat_and_tile_read_the_input_modulo_its_size():
+    x = torch.randn(3, 4)
+    check(lambda t: t.repeat(2, 1, 3) * 2, x, kernels=1)
+    check(lambda t: (t.tile((2,)) + 1, t.tile((2, 1, 1))), x, kernels=2)  # two output shapes
+    check(lambda t: t.t().repeat(2, 2), x, kernels=1)  # a non-contiguous input
+    check(lambda t: t[:1].expand(5, 4).repeat(1, 3).sin(), x, kernels=1)  # a broadcast input
+    check(lambda t: t.repeat(1, 0), x)  # an empty result
+    cm = gjit.compile(lambda t: t.repeat(3, 2) - t.sum())
+    check(cm, torch.randn(5, 7))
+    check(cm, torch.randn(6, 2))  # the sizes are dynamic: no recompile
+    assert len(cm.entries) == 1
+
+
+def test_writes_into_a_view_are_index_math():
+    """slice/select/diagonal_scatter (and what export makes of x[...] = y on a copy) read the
+    source inside the view and the input elsewhere: one kernel with what follows."""
+    x = torch.randn(6, 8)
+
+    def assign(t, v):
+        t = t.clone()
+        t[:, 1:7:2] = v
+        t[-2] = 0.5
+        return t * 2
+
+    check(assign, x, torch.randn(6, 3), kernels=1)
+    check(lambda t: torch.slice_scatter(t, t[:, :3] + 1, 1, -3) - 1, x, kernels=1)
+    check(lambda t: torch.slice_scatter(t, t[1:5:3] * 2, 0, 1, 5, 3), x, kernels=1)
+    check(lambda t: torch.slice_scatter(t, t[:0], 0, 10, 20), x)  # an empty slice past the end
+    check(lambda t: torch.select_scatter(t, t[0].exp(), 0, -1), x, kernels=1)
+    check(lambda t: torch.select_scatter(t, t[:, 3].half(), 1, 3), x.half(), kernels=1)
+    for offset in (0, 2, -3):
+        src = torch.diagonal(x, offset).sin()
+        check(lambda t, s, o=offset: torch.diagonal_scatter(t, s, o) + 1, x, src, kernels=1)
+    x3 = torch.randn(3, 4, 5)
+    check(lambda t: torch.diagonal_scatter(t, torch.diagonal(t, 1, 0, 2) * 0, 1, 0, 2), x3, kernels=1)
+    cm = gjit.compile(lambda t, v: torch.slice_scatter(t, v, 1, 2, 2 + v.shape[1]))
+    check(cm, torch.randn(4, 9), torch.randn(4, 3))
+    check(cm, torch.randn(5, 11), torch.randn(5, 6))  # dynamic sizes: one entry
+    assert len(cm.entries) == 1
+
+
 PADS = {
     "last_dim": (lambda t: F.pad(t, (1, 2)) * 2, torch.randn(3, 4, 5)),
     "two_dims_value": (lambda t: F.pad(t, (1, 2, 0, 3), value=-1.5).sin(), torch.randn(3, 4, 5)),

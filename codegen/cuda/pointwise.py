@@ -175,8 +175,23 @@ for _name, _op in INFIX.items():
 for _name in (
     "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sin", "cos", "tan", "tanh", "sinh", "cosh",
     "asin", "acos", "atan", "asinh", "acosh", "atanh", "erf", "erfinv", "floor", "ceil", "trunc",
+    "erfc", "erfcx", "lgamma", "hypot", "nextafter",
 ):  # fmt: skip
     CudaOverrides[_name] = _math(_name)
+CudaOverrides["digamma"] = lambda a, t: f"gjit_digamma({a})"  # double, in the prelude
+CudaOverrides["trigamma"] = lambda a, t: f"gjit_trigamma({a})"
+CudaOverrides["zeta"] = lambda a, b, t: f"gjit_zeta({a}, {b})"
+# special functions named differently in CUDA's math library
+for _name, _fn in {
+    "ndtri": "normcdfinv",
+    "bessel_i0": "cyl_bessel_i0",
+    "bessel_i1": "cyl_bessel_i1",
+    "bessel_j0": "j0",
+    "bessel_j1": "j1",
+    "bessel_y0": "y0",
+    "bessel_y1": "y1",
+}.items():
+    CudaOverrides[_name] = _math(_fn)
 
 
 def to_dtype(a: str, src: torch.dtype, dst: torch.dtype) -> str:

@@ -22,6 +22,7 @@ from gjit.codegen.printer import TritonPrinter
 from gjit.config import CompileOptions
 from gjit.fusion import Region
 from gjit.ir import Expr, IndexValue, Masked, Op, Read
+from gjit.kernels.triton_helpers import HELPERS
 
 TL_DTYPES = {
     torch.float32: "tl.float32",
@@ -134,6 +135,28 @@ for _name, _op in INFIX.items():
     TritonOverrides[_name] = lambda a, b, t, _op=_op: f"{a} {_op} {b}"
 for _name in ("tan", "tanh", "sinh", "cosh", "asin", "acos", "atan", "asinh", "acosh", "atanh", "erfinv"):
     TritonOverrides[_name] = lambda a, t, _name=_name: f"libdevice.{_name}({a})"
+# special functions: IR op -> libdevice function
+LIBDEVICE_SPECIAL = {
+    "erfc": "erfc",
+    "erfcx": "erfcx",
+    "lgamma": "lgamma",
+    "ndtri": "normcdfinv",
+    "hypot": "hypot",
+    "nextafter": "nextafter",
+    "bessel_i0": "cyl_bessel_i0",
+    "bessel_i1": "cyl_bessel_i1",
+    "bessel_j0": "j0",
+    "bessel_j1": "j1",
+    "bessel_y0": "y0",
+    "bessel_y1": "y1",
+}
+for _name, _fn in LIBDEVICE_SPECIAL.items():
+    TritonOverrides[_name] = lambda *args, _fn=_fn: f"libdevice.{_fn}({', '.join(args[:-1])})"
+# float64 special functions libdevice lacks: hand-written helpers copied into the kernel's file
+HELPER_OPS = {"digamma", "trigamma", "zeta"}
+TritonOverrides["digamma"] = lambda a, t: f"_digamma({a})"
+TritonOverrides["trigamma"] = lambda a, t: f"_trigamma({a})"
+TritonOverrides["zeta"] = lambda a, b, t: f"_zeta({a}, {b})"
 
 
 def to_dtype(a: str, src: torch.dtype, dst: torch.dtype) -> str:
@@ -176,6 +199,7 @@ class KernelWriter(RegionPlan):
         self.base_masks = {"xmask"}  # masks under which a var-free offset is a plain scalar load
         self.block_zeros = "tl.zeros([XBLOCK], tl.int32)"
         self.debug_asserts = False  # bounds checks emitted: compile with debug=True
+        self.helpers: set[str] = set()  # gjit/kernels/triton_helpers.py functions it calls
 
     @property
     def decorator(self) -> str:
@@ -221,6 +245,8 @@ class KernelWriter(RegionPlan):
             text = to_dtype(args[0], e.args[0].dtype, e.params[0])
         else:
             text = TritonOverrides[e.name](*args, e.dtype)
+            if e.name in HELPER_OPS:
+                self.helpers.add(e.name)
         return self.tmp(("op", e.name, *args, e.params), text)
 
     def masked(self, e: Masked) -> str:
@@ -286,6 +312,7 @@ class KernelWriter(RegionPlan):
             sizes={"xnumel": numel},
             blocks={"XBLOCK": xblock_for(numel, self.hints, self.options.xblock)},
             index_dtype=index_dtype,
+            helpers=[HELPERS[h] for h in sorted(self.helpers)],
         )
 
     def kernel_source(
@@ -328,7 +355,6 @@ class KernelWriter(RegionPlan):
         for var, expr in zip(plan.vars, plan.var_exprs):
             lines.append(f"{var.name} = {self.index(expr)}")
         return lines
-
 
 
 def comment(lines: list[str]) -> list[str]:

@@ -49,7 +49,6 @@ class ReductionWriter(ReductionPlan, KernelWriter):
         super().__init__(region, graph, hints, options)
         self.block_zeros = "tl.zeros([XBLOCK, RBLOCK], tl.int32)"
         self.base_masks = {"xmask", "xrmask"}
-        self.helpers: set[str] = set()
 
     # -- loops -----------------------------------------------------------------------------------------
 

@@ -1,5 +1,7 @@
-"""Lowerings of copies, casts, constants and `cat`: a clone or `_to_copy` is a pointwise read, a
-`full`/`arange` an expression of the index, `cat` a masked read of each input.
+"""Lowerings of copies, casts, constants, `cat` and `repeat`: a clone or `_to_copy` is a pointwise
+read, a `full`/`arange` an expression of the index, `cat` a masked read of each input, `repeat`
+(and `tile`, which export turns into it) a read at the index modulo the input's size, and
+slice/select/diagonal_scatter a read of the source inside the view, of the input elsewhere.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import sympy
 import torch
+from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
 from gjit.ir import Const, Expr, Index, IndexValue, Masked
 from gjit.lowering.pointwise import op, where
@@ -15,6 +18,7 @@ from gjit.lowering.registry import (
     TensorValue,
     Unsupported,
     cast,
+    load_as,
     python_scalar,
     register_lowering,
     to_sympy,
@@ -29,6 +33,29 @@ aten = torch.ops.aten
 @register_lowering(aten.clone.default)
 def clone(ctx: Lowering, a, *, memory_format=None):
     return ctx.pointwise(lambda idx: a.load(idx))
+
+
+@register_lowering(aten.copy.default)
+def copy(ctx: Lowering, x, src, non_blocking: bool = False):
+    """The functional copy_ (what export makes of x[...] = y): src broadcast to x's shape, in x's dtype."""
+    out_size = tuple(to_sympy(s) for s in ctx.out_val.shape)
+    return ctx.pointwise(lambda idx: load_as(src, src.dtype, idx, out_size, ctx.known_one))
+
+
+@register_lowering(aten.repeat.default)
+def repeat(ctx: Lowering, a, repeats):
+    """Output element i reads the input at i mod its size, dim by dim (the input's dims align
+    with the last ones of the output; leading output dims only repeat)."""
+    lead = len(repeats) - len(a.size)
+    if lead < 0:
+        raise Unsupported(f"repeat with {len(repeats)} repeats for {len(a.size)} dims")
+
+    def at(i: sympy.Expr, size: sympy.Expr, times) -> sympy.Expr:
+        return i if to_sympy(times) == 1 or size == 1 else ModularIndexing(i, 1, size)
+
+    return ctx.pointwise(
+        lambda idx: a.load(tuple(at(i, n, r) for i, n, r in zip(idx[lead:], a.size, repeats[lead:])))
+    )
 
 
 @register_lowering(aten._to_copy.default)
@@ -138,4 +165,70 @@ def cat(ctx: Lowering, tensors: list, dim: int = 0):
 
     if not parts:
         raise Unsupported("cat of only empty tensors")
+    return ctx.pointwise(body)
+
+
+# ----------------------------------------------------------------------------------------------
+# Writes into a view of a copy (what export makes of x[:, 1:3] = y): element i reads the source
+# where i is in the view, else the input. Index math, fused like any pointwise read.
+# ----------------------------------------------------------------------------------------------
+
+
+def _replaced(ctx: Lowering, x, src, inside, src_index: Index, idx: Index) -> Expr:
+    dtype = ctx.out_val.dtype
+    part = Masked(dtype, inside, cast(src.load(src_index), dtype), python_scalar(0, dtype))
+    return where(IndexValue(torch.bool, inside), part, cast(x.load(idx), dtype))
+
+
+def _dim(dim: int, rank: int) -> int:
+    return dim + rank if dim < 0 else dim
+
+
+@register_lowering(aten.slice_scatter.default)
+def slice_scatter(ctx: Lowering, x, src, dim: int = 0, start=None, end=None, step: int = 1):
+    dim = _dim(dim, len(x.size))
+    start = 0 if start is None else start
+    if not (isinstance(start, int) and isinstance(step, int) and step > 0):
+        raise Unsupported(f"slice_scatter with start {start!r}, step {step!r}")
+    begin = sympy.Max(x.size[dim] + start, 0) if start < 0 else sympy.Integer(start)
+    count = src.size[dim]  # the slice's length: end and the clamping are in it
+
+    def body(idx: Index) -> Expr:
+        offset = idx[dim] - begin
+        at = offset if step == 1 else FloorDiv(offset, step)
+        conds = [sympy.Ge(offset, 0), sympy.Lt(at, count)]
+        if step != 1:
+            conds.append(sympy.Eq(ModularIndexing(offset, 1, step), 0))
+        return _replaced(ctx, x, src, sympy.And(*conds), idx[:dim] + (at,) + idx[dim + 1 :], idx)
+
+    return ctx.pointwise(body)
+
+
+@register_lowering(aten.select_scatter.default)
+def select_scatter(ctx: Lowering, x, src, dim: int, index):
+    dim = _dim(dim, len(x.size))
+    if not isinstance(index, int):
+        raise Unsupported(f"select_scatter at index {index!r}")
+    at = x.size[dim] + index if index < 0 else sympy.Integer(index)
+
+    def body(idx: Index) -> Expr:
+        return _replaced(ctx, x, src, sympy.Eq(idx[dim], at), idx[:dim] + idx[dim + 1 :], idx)
+
+    return ctx.pointwise(body)
+
+
+@register_lowering(aten.diagonal_scatter.default)
+def diagonal_scatter(ctx: Lowering, x, src, offset: int = 0, dim1: int = 0, dim2: int = 1):
+    """The diagonal (i[dim2] - i[dim1] == offset) replaced: src's last dim walks it."""
+    rank = len(x.size)
+    dim1, dim2 = _dim(dim1, rank), _dim(dim2, rank)
+    if not isinstance(offset, int) or dim1 == dim2:
+        raise Unsupported(f"diagonal_scatter of dims {dim1}, {dim2} at offset {offset!r}")
+
+    def body(idx: Index) -> Expr:
+        rest = tuple(i for k, i in enumerate(idx) if k not in (dim1, dim2))
+        along = idx[dim1] if offset >= 0 else idx[dim2]
+        inside = sympy.Eq(idx[dim2] - idx[dim1], offset)
+        return _replaced(ctx, x, src, inside, rest + (along,), idx)
+
     return ctx.pointwise(body)

@@ -21,7 +21,7 @@ from gjit import ir
 from gjit.ir import Expr, Index
 
 # the lowering modules register their functions on import
-from gjit.lowering import copies, indexing, pointwise, reductions, spatial, views  # noqa: F401
+from gjit.lowering import copies, indexing, pointwise, reductions, scans, spatial, special, views  # noqa: F401
 from gjit.lowering.registry import (
     EXTERN_REASONS,
     IGNORED,
@@ -124,6 +124,15 @@ class Lowering:
             name, layout, body, self.node, self.aten_name, tuple(full_size), reduced, reduce_type, keepdim
         )
         self.nodes.append(node)
+        return TensorValue(name, layout.size, layout.dtype)
+
+    def scan(
+        self, body_fn: Callable[[Index], Expr], dim: int, scan_type: str, layout: ir.Layout, suffix: str = ""
+    ) -> TensorValue:
+        """Make a ScanNode: the inclusive `scan_type` scan of `body_fn(index)` along `dim`."""
+        body = body_fn(ir.index_vars(len(layout.size)))
+        name = self.node.name + suffix
+        self.nodes.append(ir.ScanNode(name, layout, body, self.node, self.aten_name, dim, scan_type))
         return TensorValue(name, layout.size, layout.dtype)
 
     def view(

@@ -36,8 +36,6 @@ _symbols = itertools.count()
 for _op in (aten.index_put.default, aten.scatter.src, aten.scatter.value, aten.scatter_add.default,
             aten.index_add.default, aten.scatter_reduce.two):  # fmt: skip
     EXTERN_REASONS[_op] = "writes through indices run as an ATen extern"
-for _op in (aten.cumsum.default, aten.cumprod.default):
-    EXTERN_REASONS[_op] = "scans (cumsum/cumprod) run as an ATen extern"
 
 
 def indirect_symbol() -> sympy.Symbol:

@@ -232,7 +232,7 @@ _FLOAT_UNARY = [
 ]  # fmt: skip
 
 
-def _unary(name: str, kind=KIND.INT_TO_FLOAT):
+def unary(name: str, kind=KIND.INT_TO_FLOAT):
     def lower(ctx: Lowering, a):
         return pointwise(ctx, [a], lambda x: op(name, x), kind)
 
@@ -240,7 +240,7 @@ def _unary(name: str, kind=KIND.INT_TO_FLOAT):
 
 
 for _name in _FLOAT_UNARY:
-    register_lowering(getattr(aten, _name).default)(_unary(_name))
+    register_lowering(getattr(aten, _name).default)(unary(_name))
 
 
 def _rounding(name: str):

@@ -61,13 +61,15 @@ def keep_index(dims: tuple[int, ...], idx: Index) -> Index:
 
 
 def _reduce(ctx: Lowering, x: TensorValue, dims, keepdim: bool, reduce_type: str, dtype=None) -> TensorValue:
-    if len(x.size) == 0:
-        raise Unsupported("reduction of a 0-d tensor")
     dims = reduced_dims(dims, len(x.size))
     out = ctx.out_val
     acc = acc_dtype(dtype or out.dtype) if reduce_type in ("sum", "prod") else acc_dtype(x.dtype)
     if reduce_type in ("max", "min"):
-        acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        acc = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.bool: torch.int32}.get(
+            x.dtype, x.dtype
+        )
+    if not x.size:  # a 0-d tensor is its own sum, product, max and min
+        return ctx.pointwise(lambda idx: cast(x.load(()), acc))
     return ctx.reduction(
         lambda idx: cast(x.load(idx), acc),
         x.size,
@@ -100,6 +102,12 @@ def amin(ctx: Lowering, x: TensorValue, dims=(), keepdim: bool = False):
     return _reduce(ctx, x, dims, keepdim, "min")
 
 
+@register_lowering(aten.max.default, aten.min.default)
+def max_all(ctx: Lowering, x: TensorValue):
+    """max()/min() without a dim: the extreme of every element (eager refuses an empty tensor)."""
+    return _reduce(ctx, x, None, False, "max" if ctx.node.target is aten.max.default else "min")
+
+
 def _any(ctx: Lowering, x: TensorValue, dims, keepdim: bool, negate: bool) -> TensorValue:
     dims = reduced_dims(dims, len(x.size))
 
@@ -129,8 +137,8 @@ def all_(ctx: Lowering, x: TensorValue, dim=None, keepdim: bool = False):
 @register_lowering(aten.argmax.default, aten.argmin.default)
 def argmax(ctx: Lowering, x: TensorValue, dim=None, keepdim: bool = False):
     """Index of the first max (min); NaN counts as the max, as in eager. dim=None: flattened."""
-    if len(x.size) == 0:
-        raise Unsupported("argmax of a 0-d tensor")
+    if len(x.size) == 0:  # the one element is the extreme
+        return ctx.pointwise(lambda idx: Const(torch.int64, 0))
     dims = reduced_dims(dim, len(x.size))
     acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     kind = "argmax" if ctx.node.target is aten.argmax.default else "argmin"
@@ -146,14 +154,17 @@ def max_dim(ctx: Lowering, x: TensorValue, dim: int, keepdim: bool = False):
     """Values and indices of the max (min) along `dim`: two reductions over the same rows, which
     fusion puts in one kernel. The index is the first extreme's, and NaN counts as the max (and
     the min), as in eager."""
-    if len(x.size) == 0:
-        raise Unsupported("max/min of a 0-d tensor along a dim")
     if x.dtype == torch.bool:
         raise Unsupported("max/min of a bool tensor along a dim")
+    out_values, out_indices = ctx.out_val
+    if len(x.size) == 0:  # the one element and its index
+        return [
+            ctx.pointwise(lambda idx: x.load(()), meta_layout(out_values), "_values"),
+            ctx.pointwise(lambda idx: Const(torch.int64, 0), meta_layout(out_indices), "_indices"),
+        ]
     dims = reduced_dims(dim, len(x.size))
     acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     kind = "max" if ctx.node.target is aten.max.dim else "min"
-    out_values, out_indices = ctx.out_val
     values = ctx.reduction(
         lambda idx: cast(x.load(idx), acc),
         x.size,

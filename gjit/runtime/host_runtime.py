@@ -32,6 +32,14 @@ GJIT_API int gjit_launch(void (*run_thread)(void**), int grid, int block, void**
                          char* error, int error_size);
 GJIT_API double erfinv(double y);
 GJIT_API float erfinvf(float y);
+GJIT_API double erfcx(double x);
+GJIT_API float erfcxf(float x);
+GJIT_API double normcdfinv(double p);
+GJIT_API float normcdfinvf(float p);
+GJIT_API double cyl_bessel_i0(double x);
+GJIT_API float cyl_bessel_i0f(float x);
+GJIT_API double cyl_bessel_i1(double x);
+GJIT_API float cyl_bessel_i1f(float x);
 """
 
 HOST_HEADER = (
@@ -356,6 +364,52 @@ GJIT_API double erfinv(double y) {
     return y < 0 ? -x : x;
 }
 GJIT_API float erfinvf(float y) { return (float)erfinv((double)y); }
+
+// exp(x^2) erfc(x): as written below 26 (exp(x^2) finite, erfc(x) above the denormals), else the
+// asymptotic series 1/(x sqrt(pi)) (1 - 1/(2x^2) + 3/(4x^4) - ...), six terms (error ~1e-17).
+GJIT_API double erfcx(double x) {
+    if (!(x >= 26.0)) return std::exp(x * x) * std::erfc(x);
+    const double r = 1.0 / (x * x);
+    double sum = 1.0;
+    for (int k = 6; k >= 1; --k) sum = 1.0 - (k - 0.5) * r * sum;
+    return sum / (x * 1.77245385090551602730);
+}
+GJIT_API float erfcxf(float x) { return (float)erfcx((double)x); }
+
+// The inverse of the normal CDF: Newton's method on erfc(-x/sqrt 2)/2 (accurate in the lower
+// tail) from sqrt(2) erfinv(2q - 1), or -sqrt(-2 log q) in the far tail; the upper half by symmetry.
+GJIT_API double normcdfinv(double p) {
+    if (std::isnan(p) || p < 0.0 || p > 1.0) return NAN;
+    if (p == 0.0 || p == 1.0) return p == 0.0 ? -INFINITY : INFINITY;
+    const double q = p < 0.5 ? p : 1.0 - p, sqrt2 = 1.41421356237309504880;
+    double x = q > 1e-3 ? sqrt2 * erfinv(2.0 * q - 1.0) : -std::sqrt(-2.0 * std::log(q));
+    for (int step = 0; step < 50; ++step) {
+        const double slope = std::exp(-0.5 * x * x) * 0.39894228040143267794;
+        if (slope == 0.0) break;
+        const double dx = (0.5 * std::erfc(-x / sqrt2) - q) / slope;
+        x -= dx;
+        if (std::fabs(dx) <= 1e-16 * std::fabs(x)) break;
+    }
+    return p < 0.5 ? x : -x;
+}
+GJIT_API float normcdfinvf(float p) { return (float)normcdfinv((double)p); }
+
+// Modified Bessel functions of the first kind by their power series in (x/2)^2, whose terms are
+// all positive (no cancellation at any x; about x terms); I0 is even, I1 odd.
+static double gjit_bessel_i(int order, double x) {
+    const double q = 0.25 * x * x;
+    double term = order == 0 ? 1.0 : 0.5 * std::fabs(x), sum = term;
+    for (int k = 1; k < 5000; ++k) {
+        term *= q / ((double)k * (k + order));
+        sum += term;
+        if (term <= sum * 1e-17) break;
+    }
+    return order == 1 && x < 0.0 ? -sum : sum;
+}
+GJIT_API double cyl_bessel_i0(double x) { return gjit_bessel_i(0, x); }
+GJIT_API float cyl_bessel_i0f(float x) { return (float)cyl_bessel_i0((double)x); }
+GJIT_API double cyl_bessel_i1(double x) { return gjit_bessel_i(1, x); }
+GJIT_API float cyl_bessel_i1f(float x) { return (float)cyl_bessel_i1((double)x); }
 
 // ---- a launch: host threads take blocks in turn; each runs a block's threads as fibers ----
 // A fiber runs the kernel once per block and then hands back to the scheduler.
