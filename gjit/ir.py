@@ -281,12 +281,13 @@ class ReduceNode(ComputeNode):
 
 @dataclasses.dataclass
 class ScanNode(ComputeNode):
-    """An inclusive scan along `dim` (cumsum, cumprod, logcumsumexp): `body` is one element of the
+    """An inclusive scan along `dim` (cumsum, cumprod, logcumsumexp, cummax/cummin's values or
+    indices: argmax/argmin scans give the index, int64): `body` is one element of the
     scanned input at `index_vars(len(size))`; the node's element at index i combines the body's
     elements at i with the dim's index <= i[dim], in order. Same size as its input."""
 
     dim: int = 0
-    scan_type: str = "sum"  # "sum" | "prod" | "logsumexp"
+    scan_type: str = "sum"  # "sum" | "prod" | "logsumexp" | "max" | "min" | "argmax" | "argmin"
 
 
 @dataclasses.dataclass

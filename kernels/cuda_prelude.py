@@ -129,6 +129,24 @@ __device__ __forceinline__ T gjit_block_scan(T v, Op op, T& total) {
     return v;
 }
 
+// cummax/cummin's indices: NaN beats a number, then the extreme, then the later index (the
+// latest NaN, else the latest extreme: eager's).
+template <typename T>
+struct GjitValueIndex {
+    T v;
+    long long i;
+};
+template <bool IsMax>
+struct GjitScanArg {
+    template <typename T>
+    __device__ __forceinline__ GjitValueIndex<T> operator()(GjitValueIndex<T> a, GjitValueIndex<T> b) const {
+        const bool nan1 = a.v != a.v, nan2 = b.v != b.v;
+        const bool better = IsMax ? b.v > a.v : b.v < a.v;
+        const bool later = (b.v == a.v || nan1) && b.i > a.i;
+        return ((nan2 && !nan1) || (nan1 == nan2 && (better || later))) ? b : a;
+    }
+};
+
 // log(exp(a) + exp(b)), logcumsumexp's combine: equal infinities stay, NaN propagates.
 struct GjitLogAddExp {
     template <typename T>

@@ -13,6 +13,21 @@ HELPERS = {
     "min_nan": "@triton.jit\ndef _min_nan(a, b):\n    return tl.minimum(a, b, tl.PropagateNan.ALL)\n",
     "mul": "@triton.jit\ndef _mul(a, b):\n    return a * b\n",
     "add": "@triton.jit\ndef _add(a, b):\n    return a + b\n",
+    # cummax/cummin's values: NaN wins once seen (ints too: a != a is False)
+    "scan_max": "@triton.jit\ndef _scan_max(a, b):\n"
+    "    return tl.where(a != a, a, tl.where(b != b, b, tl.maximum(a, b)))\n",
+    "scan_min": "@triton.jit\ndef _scan_min(a, b):\n"
+    "    return tl.where(a != a, a, tl.where(b != b, b, tl.minimum(a, b)))\n",
+    # cummax/cummin's indices: NaN beats a number, then the extreme, then the later index (so
+    # the result is the latest NaN, else the latest extreme: eager's); commutative, for tl.reduce
+    "scan_argmax": "@triton.jit\ndef _scan_argmax(v1, i1, v2, i2):\n"
+    "    nan1 = v1 != v1\n    nan2 = v2 != v2\n"
+    "    take = (nan2 & (nan1 == 0)) | ((nan1 == nan2) & ((v2 > v1) | (((v2 == v1) | nan1) & (i2 > i1))))\n"
+    "    return tl.where(take, v2, v1), tl.where(take, i2, i1)\n",
+    "scan_argmin": "@triton.jit\ndef _scan_argmin(v1, i1, v2, i2):\n"
+    "    nan1 = v1 != v1\n    nan2 = v2 != v2\n"
+    "    take = (nan2 & (nan1 == 0)) | ((nan1 == nan2) & ((v2 < v1) | (((v2 == v1) | nan1) & (i2 > i1))))\n"
+    "    return tl.where(take, v2, v1), tl.where(take, i2, i1)\n",
     # log(exp(a) + exp(b)) (logcumsumexp's combine): equal infinities stay, NaN propagates
     "logaddexp": "@triton.jit\ndef _logaddexp(a, b):\n"
     "    hi = tl.maximum(a, b)\n    lo = tl.minimum(a, b)\n"

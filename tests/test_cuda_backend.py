@@ -54,6 +54,7 @@ from test_pointwise_ops import (  # noqa: F401
     test_where_broadcast_and_nan,
 )
 from test_reductions import (  # noqa: F401
+    test_adaptive_pooling_has_a_window_per_output_element,
     test_argmax_argmin_tie_break_and_nan_like_eager,
     test_group_norm_statistics_per_group_of_channels,
     test_looped_rows_fold_the_second_level_into_the_first_pass,
@@ -71,6 +72,7 @@ from test_reductions import (  # noqa: F401
     test_welford_only_for_the_row_mean_and_without_overflow,
 )
 from test_scans import (  # noqa: F401
+    test_cummax_cummin_values_and_latest_indices,
     test_scan,
     test_scan_dtypes_accumulate_as_eager,
     test_scan_layouts_and_edge_sizes,

@@ -356,6 +356,43 @@ def test_pooling_is_one_kernel_with_its_prologue(pool, mode):
         check(fn, torch.randn(2, 3, 9, 11, dtype=torch.float16), kernels=1)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_adaptive_pooling_has_a_window_per_output_element(mode):
+    """Adaptive average and max pooling (and area interpolation) in 1-D, 2-D and 3-D: uneven
+    splits give overlapping windows of two lengths; NaN propagates through the max."""
+    x = torch.randn(2, 3, 7, 10)
+    x[0, 1, 3, 4] = float("nan")
+    z = torch.randn(1, 2, 5, 6, 7)
+    with gjit.config.scope(reduction=mode, rblock=4):
+        for fn, arg in [
+            (lambda x: (F.adaptive_avg_pool2d(x, (3, 4)), F.adaptive_max_pool2d(x, 3)), x),
+            (lambda x: F.interpolate(x, size=(4, 6), mode="area") * 2, x),
+            (lambda x: (F.adaptive_avg_pool1d(x[0], 4), F.adaptive_max_pool1d(x[0], 6)), x),
+            (lambda z: (F.adaptive_avg_pool3d(z, (2, 3, 4)), F.adaptive_max_pool3d(z, 2)), z),
+            (lambda x: F.adaptive_avg_pool2d(x.half(), (7, 1)) + 1, x),
+        ]:
+            cm = check(fn, arg)
+            assert not gjit.explain(cm, arg).externs
+        cm = gjit.compile(lambda x: (F.adaptive_avg_pool2d(x, (3, 4)), F.adaptive_max_pool2d(x, 3)))
+        for shape in [(2, 3, 7, 10), (3, 2, 9, 4), (2, 2, 3, 5)]:  # dynamic sizes: one entry
+            check(cm, torch.randn(shape))
+        assert len(cm.entries) == 1
+
+
+def test_a_cached_max_pool_with_unused_indices_explains_itself(tmp_path):
+    """A program served from the disk cache keeps a getitem of the pool's indices that nothing
+    reads: lowering it again (explain, the dump) must still see them unused."""
+    x = torch.randn(2, 3, 8, 9)
+    fn = lambda x: (F.max_pool2d(x, 2), F.adaptive_max_pool2d(x, 3))  # noqa: E731
+    with gjit.config.scope(cache=True, cache_dir=str(tmp_path)):
+        for served in (False, True):  # compiled, then served from the disk cache
+            gjit.reset()
+            cm = check(fn, x)
+            assert ("codegen" not in cm.entries[0].program.timings) == served
+            report = gjit.explain(cm, x)
+            assert len(report.kernels) == 2 and not report.externs
+
+
 def test_max_pool2d_with_its_indices_used_is_an_extern():
     """eager's indices pick the last NaN of a window, an argmax the first: not lowered."""
     x = torch.randn(2, 3, 8, 8)

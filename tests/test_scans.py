@@ -66,6 +66,18 @@ def test_scan_nan_and_inf_as_eager(mode):
         check(lambda x: (x.cumsum(1), x.cumprod(1), torch.logcumsumexp(x, 1), torch.logcumsumexp(x, 0)), x)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_cummax_cummin_values_and_latest_indices(mode):
+    """Ties give the latest index, NaN wins once seen (its latest index), as in eager."""
+    x = torch.randint(-3, 4, (4, 40)).float()
+    x[1, 5], x[1, 17], x[2, 0], x[3, 9] = math.nan, math.nan, -math.inf, math.inf
+    i = torch.randint(-5, 5, (3, 30), dtype=torch.int32)
+    with gjit.config.scope(reduction=mode, rblock=8):
+        check(lambda x: (torch.cummax(x, 1), torch.cummin(x, 0), torch.cummax(x.half(), -1)), x)
+        check(lambda i: (torch.cummax(i, 1), torch.cummin(i.long(), 0)), i)
+        check(lambda s: torch.cummin(s, 0), torch.tensor(1.5))
+
+
 def test_scan_layouts_and_edge_sizes():
     x = torch.randn(6, 9)
     check(lambda x: x.t().cumsum(1), x, kernels=1)  # a transposed input

@@ -1,12 +1,16 @@
-"""Triton codegen for scan regions (cumsum, cumprod, logcumsumexp): one kernel per scan.
+"""Triton codegen for scan regions (cumsum, cumprod, logcumsumexp, cummax/cummin's values and
+indices): one kernel per scan.
 
 Programs own XBLOCK rows; each step of the loop over the scanned dim loads RBLOCK elements of
 every row (the scan's inlined producers computed in place), scans them with
 `tl.associative_scan`, combines the running value carried from the steps before, stores, and
-carries the block's total on. A row that fits one block is one step.
+carries the block's total on. A row that fits one block is one step. An index scan (cummax's
+indices) scans (value, index) pairs and stores the index.
 """
 
 from __future__ import annotations
+
+import torch
 
 from gjit.codegen.common import KernelSource, hint, next_power_of_2
 from gjit.codegen.triton.pointwise import TL_DTYPES, comment, to_dtype
@@ -14,8 +18,29 @@ from gjit.codegen.triton.reduction import ReductionWriter
 from gjit.ir import ScanNode
 from gjit.kernels.triton_helpers import HELPERS
 
-# scan_type -> (combine helper, identity as a Python scalar)
-COMBINE = {"sum": ("add", "0"), "prod": ("mul", "1"), "logsumexp": ("logaddexp", "float('-inf')")}
+# scan_type -> combine helper (gjit/kernels/triton_helpers.py)
+COMBINE = {
+    "sum": "add",
+    "prod": "mul",
+    "logsumexp": "logaddexp",
+    "max": "scan_max",
+    "min": "scan_min",
+    "argmax": "scan_argmax",
+    "argmin": "scan_argmin",
+}
+
+
+def identity(scan_type: str, dtype: torch.dtype) -> str:
+    """The value a lane past the row's end holds (a Python scalar's text)."""
+    if scan_type in ("sum", "prod"):
+        return "0" if scan_type == "sum" else "1"
+    if scan_type == "logsumexp":
+        return "float('-inf')"
+    low = scan_type.endswith("max")  # the identity of a max is the lowest value
+    if dtype.is_floating_point:
+        return "float('-inf')" if low else "float('inf')"
+    info = torch.iinfo(dtype)
+    return str(info.min if low else info.max)
 
 
 class ScanWriter(ReductionWriter):
@@ -37,22 +62,37 @@ class ScanWriter(ReductionWriter):
             "xmask = xindex < xnumel",
         ] + self.var_lines("xindex", self.kept)
         acc = self.bodies[node.name].dtype
-        helper, identity = COMBINE[node.scan_type]
-        self.helpers.add(helper)
-        fn = f"_{helper}"
-        self.lines.append(f"carry = tl.full([XBLOCK, 1], {identity}, {TL_DTYPES[acc]})")
+        self.helpers.add(COMBINE[node.scan_type])
+        fn, start = f"_{COMBINE[node.scan_type]}", identity(node.scan_type, acc)
+        pairs = node.scan_type.startswith("arg")
+        self.lines.append(f"carry = tl.full([XBLOCK, 1], {start}, {TL_DTYPES[acc]})")
+        if pairs:
+            self.lines.append("carry_index = tl.full([XBLOCK, 1], 0, tl.int64)")
         self.enter_loop()
         value = self.emit(self.bodies[node.name])
-        masked = self.tmp(("scan_in", value), f"tl.where(xrmask, {value}, {identity})")
-        scanned = self.tmp(("scan", masked), f"tl.associative_scan({masked}, 1, {fn})")
-        total = self.tmp(("scan_total", masked), f"tl.reduce({masked}, 1, {fn})[:, None]")
-        result = self.tmp(("scan_carried", scanned), f"{fn}(carry, {scanned})")
-        if acc == node.dtype:
-            self.values[node.name] = result
+        masked = self.tmp(("scan_in", value), f"tl.where(xrmask, {value}, {start})")
+        if pairs:
+            index = self.tmp(("scan_index",), "rindex + tl.zeros([XBLOCK, RBLOCK], tl.int64)")
+            self.lines += [
+                f"scanned, scanned_index = tl.associative_scan(({masked}, {index}), 1, {fn})",
+                f"total, total_index = tl.reduce(({masked}, {index}), 1, {fn})",
+                f"_, result = {fn}(carry, carry_index, scanned, scanned_index)",
+            ]
+            self.values[node.name] = "result"
         else:
-            self.values[node.name] = self.tmp(("scan_cast", result), to_dtype(result, acc, node.dtype))
+            scanned = self.tmp(("scan", masked), f"tl.associative_scan({masked}, 1, {fn})")
+            total = self.tmp(("scan_total", masked), f"tl.reduce({masked}, 1, {fn})[:, None]")
+            result = self.tmp(("scan_carried", scanned), f"{fn}(carry, {scanned})")
+            self.values[node.name] = result
+            if acc != node.dtype:
+                self.values[node.name] = self.tmp(("scan_cast", result), to_dtype(result, acc, node.dtype))
         self.store(node.name)
-        self.lines.append(f"carry = {fn}(carry, {total})")
+        if pairs:
+            self.lines.append(
+                f"carry, carry_index = {fn}(carry, carry_index, total[:, None], total_index[:, None])"
+            )
+        else:
+            self.lines.append(f"carry = {fn}(carry, {total})")
         self.exit_loop()
         steps = "one block" if persistent else "blocks of RBLOCK"
         scan = [f"scan: {node.scan_type} along dim {node.dim}, {rnumel} elements per row in {steps}"]

@@ -1,5 +1,6 @@
-"""Scans: cumsum, cumprod and logcumsumexp become ScanNodes, one kernel each, their input's
-producers computed inside it (fusion inlines what only the scan reads). Accumulation is in
+"""Scans: cumsum, cumprod, logcumsumexp, cummax and cummin (two scans: values, indices) become
+ScanNodes, one kernel each, their input's producers computed inside it (fusion inlines what
+only the scan reads). Accumulation is in
 the dtype eager accumulates in (float32 for 16-bit floats, int64 for integers and bools); the
 kernel scans a block of each row at a time and carries the running value to the next block.
 """
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gjit.ir import Const
 from gjit.lowering.reductions import acc_dtype
 from gjit.lowering.registry import TensorValue, Unsupported, cast, meta_layout, register_lowering
 
@@ -37,6 +39,28 @@ def cumsum(ctx: Lowering, x: TensorValue, dim: int, *, dtype=None):
 @register_lowering(aten.cumprod.default)
 def cumprod(ctx: Lowering, x: TensorValue, dim: int, *, dtype=None):
     return _scan(ctx, x, dim, "prod", acc_dtype(ctx.out_val.dtype))
+
+
+@register_lowering(aten.cummax.default, aten.cummin.default)
+def cummax(ctx: Lowering, x: TensorValue, dim: int):
+    """The running max (min) and its index: two scans of the input, values and indices. The
+    index is the latest position of the extreme, and NaN wins once seen, as in eager."""
+    if x.dtype == torch.bool or x.dtype.is_complex:
+        raise Unsupported(f"cummax/cummin of {x.dtype}")
+    kind = "max" if ctx.node.target is aten.cummax.default else "min"
+    out_values, out_indices = ctx.out_val
+    acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    if not x.size:  # the element and its index
+        return [
+            ctx.pointwise(lambda idx: x.load(()), meta_layout(out_values), "_values"),
+            ctx.pointwise(lambda idx: Const(torch.int64, 0), meta_layout(out_indices), "_indices"),
+        ]
+    dim = dim + len(x.size) if dim < 0 else dim
+    body = lambda idx: cast(x.load(idx), acc)  # noqa: E731
+    return [
+        ctx.scan(body, dim, kind, meta_layout(out_values), "_values"),
+        ctx.scan(body, dim, f"arg{kind}", meta_layout(out_indices), "_indices"),
+    ]
 
 
 @register_lowering(aten.logcumsumexp.default)

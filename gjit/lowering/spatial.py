@@ -7,6 +7,10 @@ max_pool2d's iteration space is the output's dims plus (kh, kw); each element re
 ceil_mode window past the edge) is -inf, as in eager. So the op is one ReduceNode that fusion
 treats like any other: the BatchNorm + ReLU before it becomes its prologue, one kernel.
 
+Adaptive pooling (and area interpolation, which is adaptive average pooling) is the same with
+each output element's own window, [floor(i * n / m), ceil((i + 1) * n / m)), inside a space as
+long as the longest window.
+
 Nearest upsampling by a whole factor reads input element (i // factor) for output element i,
 flip reads (size - 1 - i), and constant padding reads (i - before) where that is inside the
 input: pointwise reads at other indices, fused into their consumers.
@@ -60,13 +64,19 @@ def _window_read(x: TensorValue, idx: Index, step, pad, dil, acc: torch.dtype, o
     return Masked(acc, inside, cast(x.load(tuple(idx[:lead]) + tuple(at)), acc), outside)
 
 
+def _indices_used(node) -> bool:
+    """Does anything read a max pool's indices (output 1)? A deserialized program keeps a getitem
+    of them that nothing reads."""
+    return any(u.target is operator.getitem and u.args[1] == 1 and u.users for u in node.users)
+
+
 @register_lowering(aten.max_pool2d_with_indices.default)
 def max_pool2d(
     ctx: Lowering, x: TensorValue, kernel_size, stride=(), padding=0, dilation=1, ceil_mode: bool = False
 ):
     """The max of each window; NaN propagates, as in eager. The indices output is lowered only when
     nothing reads it (eager picks the last NaN of a window, an argmax the first)."""
-    if any(u.target is operator.getitem and u.args[1] == 1 for u in ctx.node.users):
+    if _indices_used(ctx.node):
         raise Unsupported("max_pool2d's indices are used")
     out, indices = ctx.out_val
     if not x.dtype.is_floating_point:
@@ -121,6 +131,82 @@ def avg_pool2d(
         return cast(IndexValue(torch.int64, count), acc)
 
     return ctx.pointwise(lambda idx: op("truediv", total.load(idx), divisor(idx)))
+
+
+def _adaptive_window(ctx: Lowering, x: TensorValue, output_size, acc: torch.dtype, outside: float):
+    """Adaptive pooling's windows as a reduction space: output element i of a spatial dim pools
+    input [floor(i * n / m), ceil((i + 1) * n / m)) (n in, m out), so the space is the output's
+    dims plus, per spatial dim, the longest window; a window position past its own window's end
+    reads `outside`. Returns (full space, reduced dims, window read, window element count)."""
+    spatial = len(output_size)
+    rank = len(x.size)
+    lead = rank - spatial
+    n_in = [x.size[lead + d] for d in range(spatial)]
+    out = ctx.out_val[0] if isinstance(ctx.out_val, (list, tuple)) else ctx.out_val  # max: (values, indices)
+    n_out = [to_sympy(s) for s in out.shape[lead:]]
+    if not all(s.is_Integer for s in n_out):
+        raise Unsupported("adaptive pooling to a dynamic size")
+    n_out = [int(s) for s in n_out]
+    # the longest window: exact for a static input size, else ceil(n / m) + 1, which bounds it
+    longest = [
+        sympy.Integer(max([-(-(i + 1) * int(n) // m) - (i * int(n)) // m for i in range(m)], default=1))
+        if n.is_Integer
+        else FloorDiv(n + m - 1, m) + 1
+        for n, m in zip(n_in, n_out)
+    ]
+
+    def bounds(i: sympy.Expr, d: int) -> tuple[sympy.Expr, sympy.Expr]:
+        n, m = n_in[d], n_out[d]
+        return FloorDiv(i * n, m), FloorDiv((i + 1) * n + m - 1, m)
+
+    def read(idx: Index) -> Expr:
+        at, inside = [], []
+        for d in range(spatial):
+            start, end = bounds(idx[lead + d], d)
+            at.append(start + idx[rank + d])
+            inside.append(sympy.Lt(start + idx[rank + d], end))
+        load = cast(x.load(tuple(idx[:lead]) + tuple(at)), acc)
+        return Masked(acc, sympy.And(*inside), load, outside)
+
+    def count(idx: Index) -> sympy.Expr:
+        total = sympy.Integer(1)
+        for d in range(spatial):
+            start, end = bounds(idx[lead + d], d)
+            total *= end - start
+        return total
+
+    out_shape = tuple(x.size[:lead]) + tuple(sympy.Integer(m) for m in n_out)
+    full = out_shape + tuple(longest)
+    return full, tuple(range(rank, rank + spatial)), read, count
+
+
+@register_lowering(aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool3d.default)
+def adaptive_avg_pool(ctx: Lowering, x: TensorValue, output_size):
+    """The mean of each adaptive window (static sizes; a dynamic one stays an extern)."""
+    if not x.dtype.is_floating_point:
+        raise Unsupported(f"adaptive_avg_pool of {x.dtype}")
+    acc = acc_dtype(x.dtype)
+    full, reduced, read, count = _adaptive_window(ctx, x, output_size, acc, 0.0)
+    total = ctx.reduction(read, full, reduced, "sum", acc, False, suffix="_sum")
+    return ctx.pointwise(
+        lambda idx: op("truediv", total.load(idx), cast(IndexValue(torch.int64, count(idx)), acc))
+    )
+
+
+@register_lowering(aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default)
+def adaptive_max_pool(ctx: Lowering, x: TensorValue, output_size):
+    """The max of each adaptive window, NaN propagating; the indices output is lowered only when
+    nothing reads it (as max_pool2d's)."""
+    if _indices_used(ctx.node):
+        raise Unsupported("adaptive_max_pool's indices are used")
+    if not x.dtype.is_floating_point:
+        raise Unsupported(f"adaptive_max_pool of {x.dtype}")
+    out, indices = ctx.out_val
+    acc = acc_dtype(x.dtype)
+    full, reduced, read, _ = _adaptive_window(ctx, x, output_size, acc, float("-inf"))
+    values = ctx.reduction(read, full, reduced, "max", out.dtype, False, layout=meta_layout(out))
+    unused = ctx.pointwise(lambda idx: Const(torch.int64, 0), meta_layout(indices), suffix="_indices")
+    return [values, unused]
 
 
 @register_lowering(aten.upsample_nearest2d.vec)  # 1-D and 3-D decompose into index math
