@@ -114,6 +114,32 @@ def explicit_keywords(module: torch.nn.Module, args: tuple, kwargs: dict) -> tor
     return wrapper
 
 
+# inputs export has no pytree leaf for: each is passed to export as a token string (export keeps a
+# string input as a constant) that the module maps back; the entry's guards check the value itself
+CONSTANT_TYPES = (torch.dtype, torch.memory_format, torch.layout, torch.device)
+
+
+def constants_as_tokens(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """(module, args, kwargs) with every CONSTANT_TYPES input (softmax(x, dtype=torch.float16))
+    replaced by a token the returned module turns back into it: the same call, exportable."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    table = {f"gjit.constant.{i}": v for i, v in enumerate(leaves) if isinstance(v, CONSTANT_TYPES)}
+    if not table:
+        return module, args, kwargs
+    args, kwargs = pytree.tree_unflatten([f"gjit.constant.{i}" if f"gjit.constant.{i}" in table else v
+                                          for i, v in enumerate(leaves)], spec)  # fmt: skip
+    wrapper = torch.nn.Module()
+    wrapper.add_module("model", module)
+
+    def call(*a, **kw):
+        a, kw = pytree.tree_map_only(str, lambda v: table.get(v, v), (a, kw))
+        return module(*a, **kw)
+
+    call.__signature__ = inspect.signature(module.forward)  # export binds the call as eager does
+    wrapper.forward = call
+    return wrapper, args, kwargs
+
+
 def load_program(model: Any) -> ExportedProgram | None:
     if isinstance(model, ExportedProgram):
         return model
@@ -394,6 +420,7 @@ def capture(
             raise CaptureError(f"an input has layout {leaf.layout}: gjit compiles strided tensors only")
     module = explicit_keywords(as_module(model), args, kwargs)
     kv_cache.register([*args, *kwargs.values()], model)
+    module, args, kwargs = constants_as_tokens(module, args, kwargs)
     aliases = CacheAliases()
     try:
         exported, oblivious = export_model(module, args, kwargs, dims, timings, aliases, from_one)

@@ -325,7 +325,22 @@ def _inline(
         and not isinstance(node.meta["val"], (list, tuple))
     ):
         result = result[0]
+    if isinstance(result, torch.fx.Node):
+        result = _as_dtype_of(graph, node, result)
     return result
+
+
+def _as_dtype_of(graph: torch.fx.Graph, node: torch.fx.Node, result: torch.fx.Node) -> torch.fx.Node:
+    """`result` in `node`'s dtype: some of torch's decompositions return another one
+    (select_scatter of a bool tensor with an int64 source gives int64, eager bool)."""
+    want, got = node.meta["val"], result.meta.get("val")
+    if not (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)) or want.dtype == got.dtype:
+        return result
+    log.debug("the decomposition of %s gives %s, eager %s: cast back", node.target, got.dtype, want.dtype)
+    cast = graph.call_function(torch.ops.aten._to_copy.default, (result,), {"dtype": want.dtype})
+    cast.meta.update({name: node.meta[name] for name in KEPT_META if name in node.meta})
+    cast.meta["val"] = got.to(want.dtype)
+    return cast
 
 
 @dataclasses.dataclass(frozen=True)

@@ -361,7 +361,11 @@ class Fusion:
         while len(done) < len(gids):
             for g in gids:
                 if g not in done and deps[g] <= done:
-                    steps.append(self.make_step(g, inline, needed_outside))
+                    step = self.make_step(g, inline, needed_outside)
+                    if isinstance(step, Region) and not step.stores:  # cummax's unused indices
+                        log.info("drop %s: nothing reads what it computes", [n.name for n in step.nodes])
+                    else:
+                        steps.append(step)
                     done.add(g)
                     break
             else:

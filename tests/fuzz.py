@@ -1,8 +1,10 @@
 """Random-program fuzzer: seeded programs over gjit's ops, compiled and compared with eager.
 
 `generate(seed)` builds a `Program`: the Python source of `def program(x0, x1, ...)` over torch
-ops (pointwise chains, scalar constants, broadcasts, views, reductions over random dims, casts,
-indexing, cat) and the specs of its inputs (shape, dtype, layout: contiguous, permuted, sliced
+ops (pointwise chains, special functions, scalar constants, broadcasts, views, slices sized
+through math.ceil/floor/round of a size, reductions over random dims, max/min with indices,
+scans, casts, indexing, cat, repeat/tile, writes into views, padding modes, interpolation,
+adaptive pooling) and the specs of its inputs (shape, dtype, layout: contiguous, permuted, sliced
 with a step, expanded) for two calls of the same ranks and other sizes, so that every program
 also runs guards, cache hits and recompiles. Sizes include 0 and 1. `check(program)` compiles it
 with gjit, runs both calls through the generated kernels (Triton's interpreter, debug poisoning;
@@ -161,7 +163,7 @@ class Program:
         source = self.source()
         filename = f"<gjit-fuzz seed={self.seed} {hashlib.sha1(source.encode()).hexdigest()[:8]}>"
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-        namespace = {"torch": torch, "F": F}
+        namespace = {"torch": torch, "F": F, "math": math}
         exec(compile(source, filename, "exec"), namespace)
         return namespace["program"]
 
@@ -181,6 +183,8 @@ class Program:
         return "\n".join(
             [
                 f'"""gjit fuzz reproducer (seed {self.seed}{what})"""',
+                "import math",
+                "",
                 "import torch",
                 "import torch.nn.functional as F",
                 "",
@@ -246,7 +250,7 @@ def run_stmt(stmt: Stmt, envs: list[dict], rounded: dict[str, torch.dtype | None
         try:
             with warnings.catch_warnings():  # e.g. var() with no degrees of freedom: NaN, as intended
                 warnings.simplefilter("ignore")
-                value = eval(stmt.expr, {"torch": torch, "F": F}, env)
+                value = eval(stmt.expr, {"torch": torch, "F": F, "math": math}, env)
         except Exception as e:
             raise Invalid(f"eager: {e}") from e
         if not isinstance(value, torch.Tensor) or value.numel() > MAX_NUMEL:
@@ -288,6 +292,10 @@ SMOOTH_UNARY = [
     "torch.sqrt({a}.abs())", "torch.log({a}.abs() + 0.5)", "torch.rsqrt({a}.abs() + 1)", "{a} * {a}",
     "F.gelu({a})", "F.silu({a})", "torch.erf({a})", "1 / ({a}.abs() + 0.5)", "torch.expm1({a})",
     "torch.log1p({a}.abs())", "F.softplus({a})", "torch.atan({a})", "torch.nan_to_num({a})",
+    "torch.erfc({a})", "torch.lgamma({a}.abs() + 0.5)", "torch.digamma({a}.abs() + 0.5)", "torch.i0({a})",
+    "torch.special.erfcx({a}.abs())", "torch.special.ndtri(torch.sigmoid({a}))", "torch.special.i1({a})",
+    "torch.special.bessel_j0({a})", "torch.special.bessel_y1({a}.abs() + 0.5)",
+    "torch.polygamma(1, {a}.abs() + 0.5)", "torch.special.zeta({a}.abs() + 1.5, 2.0)",
 ]  # fmt: skip
 EXACT_UNARY = ["-{a}", "{a}.abs()", "torch.relu({a})", "{a}.clone()"]
 STEP_UNARY = [
@@ -300,6 +308,7 @@ SMOOTH_BINARY = [
     "{a} * {b}",
     "{a} / ({b}.abs() + 0.5)",
     "torch.add({a}, {b}, alpha=2)",
+    "torch.hypot({a}, {b})",
 ]
 EXACT_BINARY = ["torch.maximum({a}, {b})", "torch.minimum({a}, {b})"]
 STEP_BINARY = [
@@ -533,6 +542,10 @@ class Generator:
             f"{a}.unflatten({d}, ({rng.choice([2, 3])}, -1))",
             f"{a}[{lead + ', ' if lead else ''}{rng.choice(SLICES)}]",
             f"{a}[{lead + ', ' if lead else ''}:{a}.shape[{d}] // 2]",
+            # sizes through the shape environment's functions: CeilToInt, FloorToInt, RoundToInt
+            f"{a}[{lead + ', ' if lead else ''}:math.ceil({a}.shape[{d}] / 2)]",
+            f"{a}[{lead + ', ' if lead else ''}math.floor({a}.shape[{d}] / 3):]",
+            f"{a}[{lead + ', ' if lead else ''}:round({a}.shape[{d}] / 3)]",
             f"{a}.select({d}, {rng.choice([0, -1, 1])})",
             f"{a}.narrow({d}, 1, 1)",
             f"{a}.unsqueeze({rng.randrange(-n - 1, n + 1)})",
@@ -564,15 +577,25 @@ class Generator:
             f"{a}.var({dims}, correction=0{kd})", f"{a}.std({d}{kd})", f"torch.softmax({a}, {d})",
             f"F.log_softmax({a}, {d})", f"torch.logsumexp({a}, {d}{kd})", f"({a} * 0.5).prod({d}{kd})",
             f"{a} - {a}.mean({d}, keepdim=True)", f"({a} - {a}.amax({d}, keepdim=True)).exp()",
-            f"{a}.sum({dims}, dtype=torch.float32)", f"{a}.cumsum({d})",
+            f"{a}.sum({dims}, dtype=torch.float32)", f"{a}.cumsum({d})", f"torch.logcumsumexp({a}, {d})",
+            f"(torch.tanh({a}) * 0.5 + 1).cumprod({d})", f"({a} * 2).cumsum({d}) - {a}",
         ]  # fmt: skip
         exact = [
             f"{a}.amax({dims}{kd})",
             f"{a}.amin({dims}{kd})",
             f"{a}.amax()",
             f"torch.max({a}, {d}).values",
+            f"{a}.max()",
+            f"{a}.min()",
+            f"torch.min({a}, {d}{kd}).values",
+            f"torch.cummax({a}, {d}).values",
+            f"torch.cummin({a}, {d}).values",
         ]
-        step = [f"{a}.argmax({d}{kd})", f"{a}.argmin({d})", f"{a}.any({d}{kd})", f"{a}.all({d})"]
+        step = [
+            f"{a}.argmax({d}{kd})", f"{a}.argmin({d})", f"{a}.any({d}{kd})", f"{a}.all({d})",
+            f"torch.max({a}, {d}{kd}).indices", f"torch.cummax({a}, {d}).indices",
+            f"torch.cummin({a}, {d}).indices",
+        ]  # fmt: skip
         r = rng.random()
         if r < 0.6:
             return rng.choice(smooth), (a,), False, False
@@ -627,6 +650,17 @@ class Generator:
         t = self.envs[0][a]
         d = self.dim(t)
         b = self.pick(lambda u: u.dim() == t.dim())
+        lead = "".join([":, "] * (d % t.dim()))
+        # slice_scatter writes the slice start:end:step of dim d (its source is that slice, changed)
+        start, end, step = rng.choice(
+            [(None, None, 2), (1, None, 1), (None, -1, 1), (-2, None, 1), (2, 5, 1)]
+        )
+        part = f"{'' if start is None else start}:{'' if end is None else end}:{step}"
+        pad_mode = rng.choice(["reflect", "replicate", "circular"])
+        interp = rng.choice(["nearest", "linear", "bilinear"])
+        # interpolation and padding modes want (N, C, spatial...): lift a low-rank value into that
+        rank = 4 if interp == "bilinear" else 3
+        lifted = a + ".unsqueeze(0)" * max(0, rank - t.dim())
         choices = [
             (f"torch.cat([{a}, {b}], {d})", (a, b), True),
             (f"torch.cat([{a}, {a} * 2], {d})", (a,), False),
@@ -636,13 +670,26 @@ class Generator:
             (f"torch.zeros_like({a}) + {a}.mean()", (a,), False),
             (f"torch.ones({a}.shape[-1], dtype={a}.dtype)", (a,), True),
             (f"F.pad({a}, ({rng.randint(-1, 2)}, {rng.randint(-1, 2)}), value=2)", (a,), True),
+            (f"{a}.repeat({', '.join(str(rng.choice([1, 2, 3])) for _ in range(t.dim()))})", (a,), True),
+            (f"{a}.tile(({rng.choice([2, 3])},))", (a,), True),
+            (
+                f"torch.slice_scatter({a}, {a}[{lead}{part}] * 2, {d % t.dim()}, {start}, {end}, {step})",
+                (a,),
+                False,
+            ),
+            (f"torch.select_scatter({a}, {a}.select({d}, 0) + 1, {d}, -1)", (a,), False),
+            (f"F.pad({a}, ({rng.randint(0, 2)}, {rng.randint(0, 2)}), mode='{pad_mode}')", (a,), True),
+            (f"F.interpolate({lifted}, scale_factor={rng.choice([2, 0.5, 1.5])}, mode='{interp}')", (a,), 0),
+            (f"F.pad({lifted}, ({rng.randint(0, 2)}, {rng.randint(0, 2)}), mode='{pad_mode}')", (a,), True),
+            (f"F.adaptive_avg_pool1d({a}, {rng.choice([1, 2, 3, 5])})", (a,), False),
+            (f"F.adaptive_max_pool2d({a}, {rng.choice([1, 2, 3])})", (a,), True),
         ]
         expr, operands, keeps = rng.choice(choices)
         return expr, operands, False, keeps
 
     CATEGORIES = {
         "unary": 20, "binary": 22, "scalar": 12, "cast": 8, "view": 18, "reduction": 14, "indexing": 6,
-        "combine": 5,
+        "combine": 9,
     }  # fmt: skip
 
     def statement(self) -> bool:

@@ -154,6 +154,27 @@ def test_specialized_python_scalar_recompiles():
     assert gjit.stats()["compiles"] == 2
 
 
+def test_dtype_device_and_memory_format_arguments_are_specialized():
+    """torch.export has no input for a dtype (or memory format, layout, device): gjit passes it as
+    a constant, the entry guards its value, and another value compiles another entry."""
+
+    def fn(x, dtype, memory_format=torch.contiguous_format):
+        return (
+            torch.softmax(x, -1, dtype=dtype),
+            torch.zeros(3, dtype=dtype),
+            x.clone(memory_format=memory_format),
+        )
+
+    cm = gjit.compile(fn)
+    x = torch.randn(4, 5)
+    check(cm, x, torch.float16)
+    check(cm, x * 2, torch.float16)
+    check(cm, x, torch.float64, memory_format=torch.preserve_format)
+    assert len(cm.entries) == 2 and gjit.stats()["eager_runs"] == 0
+    guards = [g.description for g in cm.entries[0].guards.steps if hasattr(g, "description")]
+    assert any("torch.float16" in g for g in guards), guards
+
+
 def test_transposed_input_after_contiguous_first_call():
     def f(x):
         return x.sin() + 1

@@ -170,6 +170,14 @@ def test_multi_output_ops_and_outputs_replaced_by_their_decomposition():
     assert counters() == (2, 0)
 
 
+def test_a_decomposition_that_changes_the_dtype_is_cast_back():
+    """torch's select_scatter decomposition of a bool tensor with an int64 source returns int64;
+    eager returns bool (fuzz seed 22): the decomposed value is cast to the node's dtype."""
+    x = torch.tensor([False, True, False])
+    cm = check(lambda x: torch.select_scatter(x, x.select(-1, 0) + 1, -1, -1), x)
+    assert cm(x).dtype == torch.bool
+
+
 def test_a_reused_trace_keeps_each_node_source_line():
     class TwoProjections(torch.nn.Module):
         def __init__(self):

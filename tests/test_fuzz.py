@@ -2,7 +2,8 @@
 
 The default run is 160 programs, seeds 0-159, in 8 chunks (pytest shows progress per chunk), then
 the first 60 again with backend="cupy" (GJIT_FUZZ_CUDA_PROGRAMS), on the CUDA C host emulation;
-CI's sweep step then runs seeds 160-479 (GJIT_FUZZ_SEED=160 GJIT_FUZZ_PROGRAMS=320). Each
+CI's sweep step then runs seeds 160-519 (GJIT_FUZZ_SEED=160 GJIT_FUZZ_PROGRAMS=360) and 160-219 on
+CUDA C: 520 programs on Triton and 120 on CUDA C in all. Each
 program is called twice with different sizes of the same ranks, so guards, cache hits and
 recompiles run too. Programs run in GJIT_FUZZ_WORKERS worker processes (default: one per core,
 at most 8; 1 under pytest-xdist, which runs the chunks in parallel itself; 1 runs them in the

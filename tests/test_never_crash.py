@@ -9,6 +9,7 @@ import math
 import pytest
 import sympy
 import torch
+import torch.nn.functional as F
 from functorch.experimental import control_flow
 from torch.utils._sympy.functions import (
     CeilToInt,
@@ -100,6 +101,20 @@ def test_round_of_a_dynamic_size_runs_in_aten_inside_the_compiled_program():
     assert any("cannot print" in e.reason for e in report.externs), report
 
 
+def test_an_op_reading_a_rounded_size_runs_in_aten():
+    """A value whose size came through round() is read by a reduction (its index math uses the
+    input's size): the op is an extern, not a kernel that cannot print that size (fuzz seed 154)."""
+
+    def fn(x):
+        v = x[:, :, : round(x.shape[2] / 3)]
+        return F.adaptive_avg_pool1d(v, 2), v.sum(-1)
+
+    cm = gjit.compile(fn, dynamic=True)
+    for length in (9, 12):
+        check(cm, torch.randn(2, 3, length))
+    assert len(cm.entries) == 1
+
+
 def mapped(xs, y):
     return control_flow.map(lambda x, y: torch.relu(x * y + 1), xs, y)
 
@@ -163,12 +178,14 @@ def test_a_sparse_input_runs_eagerly_with_the_reason():
     assert "layout torch.sparse_csr" in cm.eager_reason
 
 
-def test_an_input_export_bakes_in_runs_eagerly_with_the_reason():
+def test_an_input_export_bakes_in_runs_eagerly_with_the_reason(tmp_path):
     def loss(a, b, distance):
         return distance(a, b).mean()
 
-    cm = gjit.compile(loss)
-    check(cm, torch.randn(3, 4), torch.randn(3, 4), torch.nn.PairwiseDistance(), expect_eager=True)
+    # with the disk cache on: storing the program met the module in its calling convention first
+    with gjit.config.scope(cache=True, cache_dir=str(tmp_path)):
+        cm = gjit.compile(loss)
+        check(cm, torch.randn(3, 4), torch.randn(3, 4), torch.nn.PairwiseDistance(), expect_eager=True)
     assert "cannot guard" in cm.eager_reason and "PairwiseDistance" in cm.eager_reason
 
 

@@ -277,6 +277,7 @@ def test_repeat_and_tile_read_the_input_modulo_its_size():
     check(lambda t: t.t().repeat(2, 2), x, kernels=1)  # a non-contiguous input
     check(lambda t: t[:1].expand(5, 4).repeat(1, 3).sin(), x, kernels=1)  # a broadcast input
     check(lambda t: t.repeat(1, 0), x)  # an empty result
+    check(lambda t: t[:1].repeat(3, 2) + 1, x, kernels=1)  # a size-1 dim repeated reads index 0
     cm = gjit.compile(lambda t: t.repeat(3, 2) - t.sum())
     check(cm, torch.randn(5, 7))
     check(cm, torch.randn(6, 2))  # the sizes are dynamic: no recompile
@@ -305,6 +306,9 @@ def test_writes_into_a_view_are_index_math():
         check(lambda t, s, o=offset: torch.diagonal_scatter(t, s, o) + 1, x, src, kernels=1)
     x3 = torch.randn(3, 4, 5)
     check(lambda t: torch.diagonal_scatter(t, torch.diagonal(t, 1, 0, 2) * 0, 1, 0, 2), x3, kernels=1)
+    # the source is computed in the kernel from a value that is also read outside the view: its
+    # value under the view's mask is not reused outside it (Triton, fuzz seed 167)
+    check(lambda t: (lambda v: torch.slice_scatter(v, v[:-1] * 2, 0, None, -1))(t.sigmoid()), x, kernels=1)
     cm = gjit.compile(lambda t, v: torch.slice_scatter(t, v, 1, 2, 2 + v.shape[1]))
     check(cm, torch.randn(4, 9), torch.randn(4, 3))
     check(cm, torch.randn(5, 11), torch.randn(5, 6))  # dynamic sizes: one entry

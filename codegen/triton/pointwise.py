@@ -254,8 +254,10 @@ class KernelWriter(RegionPlan):
         cond = self.index(self.subst(e.mask))
         mask = self.tmp(("mask", cond, self.mask), f"{self.mask} & ({cond})")
         outer, self.mask = self.mask, mask
+        values = dict(self.values)
         body = self.emit(e.body)
-        self.mask = outer
+        # a member's value first computed here holds garbage where the mask is off: not reused outside
+        self.mask, self.values = outer, values
         return self.tmp(("masked", mask, body), f"tl.where({mask}, {body}, {literal(e.other, e.dtype)})")
 
     def read(self, r: Read) -> str:

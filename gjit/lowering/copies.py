@@ -51,7 +51,9 @@ def repeat(ctx: Lowering, a, repeats):
         raise Unsupported(f"repeat with {len(repeats)} repeats for {len(a.size)} dims")
 
     def at(i: sympy.Expr, size: sympy.Expr, times) -> sympy.Expr:
-        return i if to_sympy(times) == 1 or size == 1 else ModularIndexing(i, 1, size)
+        if size == 1:
+            return sympy.Integer(0)
+        return i if to_sympy(times) == 1 else ModularIndexing(i, 1, size)
 
     return ctx.pointwise(
         lambda idx: a.load(tuple(at(i, n, r) for i, n, r in zip(idx[lead:], a.size, repeats[lead:])))

@@ -200,7 +200,12 @@ class Lowering:
             return val  # size arithmetic (sym_size, operator.mul, ...): a sympy expression, no op to run
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: self.values[n])
         fn = LOWERINGS.get(target)
-        reason = EXTERN_REASONS.get(target) or size_reason(val) or scalar_reason(node) or complex_reason(node)
+        reason = (
+            EXTERN_REASONS.get(target)
+            or size_reason([val, *(a.meta.get("val") for a in node.all_input_nodes)])  # read or written
+            or scalar_reason(node)
+            or complex_reason(node)
+        )
         if fn is not None and reason is None:
             mark = (len(self.nodes), set(self.views), set(self.buffers))
             try:

@@ -14,6 +14,7 @@ from typing import Any
 
 import sympy
 import torch
+import torch.utils._pytree as pytree
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 from torch.utils._sympy.functions import (
     CeilDiv,
@@ -193,7 +194,7 @@ def size_reason(val: Any) -> str | None:
     upsampling by 1.5: int(1.5 * float(s))), rounding (round(n / 3)) or any other function of
     torch's shape environment the printers do not write makes the op an extern, which ATen
     sizes itself; the wrapper prints it with torch's Python printer."""
-    for t in val if isinstance(val, (list, tuple)) else [val]:
+    for t in pytree.tree_leaves(val):
         if isinstance(t, torch.Tensor):
             for s in (*t.shape, *t.stride(), t.storage_offset()):
                 if isinstance(s, torch.SymInt) and not _index_math(s.node.expr):

@@ -223,12 +223,16 @@ def served_record(program: ExportedProgram) -> dict:
     for node in program.graph.nodes:
         if node.op == "placeholder":
             placeholders[node.name] = _value_record(node.meta.get("val"), hints)
+    try:
+        specs = [pytree.treespec_dumps(s) for s in (program.call_spec.in_spec, program.call_spec.out_spec)]
+    except Exception as e:  # noqa: BLE001 - an input torch's pytree cannot write (a module argument)
+        raise ProgramStoreError(f"the calling convention has no JSON form: {type(e).__name__}: {e}") from e
     return {
         "graph": _graph_record(program.graph_module),
         "inputs": [[s.kind.name, s.arg.name, s.target, s.persistent] for s in sig.input_specs],
         "outputs": [[s.kind.name, _arg_name(s.arg), s.target] for s in sig.output_specs],
-        "in_spec": pytree.treespec_dumps(program.call_spec.in_spec),
-        "out_spec": pytree.treespec_dumps(program.call_spec.out_spec),
+        "in_spec": specs[0],
+        "out_spec": specs[1],
         "ranges": [
             [expr_json(k), _bound(v.lower), _bound(v.upper)] for k, v in program.range_constraints.items()
         ],
