@@ -89,7 +89,7 @@ def source_line(node: torch.fx.Node) -> str | None:
 
 def kernel_name(region: Region, index: int) -> str:
     ops = "_".join(region.aten_ops()[:6]) or "copy"
-    kind = "scan" if region.scan else "red" if region.reduction is not None else "poi"
+    kind = "scatter" if region.scatter else "scan" if region.scan else "red" if region.reduction else "poi"
     return f"gjit_{kind}_fused_{ops}_{index}"
 
 

@@ -9,9 +9,11 @@ from gjit.codegen.common import KernelSource, kernel_name
 from gjit.codegen.cuda.pointwise import CudaKernelWriter
 from gjit.codegen.cuda.reduction import CudaReductionWriter
 from gjit.codegen.cuda.scan import CudaScanWriter
+from gjit.codegen.cuda.scatter import CudaScatterWriter
 from gjit.codegen.triton.pointwise import KernelWriter
 from gjit.codegen.triton.reduction import ReductionWriter
 from gjit.codegen.triton.scan import ScanWriter
+from gjit.codegen.triton.scatter import ScatterWriter
 from gjit.config import CompileOptions
 from gjit.fusion import Region
 
@@ -19,9 +21,11 @@ WRITERS = {  # (backend, region kind) -> writer class
     ("triton", "pointwise"): KernelWriter,
     ("triton", "reduction"): ReductionWriter,
     ("triton", "scan"): ScanWriter,
+    ("triton", "scatter"): ScatterWriter,
     ("cupy", "pointwise"): CudaKernelWriter,
     ("cupy", "reduction"): CudaReductionWriter,
     ("cupy", "scan"): CudaScanWriter,
+    ("cupy", "scatter"): CudaScatterWriter,
 }
 
 
@@ -30,6 +34,9 @@ def generate_kernel(
 ) -> KernelSource:
     """The kernel of `region`, the `index`-th of its graph; names the region after it."""
     region.name = kernel_name(region, index)
-    kind = "scan" if region.scan else "reduction" if region.reduction is not None else "pointwise"
+    if region.scatter or region.scan:
+        kind = "scatter" if region.scatter else "scan"
+    else:
+        kind = "reduction" if region.reduction is not None else "pointwise"
     writer = WRITERS[options.backend, kind]
     return writer(region, graph, hints, options).generate(region.name)

@@ -20,7 +20,7 @@ from gjit.codegen.common import KernelSource, hint, source_line, unique
 from gjit.codegen.indexing import XINDEX, coalesce
 from gjit.config import CompileOptions
 from gjit.fusion import Region
-from gjit.ir import Const, Expr, IndexValue, Masked, Op, Read, ReduceNode
+from gjit.ir import Const, Expr, IndexValue, Masked, Op, Read, ReduceNode, ScatterNode
 
 
 class RegionPlan:
@@ -143,11 +143,15 @@ class RegionPlan:
         size = self.region.size
         numel = sympy.Mul(*size) if size else sympy.Integer(1)
         idx = ir.index_vars(len(size))
-        primary = self.layout(self.region.stores[0]).offset_of(idx) if self.region.stores else None
+        primary = self.primary_access(idx)
         plan = coalesce(list(size), idx, self.accesses(), primary, self.hints)
         self.subst = plan.substitute
         self.vars = plan.vars
         return numel, idx, plan, self.pick_index_dtype(numel)
+
+    def primary_access(self, idx: ir.Index) -> sympy.Expr | None:
+        """The access the iteration order follows (the first store's)."""
+        return self.layout(self.region.stores[0]).offset_of(idx) if self.region.stores else None
 
     # -- what the kernel is -------------------------------------------------------------------------
 
@@ -366,3 +370,31 @@ class ReductionPlan(RegionPlan):
             f"{n}: in the pass before ({what[f.kind]} {ir.format_expr(f.shift)})"
             for n, f in self.online.items()
         ]
+
+
+class ScatterPlan(RegionPlan):
+    """A write through indices (a `ScatterNode`'s region): a pointwise kernel over the source's
+    elements whose one store goes to the element the body's `WriteAt` names. The printers mask
+    out writes whose index is out of bounds (eager raises; in debug mode the kernel asserts)."""
+
+    @property
+    def node(self) -> ScatterNode:
+        return self.region.nodes[0]
+
+    @property
+    def write(self) -> ir.WriteAt:
+        return self.region.bodies[self.node.name]
+
+    def accesses(self) -> list[sympy.Expr]:
+        out = [self.layout(r.name).offset_of(r.index) for r in ir.reads(self.write)]
+        return out + [self.layout(self.node.name).offset_of(self.write.index)]
+
+    def primary_access(self, idx: ir.Index) -> sympy.Expr | None:
+        reads = ir.reads(self.write.value)
+        return self.layout(reads[0].name).offset_of(reads[0].index) if reads else None
+
+    def scatter_header(self) -> list[str]:
+        target = ", ".join(map(str, self.write.index))
+        how = {"store": "stores", "sum": "adds (atomic)", "max": "takes the max (atomic)",
+               "min": "takes the min (atomic)", "nan": "stores the NaN values"}[self.node.reduce]  # fmt: skip
+        return [f"writes into {self.node.base}'s memory: {how} at [{target}], out-of-bounds indices skipped"]

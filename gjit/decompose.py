@@ -128,6 +128,9 @@ def decomposition_table() -> dict:
     output) and a fused attention extern beats its decomposition. Built once per process."""
     table = torch.export.default_decompositions()
     table.pop(torch.ops.aten.scaled_dot_product_attention.default, None)
+    # a kernel of its own (gjit/lowering/scatters.py); the table's index_put of `source * alpha`
+    # has the wrong dtype for a bool tensor
+    table.pop(torch.ops.aten.index_add.default, None)
     return table.materialize()
 
 

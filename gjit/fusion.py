@@ -14,7 +14,9 @@ Rules, in order:
      when every read between members lines up in those coordinates (softmax, layer_norm,
      rms_norm, mean/var are one kernel each). Producers read only by reductions are inlined.
      A ScanNode (cumsum, ...) is a region of its own over (rows x the scanned dim), its
-     producers inlined the same way; what reads it reads the stored scan.
+     producers inlined the same way; what reads it reads the stored scan. So is a ScatterNode
+     (a write through indices), over its source's elements, after the region that stores
+     the memory it writes into.
   a merge that would create a cycle through a third region or an extern is refused.
 Every refusal is logged to `GJIT_LOGS=fusion` as "cannot fuse A with B: reason".
 A region stores exactly the nodes that something outside it needs.
@@ -30,7 +32,9 @@ import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from gjit import ir
-from gjit.ir import ComputeNode, Expr, ExternNode, LoopGraph, Read, ReduceNode, ScanNode
+from gjit.ir import ComputeNode, Expr, ExternNode, LoopGraph, Read, ReduceNode, ScanNode, ScatterNode
+
+OWN_KERNEL = (ReduceNode, ScanNode, ScatterNode)  # never inlined: what reads them reads memory
 
 log = logging.getLogger("gjit.fusion")
 
@@ -82,12 +86,18 @@ class Region:
 
     @property
     def size(self) -> ir.Index:
-        return self.nodes[0].size
+        """The iteration space (a scatter's: its source's elements)."""
+        return self.nodes[0].space if self.scatter else self.nodes[0].size
 
     @property
     def scan(self) -> bool:
         """A scan's region: its one node, over (rows x the scanned dim) in `reduction`."""
         return isinstance(self.nodes[0], ScanNode)
+
+    @property
+    def scatter(self) -> bool:
+        """A write through indices: its one node, over its source's elements."""
+        return isinstance(self.nodes[0], ScatterNode)
 
     def aten_ops(self) -> list[str]:
         seen: list[str] = []
@@ -149,7 +159,7 @@ class Fusion:
         indirect = {r.name for n in self.compute.values() for r in ir.reads(n.body) if r.indirect}
         for name in reversed(list(self.compute)):
             node = self.compute[name]
-            reduction = isinstance(node, (ReduceNode, ScanNode))
+            reduction = isinstance(node, OWN_KERNEL)
             gatherable = _gatherable(node) and self.reads_memory(name)
             kept = name in self.graph.needed_in_memory or (name in indirect and not gatherable)
             if not reduction and not kept and identity_consumers[name] == 0:
@@ -161,7 +171,7 @@ class Fusion:
                     log.debug("inline %s into its consumers: no consumer reads it element-for-element", name)
                 continue
             if reduction:
-                continue  # a producer read only by reductions (and scans) is inlined into their bodies
+                continue  # a producer read only by reductions (scans, scatters) is inlined into their bodies
             for r in ir.reads(node.body):
                 producer = self.compute.get(r.name)
                 if producer is not None and producer.size == node.size and _identity(r, node.size):
@@ -172,7 +182,7 @@ class Fusion:
         """Does `name`'s value read a buffer or a reduction, itself or through its producers?
         Those are never inlined: a gather that recomputes it keeps a read to check the gathered
         index against (a gather of a value made of constants is written first)."""
-        if name not in self.compute or isinstance(self.compute[name], (ReduceNode, ScanNode)):
+        if name not in self.compute or isinstance(self.compute[name], OWN_KERNEL):
             return True
         if name not in self.memory_readers:
             reads = {r.name for r in ir.reads(self.compute[name].body)}
@@ -222,9 +232,11 @@ class Fusion:
             names = {r.name for r in ir.reads(self.bodies[name])}
             node = self.compute[name]
             used = ir.free_symbols(self.bodies[name])
-            for s in (*node.layout.size, *getattr(node, "full_size", ())):
+            for s in (*node.layout.size, *getattr(node, "full_size", ()), *getattr(node, "space", ())):
                 used |= sympy.sympify(s).free_symbols
             names |= {self.symbol_producers[s] for s in used if s in self.symbol_producers}
+            if isinstance(node, ScatterNode):
+                names.add(node.base)  # it writes into the base's stored memory
         else:
             extern = self.graph.node(name)
             names = {self.resolve(a) for a in extern.tensor_args}
@@ -274,6 +286,8 @@ class Fusion:
             return "an extern never fuses"
         if any(isinstance(self.compute[m], ScanNode) for m in ma + mb):
             return "a scan is a kernel of its own"
+        if any(isinstance(self.compute[m], ScatterNode) for m in ma + mb):
+            return "a write through indices is a kernel of its own"
         members = set(ma) | set(mb)
         space_a, space_b = self.space(a), self.space(b)
         if space_a is not None and space_b is not None and space_a != space_b:

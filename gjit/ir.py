@@ -104,6 +104,16 @@ class Masked(Expr):
     other: bool | int | float
 
 
+@dataclasses.dataclass(frozen=True)
+class WriteAt(Expr):
+    """The body of a `ScatterNode`: `value` written at element `index` of the node, whose index
+    expressions may use symbols bound to data (`indirect`, as in `Read`: the scatter's index)."""
+
+    value: Expr
+    index: Index
+    indirect: tuple[tuple[sympy.Symbol, Expr, sympy.Expr], ...] = ()
+
+
 def free_symbols(expr: Expr) -> set[sympy.Symbol]:
     """Size symbols an expression uses (in indices, masks, scalar operands such as `.item()`)."""
     out: set[sympy.Symbol] = set()
@@ -119,7 +129,7 @@ def free_symbols(expr: Expr) -> set[sympy.Symbol]:
 
     for e in walk(expr):
         for field in dataclasses.fields(e):
-            if field.name not in ("args", "body"):
+            if field.name not in ("args", "body", "value"):
                 collect(getattr(e, field.name))
     return out
 
@@ -148,6 +158,8 @@ def children(e: Expr) -> tuple[Expr, ...]:
         return e.args
     if isinstance(e, Masked):
         return (e.body,)
+    if isinstance(e, WriteAt):
+        return (e.value, *(value for _, value, _ in e.indirect))
     return ()
 
 
@@ -173,6 +185,9 @@ def substitute(
             out = Op(e.dtype, e.name, tuple(go(a) for a in e.args), e.params)
         elif isinstance(e, Masked):
             out = Masked(e.dtype, on_index(e.mask), go(e.body), e.other)
+        elif isinstance(e, WriteAt):
+            indirect = tuple((sym, go(value), size) for sym, value, size in e.indirect)
+            out = WriteAt(e.dtype, go(e.value), tuple(on_index(i) for i in e.index), indirect)
         else:
             out = e
         memo[id(e)] = out
@@ -215,6 +230,9 @@ def format_expr(expr: Expr) -> str:
         return f"{expr.name}({', '.join(format_expr(a) for a in expr.args)}{params})"
     if isinstance(expr, Masked):
         return f"masked({expr.mask}, {format_expr(expr.body)}, {expr.other!r})"
+    if isinstance(expr, WriteAt):
+        bound = "".join(f", {sym}={format_expr(value)}" for sym, value, _ in expr.indirect)
+        return f"at[{', '.join(map(str, expr.index))}{bound}] {format_expr(expr.value)}"
     raise TypeError(type(expr))
 
 
@@ -291,6 +309,22 @@ class ScanNode(ComputeNode):
 
 
 @dataclasses.dataclass
+class ScatterNode(ComputeNode):
+    """A write through indices (scatter, scatter_add, scatter_reduce, index_put): the node is the
+    memory of `base` after, for each element of `space` (index variables `index_vars(len(space))`),
+    the body's (a `WriteAt`) value is combined into the element it names. `reduce`: "store" (of
+    duplicate indices, one value wins, unspecified which, as in eager), "sum", "max", "min"
+    (atomics), "nan" (stores only NaN values: the pass after a float max/min, whose atomics skip
+    NaN, makes NaN win as in eager). The kernel writes into `base`'s buffer in place: lowering makes
+    `base` a stored value that nothing else reads (a copy of the tensor written into, or a fresh
+    tensor an in-place op writes into)."""
+
+    space: Index = ()
+    base: str = ""
+    reduce: str = "store"  # "store" | "sum" | "max" | "min" | "nan"
+
+
+@dataclasses.dataclass
 class ExternNode:
     """An op run by eager ATen inside the compiled program (matmul, conv, unsupported ops)."""
 
@@ -348,6 +382,12 @@ class LoopGraph:
                     f"{n.name} = {n.reduce_type}[{iv}] over dims {dims} of {format_expr(n.body)}"
                     f"  # {dtype_str(n.dtype)}{list(n.size)}"
                 )
+            elif isinstance(n, ScatterNode):
+                iv = ", ".join(map(str, index_vars(len(n.space))))
+                lines.append(
+                    f"{n.name} = {n.base} with {n.reduce} for [{iv}] in {list(n.space)}: "
+                    f"{format_expr(n.body)}  # {dtype_str(n.dtype)}{list(n.size)}"
+                )
             elif isinstance(n, ComputeNode):
                 iv = ", ".join(map(str, index_vars(len(n.size))))
                 lines.append(f"{n.name}[{iv}] = {format_expr(n.body)}  # {dtype_str(n.dtype)}{list(n.size)}")
@@ -403,6 +443,8 @@ def verify(graph: LoopGraph) -> None:
             if missing:
                 raise IRError(f"gjit IR: extern {node.name} reads {missing}: nothing defines them before it")
         else:
+            if isinstance(node, ScatterNode) and node.base not in known:
+                raise IRError(f"gjit IR: {node.name} writes into {node.base}: nothing defines it before it")
             for r in reads(node.body):
                 if resolve(graph, r.name) not in known:
                     raise IRError(f"gjit IR: {node.name} reads {r.name}: nothing defines it before it")

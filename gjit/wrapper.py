@@ -135,7 +135,12 @@ class WrapperWriter:
     def region(self, region: Region) -> None:
         kernel = self.kernels[region.name]
         for name in region.stores:
-            lay = self.graph.compute_nodes()[name].layout
+            node = self.graph.compute_nodes()[name]
+            if isinstance(node, ir.ScatterNode):  # it writes into its base's memory, in place
+                self.lines.append(f"{name} = {node.base}")
+                self.defined.add(name)
+                continue
+            lay = node.layout
             size = ", ".join(self.sym(s) for s in lay.size)
             stride = ", ".join(self.sym(s) for s in lay.stride)
             fn = "gjit_alloc_poisoned" if self.poison else "gjit_alloc"

@@ -84,6 +84,61 @@ struct GjitMin {
     __device__ __forceinline__ T operator()(T a, T b) const { return gjit_min_nan(a, b); }
 };
 
+// Atomic combine of v into *p (writes through indices: scatter_add, index_put(accumulate), ...):
+// a compare-and-swap loop on the value's bits, for the dtypes gjit uses atomics for (float,
+// double, int, long long); adds use the hardware's atomicAdd on a GPU. The host emulation runs
+// blocks on several threads, so its loop uses the compiler's atomic builtins.
+#ifndef GJIT_HOST
+__device__ __forceinline__ unsigned int gjit_cas(unsigned int* p, unsigned int c, unsigned int v) {
+    return atomicCAS(p, c, v);
+}
+__device__ __forceinline__ unsigned long long gjit_cas(unsigned long long* p, unsigned long long c,
+                                                       unsigned long long v) {
+    return atomicCAS(p, c, v);
+}
+#else
+template <typename U>
+inline U gjit_cas(U* p, U c, U v) {
+    __atomic_compare_exchange_n(p, &c, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    return c;  // the value seen: c itself when the swap happened
+}
+#endif
+template <typename T, typename U, typename Op>
+__device__ __forceinline__ void gjit_atomic_loop(T* p, T v, Op op) {
+    union Bits { T t; U u; };
+    U* q = reinterpret_cast<U*>(p);
+    Bits seen, next;
+    seen.u = *reinterpret_cast<volatile U*>(q);
+    while (true) {
+        next.t = op(seen.t, v);
+        U old = gjit_cas(q, seen.u, next.u);
+        if (old == seen.u) return;
+        seen.u = old;
+    }
+}
+#define GJIT_ATOMICS(T, U)                                                                        \
+    __device__ __forceinline__ void gjit_atomic_max(T* p, T v) { gjit_atomic_loop<T, U>(p, v, GjitMax()); } \
+    __device__ __forceinline__ void gjit_atomic_min(T* p, T v) { gjit_atomic_loop<T, U>(p, v, GjitMin()); }
+GJIT_ATOMICS(float, unsigned int)
+GJIT_ATOMICS(double, unsigned long long)
+GJIT_ATOMICS(int, unsigned int)
+GJIT_ATOMICS(long long, unsigned long long)
+#undef GJIT_ATOMICS
+#ifndef GJIT_HOST
+__device__ __forceinline__ void gjit_atomic_add(float* p, float v) { atomicAdd(p, v); }
+__device__ __forceinline__ void gjit_atomic_add(double* p, double v) { atomicAdd(p, v); }
+__device__ __forceinline__ void gjit_atomic_add(int* p, int v) { atomicAdd(p, v); }
+__device__ __forceinline__ void gjit_atomic_add(long long* p, long long v) {
+    atomicAdd(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v));
+}
+#else
+template <typename T>
+inline void gjit_atomic_add(T* p, T v) {
+    if constexpr (sizeof(T) == 4) gjit_atomic_loop<T, unsigned int>(p, v, GjitSum());
+    else gjit_atomic_loop<T, unsigned long long>(p, v, GjitSum());
+}
+#endif
+
 // One value per thread in, the block's reduction out (in every thread). Lane 0 of each warp
 // holds its warp's result after the shuffles; warp 0 reduces those partials.
 template <typename T, typename Op>

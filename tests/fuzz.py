@@ -610,8 +610,9 @@ class Generator:
             return None
         ts = self.values(a)
         d = rng.randrange(ts[0].dim())
-        kind = rng.choice(["index_select", "getitem", "getitem_dim1", "gather", "embedding"])
-        if kind == "getitem":
+        kind = rng.choice(["index_select", "getitem", "getitem_dim1", "gather", "embedding", "scatter_add",
+                           "scatter_reduce", "index_add", "index_put"])  # fmt: skip
+        if kind in ("getitem", "index_put"):
             d = 0
         if kind == "getitem_dim1":
             if ts[0].dim() < 2 or ts[1].dim() < 2:
@@ -627,10 +628,24 @@ class Generator:
         lengths = [
             rng.choice([0, 1, 2, 3, 4, 5] if self.small else [2, 3, 4, 5]) if n else 0 for n in extents
         ]
-        if kind == "gather":
+        if kind in ("gather", "scatter_add", "scatter_reduce"):
             shapes = [tuple(k if j == d else s for j, s in enumerate(t.shape)) for t, k in zip(ts, lengths)]
             i = self.index_input(extents, shapes, negative=False)
-            return f"torch.gather({a}, {d}, {i})", (a, i), False, True
+            # writes through indices: the source is a gather of the same index (its shape);
+            # duplicate indices combine (a plain scatter's winner would be unspecified)
+            src = f"torch.gather({a}, {d}, {i})"
+            if kind == "scatter_add":
+                return f"{a}.scatter_add({d}, {i}, {src} * 1.5)", (a, i), False, False
+            if kind == "scatter_reduce":
+                how, include = rng.choice(["amax", "amin", "sum", "mean"]), rng.random() < 0.5
+                expr = f"{a}.scatter_reduce({d}, {i}, {src} - 1, {how!r}, include_self={include})"
+                return expr, (a, i), False, how in ("amax", "amin")
+            return src, (a, i), False, True
+        if kind in ("index_add", "index_put"):
+            i = self.index_input(extents, [(k,) for k in lengths], negative=kind == "index_put")
+            if kind == "index_put":  # accumulate: x[i] += v along dim 0, negative indices too
+                return f"{a}.index_put(({i},), {a}[{i}] * 0.5, accumulate=True)", (a, i), False, False
+            return f"{a}.index_add({d}, {i}, {a}.index_select({d}, {i}), alpha=-2)", (a, i), False, False
         two_d = kind in ("getitem", "embedding") and rng.random() < 0.3
         shapes = [((2, k) if two_d else (k,)) for k in lengths]
         i = self.index_input(extents, shapes, negative=kind.startswith("getitem"))
@@ -688,7 +703,7 @@ class Generator:
         return expr, operands, False, keeps
 
     CATEGORIES = {
-        "unary": 20, "binary": 22, "scalar": 12, "cast": 8, "view": 18, "reduction": 14, "indexing": 6,
+        "unary": 20, "binary": 22, "scalar": 12, "cast": 8, "view": 18, "reduction": 14, "indexing": 9,
         "combine": 9,
     }  # fmt: skip
 

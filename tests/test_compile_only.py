@@ -44,6 +44,16 @@ CASES = {
         lambda: (torch.randn(40), torch.randint(-50, 50, (40,))),
     ),
     "residual_mlp": (ResidualMLP().eval(), lambda: (torch.randn(2, 5, 32),)),
+    "writes_through_indices": (  # atomics of every dtype that has them, and plain stores
+        lambda x, i, s: (
+            x.scatter_add(0, i, s),
+            x.double().scatter_reduce(0, i, s.double(), "amax", include_self=False),
+            torch.index_put(x.long(), (i[:, 0],), s.long(), accumulate=True),
+            x.int().scatter_reduce(0, i, s.int(), "amin"),
+            x.half().scatter(0, i[:1], 2.0),
+        ),
+        lambda: (torch.randn(5, 4), torch.randint(0, 5, (9, 4)), torch.randn(9, 4)),
+    ),
 }
 
 

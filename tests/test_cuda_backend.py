@@ -16,6 +16,17 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from test_scatters import (  # noqa: F401
+    test_index_put_accumulate_negative_and_broadcast_indices,
+    test_non_contiguous_empty_and_zero_d,
+    test_ops_that_decompose_to_index_put,
+    test_scatter_add_duplicates_every_atomic_dtype,
+    test_scatter_reduce,
+    test_scatter_reduce_integers,
+    test_scatter_reduce_nan_and_inf_as_eager,
+    test_scatter_src_and_value,
+    test_setitem_on_a_fresh_tensor_writes_in_place,
+)
 
 import gjit
 from gjit.runtime import cuda as runtime_cuda
@@ -320,3 +331,15 @@ def test_pointwise_and_softmax_on_a_gpu():
     out, _ = run_compiled(fn, x)
     for a, e in zip(out, fn(x)):
         torch.testing.assert_close(a, e)
+
+
+def test_scatter_combines_with_the_prelude_atomics():
+    x, index, src = torch.randn(5, 4), torch.randint(0, 5, (9, 4)), torch.randn(9, 4)
+    cm = check(lambda x, i, s: (x.scatter_add(0, i, s), x.scatter_reduce(0, i, s, "amin")), x, index, src)
+    kernels = gjit.explain(cm, x, index, src).kernels
+    sources = [k.source for k in kernels if k.name.startswith("gjit_scatter_")]
+    assert any("gjit_atomic_add(&out_ptr0[" in s for s in sources)
+    assert any("gjit_atomic_min(&out_ptr0[" in s for s in sources)
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="the numerics passed; no NVRTC for sm_90")
+    report = gjit.aot(cm, x, index, src, arch="sm_90")  # the prelude's atomics build for a GPU too
+    assert len(report.kernels) == len(sources) + 1 and not any(k.spills for k in report.kernels)

@@ -97,14 +97,16 @@ def test_boolean_mask_indexing_is_an_extern_and_correct():
     ]
 
 
-def test_writes_through_indices_are_named_externs():
+def test_writes_through_indices_are_kernels():
+    """index_put: a copy, a scatter kernel into it, the add after (tests/test_scatters.py has the rest)."""
+
     def f(x, i, v):
         return x.index_put([i], v) + 1
 
     args = (torch.randn(6, 3), torch.tensor([0, 4]), torch.randn(2, 3))
-    cm = check(f, *args)
-    reasons = [e.reason for e in gjit.explain(cm, *args).externs]
-    assert reasons == ["writes through indices run as an ATen extern"]
+    cm = check(f, *args, kernels=3)
+    report = gjit.explain(cm, *args)
+    assert not report.externs and sum(k.name.startswith("gjit_scatter_") for k in report.kernels) == 1
 
 
 def test_indexing_kernels_compile_for_sm90():

@@ -394,7 +394,7 @@ def _fresh_buffer(x, idx, src):
         (_read_then_write, 0),
         (_functional_on_input, 0),
         (_accumulate, 0),
-        (_fresh_buffer, 1),
+        (_fresh_buffer, 0),  # a kernel writes into the zeros' memory (below)
     ],
 )
 def test_index_writes_in_place_only_when_safe(fn, in_place):
@@ -408,6 +408,17 @@ def test_index_writes_in_place_only_when_safe(fn, in_place):
     torch.testing.assert_close(x_gjit, x_eager)  # the input holds what eager left in it
     wrapper = open(cm.entries[0].program.graph.wrapper_path).read()
     assert wrapper.count("_.default(") == in_place, wrapper
+
+
+def test_an_index_write_into_a_fresh_tensor_is_a_kernel_in_its_memory():
+    x = torch.randn(6, 5)
+    idx, src = torch.tensor([4, 1]), torch.randn(2, 5)
+    got, cm = run_compiled(_fresh_buffer, x, idx, src)
+    torch.testing.assert_close(got, _fresh_buffer(x, idx, src))
+    program = cm.entries[0].program
+    assert [k.name.split("_")[1] for k in program.kernels] == ["poi", "scatter", "poi"]  # zeros, write, add
+    wrapper = open(program.graph.wrapper_path).read()
+    assert "index_put = full_like\n" in wrapper, wrapper  # the write's result is the zeros' buffer
 
 
 def test_a_cache_changed_but_not_returned_runs_eagerly():

@@ -278,8 +278,10 @@ class KernelWriter(RegionPlan):
             load = f"tl.load({arg} + ({text}) + {self.block_zeros}, {self.mask})"
         return self.tmp(("load", arg, text, self.mask), load)
 
-    def indirect(self, r: Read) -> dict[sympy.Symbol, str]:
-        """Emit the data an indirect read indexes with; in debug mode, assert it is in bounds."""
+    def indirect(self, r: Read | ir.WriteAt, what: str = "") -> dict[sympy.Symbol, str]:
+        """Emit the data an indirect read (or write) indexes with; in debug mode, assert it is in
+        bounds."""
+        what = what or f"reading {r.name}"
         names = {}
         for sym, value, size in r.indirect:
             names[sym] = var = self.emit(value)
@@ -288,7 +290,7 @@ class KernelWriter(RegionPlan):
                 self.debug_asserts = True
                 self.lines.append(
                     f"tl.device_assert(({var} >= 0) & ({var} < {bound}), "
-                    f"'index out of bounds reading {r.name}', mask={self.mask})"
+                    f"'index out of bounds {what}', mask={self.mask})"
                 )
         return names
 

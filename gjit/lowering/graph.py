@@ -21,7 +21,17 @@ from gjit import ir
 from gjit.ir import Expr, Index
 
 # the lowering modules register their functions on import
-from gjit.lowering import copies, indexing, pointwise, reductions, scans, spatial, special, views  # noqa: F401
+from gjit.lowering import (  # noqa: F401 - each registers its lowerings
+    copies,
+    indexing,
+    pointwise,
+    reductions,
+    scans,
+    scatters,
+    spatial,
+    special,
+    views,
+)
 from gjit.lowering.registry import (
     EXTERN_REASONS,
     IGNORED,
@@ -135,6 +145,35 @@ class Lowering:
         self.nodes.append(ir.ScanNode(name, layout, body, self.node, self.aten_name, dim, scan_type))
         return TensorValue(name, layout.size, layout.dtype)
 
+    def scatter(
+        self,
+        base: TensorValue,
+        space: Index,
+        write_fn: Callable[[Index], ir.WriteAt],
+        reduce: str,
+        suffix: str = "",
+        in_place: bool = False,
+    ) -> TensorValue:
+        """Make a ScatterNode: `base` with `write_fn(index)` combined in by `reduce` for each index
+        of `space`. The kernel writes into a copy of `base` in the node's layout, or, `in_place`,
+        into `base` itself (a value computed here that nothing else reads)."""
+        layout = meta_layout(self.out_val)
+        if not in_place:
+            base = self.pointwise(base.load, layout, suffix=f"{suffix}_base")
+        self.needed.add(base.name)
+        write = write_fn(ir.index_vars(len(space)))
+        write = ir.WriteAt(layout.dtype, cast(write.value, layout.dtype), write.index, write.indirect)
+        name = self.node.name + suffix
+        self.nodes.append(
+            ir.ScatterNode(name, layout, write, self.node, self.aten_name, tuple(space), base.name, reduce)
+        )
+        return TensorValue(name, layout.size, layout.dtype)
+
+    def is_computed(self, value: TensorValue) -> bool:
+        """Is `value` a node a kernel computes here (not an input, an extern's result or a view)?"""
+        return type(value) is TensorValue and any(n.name == value.name for n in self.nodes
+                                                  if isinstance(n, ir.ComputeNode))  # fmt: skip
+
     def view(
         self, base: TensorValue, reindex: Callable[[Index], Index], element: int | None = None
     ) -> ViewValue:
@@ -207,7 +246,7 @@ class Lowering:
             or complex_reason(node)
         )
         if fn is not None and reason is None:
-            mark = (len(self.nodes), set(self.views), set(self.buffers))
+            mark = (len(self.nodes), set(self.views), set(self.buffers), set(self.needed))
             try:
                 return fn(self, *args, **kwargs)
             except Unsupported as e:
@@ -223,9 +262,10 @@ class Lowering:
             reason = f"no lowering for {target}"
         return self.extern(node, reason)
 
-    def _roll_back(self, mark: tuple[int, set[str], set[str]]) -> None:
+    def _roll_back(self, mark: tuple[int, set[str], set[str], set[str]]) -> None:
         """Drop what a lowering made before it refused or failed: its node is an extern now."""
-        node_count, view_names, buffer_names = mark
+        node_count, view_names, buffer_names, needed = mark
+        self.needed = needed
         del self.nodes[node_count:]
         for name in set(self.views) - view_names:
             del self.views[name]

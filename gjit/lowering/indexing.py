@@ -3,8 +3,7 @@ advanced indexing (index.Tensor with integer index tensors).
 
 An indirect read indexes with a symbol bound to data (the index tensor's element); in debug
 mode the generated kernel asserts every such index is in bounds, so an out-of-range index is a
-clear error instead of a silent garbage read. Writes through indices (index_put, scatter,
-index_add) stay externs, with that reason in `gjit.explain(...).externs`.
+clear error instead of a silent garbage read. Writes through indices are in scatters.py.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import torch
 from gjit import ir
 from gjit.ir import Const, Expr, Index, Op
 from gjit.lowering.registry import (
-    EXTERN_REASONS,
     TensorValue,
     Unsupported,
     broadcast_index,
@@ -32,10 +30,6 @@ if TYPE_CHECKING:  # the walk that calls the lowerings; it imports this module
 
 aten = torch.ops.aten
 _symbols = itertools.count()
-
-for _op in (aten.index_put.default, aten.scatter.src, aten.scatter.value, aten.scatter_add.default,
-            aten.index_add.default, aten.scatter_reduce.two):  # fmt: skip
-    EXTERN_REASONS[_op] = "writes through indices run as an ATen extern"
 
 
 def indirect_symbol() -> sympy.Symbol:

@@ -1,0 +1,281 @@
+"""Writes through indices as kernels: scatter, scatter_add, scatter_reduce and index_put (which
+torch's decompositions make of index_add, index_copy, index_fill and put).
+
+Each is a `ScatterNode`: a copy of the tensor written into (a pointwise kernel), then one kernel
+over the source's elements that writes each at the element its index names. Where several
+sources can hit one element, they combine with atomics (sum, max, min); a plain write of
+duplicate indices keeps one of them, unspecified which, as eager does. Atomics exist for
+float32/float64/int32/int64: any other dtype that combines stays an extern, with that reason.
+A float max/min skips NaN in its atomics and stores the NaN sources in a second pass, so NaN
+wins as in eager. `scatter_reduce(mean)` is a sum, a count and a division; `prod` has no atomic
+and stays an extern.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import sympy
+import torch
+
+from gjit import ir
+from gjit.ir import Const, Expr, Index, Op
+from gjit.lowering.indexing import index_value, indirect_symbol
+from gjit.lowering.registry import (
+    TensorValue,
+    Unsupported,
+    broadcast_index,
+    cast,
+    python_scalar,
+    register_lowering,
+)
+
+if TYPE_CHECKING:  # the walk that calls the lowerings; it imports this module
+    from gjit.lowering.graph import Lowering
+
+aten = torch.ops.aten
+
+ATOMIC_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
+_REDUCE = {"sum": "sum", "add": "sum", "amax": "max", "amin": "min", "mean": "mean"}
+
+
+def _identity(reduce: str, dtype: torch.dtype) -> bool | int | float:
+    if reduce in ("sum", "mean"):
+        return python_scalar(0, dtype)
+    if dtype.is_floating_point:
+        return float("-inf") if reduce == "max" else float("inf")
+    info = torch.iinfo(dtype)
+    return info.min if reduce == "max" else info.max
+
+
+def _check(reduce: str, dtype: torch.dtype) -> None:
+    if reduce == "store":
+        return
+    if dtype not in ATOMIC_DTYPES:
+        raise Unsupported(f"a write through indices that combines ({reduce}) has no {dtype} atomics")
+    if dtype.is_floating_point and reduce == "sum" and torch.are_deterministic_algorithms_enabled():
+        raise Unsupported("deterministic algorithms are on: float atomic sums are not deterministic")
+
+
+def _combine(
+    ctx: Lowering, x: TensorValue, space: Index, write_fn, reduce: str, include_self: bool = True,
+    suffix: str = "",
+) -> TensorValue:  # fmt: skip
+    """`x` with the writes of `write_fn` over `space` combined in by `reduce` ("store", "sum",
+    "max", "min", "mean"); without `include_self`, the elements written start from the
+    reduction's identity instead of x's value. `suffix` names the result (the FX node's name +)."""
+    dtype = ctx.out_val.dtype
+    _check(reduce, dtype)
+    if reduce == "mean":
+        return _mean(ctx, x, space, write_fn, include_self)
+    base, in_place = x, False
+    if not include_self and reduce != "store":
+        identity = _identity(reduce, dtype)
+
+        def fill(idx: Index) -> ir.WriteAt:
+            write = write_fn(idx)
+            return ir.WriteAt(dtype, Const(dtype, identity), write.index, write.indirect)
+
+        base, in_place = ctx.scatter(x, space, fill, "store", suffix=f"{suffix}_init"), True
+    if reduce in ("max", "min") and dtype.is_floating_point:
+        identity = _identity(reduce, dtype)
+
+        def skip_nan(idx: Index) -> ir.WriteAt:  # NaN comes in the second pass
+            write = write_fn(idx)
+            value = cast(write.value, dtype)
+            nan = Op(torch.bool, "isnan", (value,))
+            return ir.WriteAt(dtype, Op(dtype, "where", (nan, Const(dtype, identity), value)), write.index,
+                              write.indirect)  # fmt: skip
+
+        base = ctx.scatter(base, space, skip_nan, reduce, suffix=f"{suffix}_finite", in_place=in_place)
+        return ctx.scatter(base, space, write_fn, "nan", suffix=suffix, in_place=True)
+    return ctx.scatter(base, space, write_fn, reduce, suffix=suffix, in_place=in_place)
+
+
+def _mean(ctx: Lowering, x: TensorValue, space: Index, write_fn, include_self: bool) -> TensorValue:
+    """scatter_reduce(mean): the sum of the writes (and x, with include_self) over their count;
+    an element nothing writes keeps x's value (eager divides by a count clamped to 1)."""
+    dtype = ctx.out_val.dtype
+    total = _combine(ctx, x, space, write_fn, "sum", include_self, suffix="_sum")
+    start = Const(dtype, python_scalar(1 if include_self else 0, dtype))  # x's own element counts
+    count_base = ctx.pointwise(lambda idx: start, suffix="_count_base")
+
+    def one(idx: Index) -> ir.WriteAt:
+        write = write_fn(idx)
+        return ir.WriteAt(dtype, Const(dtype, python_scalar(1, dtype)), write.index, write.indirect)
+
+    count = ctx.scatter(count_base, space, one, "sum", suffix="_count", in_place=True)
+    divide = "truediv" if dtype.is_floating_point else "floordiv"
+
+    def mean(idx: Index) -> Expr:
+        clamped = Op(dtype, "maximum", (count.load(idx), Const(dtype, python_scalar(1, dtype))))
+        return Op(dtype, divide, (total.load(idx), clamped))
+
+    return ctx.pointwise(mean)
+
+
+def _dim(dim: int, rank: int) -> int:
+    return dim + rank if dim < 0 else dim
+
+
+def _along(x: TensorValue, dim: int, index: TensorValue, value_fn):
+    """The write of scatter's element `idx` of `index`: x[idx with dim replaced by index[idx]]."""
+    rank = len(x.size)
+    dim = _dim(dim, max(rank, 1))
+    if index.dtype != torch.int64:
+        raise Unsupported(f"scatter with a {index.dtype} index")
+
+    def write(idx: Index) -> ir.WriteAt:
+        if rank == 0:  # a 0-d tensor: the index can only be 0 (or -1)
+            return ir.WriteAt(x.dtype, value_fn(idx), (), ())
+        sym = indirect_symbol()
+        value = index_value(index, idx, x.size[dim], wrap=False)
+        at = tuple(sym if k == dim else i for k, i in enumerate(idx))
+        return ir.WriteAt(x.dtype, value_fn(idx), at, ((sym, value, x.size[dim]),))
+
+    return write
+
+
+def _source(src, idx: Index, dtype: torch.dtype) -> Expr:
+    if isinstance(src, TensorValue):
+        return cast(src.load(idx if src.size else ()), dtype)
+    if isinstance(src, (bool, int, float)):
+        return Const(dtype, python_scalar(src, dtype))
+    raise Unsupported(f"scatter of a {type(src).__name__} value")
+
+
+@register_lowering(aten.scatter.src, aten.scatter.value, aten.scatter.reduce, aten.scatter.value_reduce)
+def scatter(ctx: Lowering, x: TensorValue, dim: int, index: TensorValue, src, *, reduce: str | None = None):
+    if reduce not in (None, "add"):
+        raise Unsupported(f"scatter(reduce={reduce!r}) has no atomic")
+    dtype = ctx.out_val.dtype
+    write = _along(x, dim, index, lambda idx: _source(src, idx, dtype))
+    return _combine(ctx, x, index.size, write, "store" if reduce is None else "sum")
+
+
+@register_lowering(aten.scatter_add.default)
+def scatter_add(ctx: Lowering, x: TensorValue, dim: int, index: TensorValue, src: TensorValue):
+    dtype = ctx.out_val.dtype
+    return _combine(ctx, x, index.size, _along(x, dim, index, lambda idx: _source(src, idx, dtype)), "sum")
+
+
+@register_lowering(aten.scatter_reduce.two)
+def scatter_reduce(ctx: Lowering, x: TensorValue, dim: int, index: TensorValue, src: TensorValue, reduce: str,
+                   *, include_self: bool = True):  # fmt: skip
+    if reduce not in _REDUCE:
+        raise Unsupported(f"scatter_reduce({reduce!r}) has no atomic")
+    dtype = ctx.out_val.dtype
+    write = _along(x, dim, index, lambda idx: _source(src, idx, dtype))
+    return _combine(ctx, x, index.size, write, _REDUCE[reduce], include_self)
+
+
+@register_lowering(aten.index_add.default)
+def index_add(ctx: Lowering, x: TensorValue, dim: int, index: TensorValue, source: TensorValue, *, alpha=1):
+    """x with alpha * source[..., j, ...] added at x[..., index[j], ...] along dim."""
+    dim = _dim(dim, max(len(x.size), 1))
+    if index.dtype not in (torch.int64, torch.int32):
+        raise Unsupported(f"index_add with a {index.dtype} index")
+    dtype = ctx.out_val.dtype
+    if not x.size:  # a 0-d tensor: each of the index's (zero) entries adds the 0-d source
+        value = Op(dtype, "mul", (_source(source, (), dtype), Const(dtype, python_scalar(alpha, dtype))))
+        return _combine(ctx, x, index.size, lambda idx: ir.WriteAt(dtype, value, (), ()), "sum")
+
+    def write(idx: Index) -> ir.WriteAt:
+        sym = indirect_symbol()
+        value = index_value(index, (idx[dim],) if index.size else (), x.size[dim], wrap=False)
+        scaled = _source(source, idx, dtype)
+        if alpha != 1:
+            scaled = Op(dtype, "mul", (scaled, Const(dtype, python_scalar(alpha, dtype))))
+        at = tuple(sym if k == dim else i for k, i in enumerate(idx))
+        return ir.WriteAt(dtype, scaled, at, ((sym, value, x.size[dim]),))
+
+    return _combine(ctx, x, source.size, write, "sum")
+
+
+def _index_put(ctx: Lowering, x: TensorValue, indices: list, values, accumulate: bool, in_place: bool):
+    """x[indices] = values (or +=): the write space is the shape x[indices] has, with the
+    broadcast index dims where advanced indexing puts them."""
+    positions = [k for k, t in enumerate(indices) if t is not None]
+    tensors = [indices[k] for k in positions]
+    if not tensors or not all(isinstance(t, TensorValue) for t in tensors):
+        raise Unsupported("index_put with a non-tensor index")
+    if any(t.dtype == torch.bool for t in tensors):
+        return _masked_put(ctx, x, positions, tensors, values, accumulate)
+    bshape = _broadcast(ctx, [t.size for t in tensors])
+    adjacent = positions == list(range(positions[0], positions[-1] + 1))
+    start = positions[0] if adjacent else 0
+    rest = [s for k, s in enumerate(x.size) if k not in positions]
+    space = tuple(rest[:start]) + bshape + tuple(rest[start:])
+    dtype = ctx.out_val.dtype
+    nb = len(bshape)
+
+    def write(idx: Index) -> ir.WriteAt:
+        b = idx[start : start + nb]
+        it = iter(list(idx[:start]) + list(idx[start + nb :]))
+        at, bindings = [], []
+        for k in range(len(x.size)):
+            if k in positions:
+                t = indices[k]
+                sym = indirect_symbol()
+                value = index_value(t, broadcast_index(t, b, bshape, ctx.known_one), x.size[k], wrap=True)
+                bindings.append((sym, value, x.size[k]))
+                at.append(sym)
+            else:
+                at.append(next(it))
+        if isinstance(values, TensorValue):
+            value = cast(values.load(broadcast_index(values, idx, space, ctx.known_one)), dtype)
+        else:
+            value = _source(values, idx, dtype)
+        return ir.WriteAt(dtype, value, tuple(at), tuple(bindings))
+
+    reduce = "sum" if accumulate else "store"
+    if not in_place:
+        return _combine(ctx, x, space, write, reduce)
+    _check(reduce, dtype)
+    return ctx.scatter(x, space, write, reduce, in_place=True)
+
+
+def _broadcast(ctx: Lowering, shapes: list[Index]) -> Index:
+    """The broadcast of the index tensors' shapes, without adding a guard: sizes must be equal or
+    known to be 1 (export relates the sizes it saw broadcast; a relation it did not record is
+    not assumed here)."""
+    out = []
+    for k in range(1, max(len(s) for s in shapes) + 1):
+        sizes = {s[-k] for s in shapes if len(s) >= k and not ctx.known_one(s[-k])}
+        if len(sizes) > 1:
+            raise Unsupported(f"index tensors of sizes {[list(s) for s in shapes]} broadcast unrelated sizes")
+        out.append(sizes.pop() if sizes else sympy.Integer(1))
+    return tuple(reversed(out))
+
+
+def _masked_put(ctx: Lowering, x: TensorValue, positions: list, tensors: list, values, accumulate: bool):
+    """x[mask] = v (or +=) with one value for every masked element: a where over x's elements
+    (the write's size, the mask's count, is data-dependent, the result's is not)."""
+    if len(tensors) != 1 or any(not ctx.known_one(s) for s in getattr(values, "size", ())):
+        raise Unsupported("index_put with a boolean mask and many values has a data-dependent size")
+    (mask,), start, dtype = tensors, positions[0], ctx.out_val.dtype
+
+    def body(idx: Index) -> Expr:
+        hit = mask.load(idx[start : start + len(mask.size)])
+        value = _source(values, (sympy.Integer(0),) * len(values.size), dtype) if isinstance(
+            values, TensorValue) else _source(values, (), dtype)  # fmt: skip
+        old = cast(x.load(idx), dtype)
+        new = Op(dtype, "add", (old, value)) if accumulate else value
+        return Op(dtype, "where", (hit, new, old))
+
+    return ctx.pointwise(body)
+
+
+@register_lowering(aten.index_put.default)
+def index_put(ctx: Lowering, x: TensorValue, indices: list, values, accumulate: bool = False):
+    return _index_put(ctx, x, indices, values, accumulate, in_place=False)
+
+
+@register_lowering(aten.index_put_.default)
+def index_put_(ctx: Lowering, x: TensorValue, indices: list, values, accumulate: bool = False):
+    """In place (gjit/in_place.py made it so: nothing else reads x's old value): into x's own
+    memory when x is a value a kernel computes here; a graph input or an extern's result (the
+    caller's KV cache) is written by ATen."""
+    if not ctx.is_computed(x):
+        raise Unsupported("index_put_ into a graph input or an extern's result runs in ATen, in place")
+    return _index_put(ctx, x, indices, values, accumulate, in_place=True)

@@ -1,0 +1,209 @@
+"""Writes through indices as kernels (scatter, scatter_add, scatter_reduce, index_put and what
+decomposes to it: index_add, index_copy, index_fill, put, setitem): a copy of the tensor written
+into, then one kernel over the source that stores or combines with atomics. Duplicate indices,
+every reduction with and without include_self, NaN/Inf, each atomic dtype and the ones without
+atomics (externs), negative and broadcast indices, non-contiguous, empty and 0-d tensors, in place
+into a fresh tensor, bounds checks."""
+
+import math
+
+import pytest
+import torch
+
+import gjit
+from helpers import check, run_compiled
+
+pytestmark = [pytest.mark.cpu]
+
+
+def scatter_kernels(cm, *args) -> list:
+    return [k for k in gjit.explain(cm, *args).kernels if k.name.startswith("gjit_scatter_")]
+
+
+def unique_index(rows: int, cols: int, size: int) -> torch.Tensor:
+    """An index into a dim of `size` with distinct entries down each column (plain scatter's
+    result is unspecified for duplicates)."""
+    return torch.stack([torch.randperm(size)[:rows] for _ in range(cols)], dim=1)
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_scatter_src_and_value(dim):
+    x = torch.randn(6, 5)
+    index = unique_index(4, 5, 6) if dim == 0 else unique_index(5, 6, 5).T[:, :4].contiguous()
+    src = torch.randn(7, 7)
+    cm = check(lambda x, i, s: (x.scatter(dim, i, s), x.scatter(dim, i, -2.5)), x, index, src)
+    assert len(scatter_kernels(cm, x, index, src)) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.int64])
+def test_scatter_add_duplicates_every_atomic_dtype(dtype):
+    x = (torch.randn(5, 4) * 10).to(dtype)
+    index = torch.randint(0, 5, (9, 4))
+    src = (torch.randn(9, 4) * 10).to(dtype)
+    cm = check(lambda x, i, s: x.scatter_add(0, i, s), x, index, src, kernels=2)
+    (kernel,) = scatter_kernels(cm, x, index, src)
+    assert "adds (atomic)" in kernel.source  # the header says how it writes
+
+
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("reduce", ["sum", "amax", "amin", "mean"])
+def test_scatter_reduce(reduce, include_self):
+    x = torch.randn(4, 6)
+    index = torch.randint(0, 6, (4, 8))  # duplicates, and elements nothing writes
+    src = torch.randn(4, 8)
+    check(lambda x, i, s: x.scatter_reduce(1, i, s, reduce, include_self=include_self), x, index, src)
+
+
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("reduce", ["sum", "amax", "amin", "mean"])
+def test_scatter_reduce_integers(reduce, include_self):
+    x = torch.randint(-20, 20, (4, 6))
+    index = torch.randint(0, 6, (4, 8))
+    src = torch.randint(-20, 20, (4, 8), dtype=torch.int32).long()
+    check(lambda x, i, s: x.scatter_reduce(1, i, s, reduce, include_self=include_self), x, index, src)
+
+
+@pytest.mark.parametrize("reduce", ["amax", "amin", "sum", "mean"])
+def test_scatter_reduce_nan_and_inf_as_eager(reduce):
+    nan, inf = math.nan, math.inf
+    x = torch.tensor([1.0, 2.0, nan, -inf, 0.0, 3.0])
+    index = torch.tensor([0, 0, 1, 1, 3, 3, 4, 4, 5, 1])
+    src = torch.tensor([nan, 5.0, -1.0, 2.0, inf, -inf, 1.0, nan, -inf, 0.5])
+    check(lambda x, i, s: x.scatter_reduce(0, i, s, reduce), x, index, src)
+    check(lambda x, i, s: x.scatter_reduce(0, i, s, reduce, include_self=False), x, index, src)
+
+
+def test_index_put_accumulate_negative_and_broadcast_indices():
+    x = torch.randn(5, 6, 7)
+    i = torch.tensor([[0, -1], [2, 2]])  # broadcast against j, negative counts from the end
+    j = torch.tensor([1, -2])
+    v = torch.randn(2, 2, 7)
+    put = lambda x, i, j, v: torch.index_put(x, (i, j), v, accumulate=True)  # noqa: E731
+    check(gjit.compile(put, dynamic=False), x, i, j, v, kernels=2)
+    # dynamic: export does not relate the sizes of index tensors that broadcast (i's s48, j's s7),
+    # so the kernel cannot pick one: an extern, with that reason
+    cm = check(put, x, i, j, v)
+    assert "broadcast unrelated sizes" in gjit.explain(cm, x, i, j, v).externs[0].reason
+
+    def add_at(x, j):
+        y = x * 1
+        y[:, j] += 3.0  # index, add, then an index_put_ with a None (full slice) index
+        return y
+
+    cm = check(add_at, x, j)
+    assert scatter_kernels(cm, x, j)
+
+
+def test_index_put_non_adjacent_indices_and_store():
+    x = torch.randn(4, 5, 6)
+    i = torch.tensor([0, 3, 1])
+    k = torch.tensor([5, 0, 2])
+    v = torch.randn(3, 5)
+
+    def put(x, i, k, v):
+        y = x * 1
+        y[i, :, k] = v  # non-adjacent indices: the broadcast dim goes first
+        return y
+
+    check(gjit.compile(put, dynamic=False), x, i, k, v, kernels=2)
+
+
+def test_ops_that_decompose_to_index_put():
+    x = torch.randn(6, 5)
+    index = torch.tensor([4, 0, 4, 2])
+    src = torch.randn(4, 5)
+    perm = torch.tensor([3, 0, 5, 1])
+    fns = {
+        "index_add": lambda x, s: x.index_add(0, index, s, alpha=2.0),
+        "index_copy": lambda x, s: x.index_copy(0, perm, s),
+        "index_fill": lambda x, s: x.index_fill(1, torch.tensor([0, 3]), -1.5),
+        "put": lambda x, s: x.put(torch.tensor([0, 29, -1, 29]), s[0, :4], accumulate=True),
+    }
+    for fn in fns.values():
+        cm = check(fn, x, src)
+        assert scatter_kernels(cm, x, src), gjit.explain(cm, x, src)
+        assert not gjit.explain(cm, x, src).externs
+
+
+def test_setitem_on_a_fresh_tensor_writes_in_place():
+    """y = x * 2; y[idx] = v: the scatter writes into the multiply's output (no copy kernel)."""
+
+    def f(x, idx, v):
+        y = x * 2
+        y[idx] = v
+        return y + 1
+
+    x, idx, v = torch.randn(8, 3), torch.tensor([1, 6, 2]), torch.randn(3, 3)
+    cm = check(f, x, idx, v, kernels=3)  # the multiply, the scatter into it, the add
+    assert len(scatter_kernels(cm, x, idx, v)) == 1
+
+
+def test_non_contiguous_empty_and_zero_d():
+    x = torch.randn(7, 6).T  # non-contiguous, written into a copy with its strides
+    index = torch.randint(0, 6, (4, 7))[:, ::2]
+    src = torch.randn(9, 8)[::2, 1:]
+    check(lambda x, i, s: x.scatter_add(0, i, s), x, index, src)
+    check(lambda x, i, s: x.scatter(0, i[:0], s), x, index, src)  # nothing written: a copy
+    z = torch.tensor(2.0)
+    check(lambda z, s: z.scatter_add(0, torch.tensor(0), s), z, torch.tensor(5.0))
+
+
+@pytest.mark.parametrize(
+    "fn,reason",
+    [
+        (lambda x, i, s: x.half().scatter_add(0, i, s.half()), "no torch.float16 atomics"),
+        (lambda x, i, s: x.scatter_reduce(0, i, s, "prod"), "'prod'"),
+    ],
+)
+def test_combines_without_atomics_stay_externs(fn, reason):
+    x, index, src = torch.randn(5, 4), torch.randint(0, 5, (6, 4)), torch.randn(6, 4)
+    cm = check(fn, x, index, src)
+    externs = gjit.explain(cm, x, index, src).externs
+    assert any(reason in e.reason for e in externs), externs
+
+
+def test_plain_stores_work_for_every_dtype():
+    x = torch.rand(5, 4) > 0.5
+    index = unique_index(3, 4, 5)
+    cm = check(lambda x, i: x.scatter(0, i, True), x, index)
+    assert scatter_kernels(cm, x, index)
+    h = torch.randn(5, 4).half()
+    check(lambda h, i: h.scatter(0, i, h[:3] * 2), h, index)
+
+
+def test_out_of_bounds_index_is_an_error_in_debug_mode():
+    x, src = torch.randn(5, 4), torch.randn(2, 4)
+    index = torch.tensor([[0, 1, 2, 3], [4, 5, 0, 1]])  # 5 is out of bounds
+    with pytest.raises(Exception, match="index out of bounds writing"):
+        run_compiled(lambda x, i, s: x.scatter_add(0, i, s), x, index, src)
+
+
+def test_dynamic_sizes():
+    cm = gjit.compile(lambda x, i, s: x.scatter_add(1, i, s) * 2)
+    for n, m in ((5, 7), (9, 3)):
+        x, index, src = torch.randn(4, n), torch.randint(0, n, (4, m)), torch.randn(4, m)
+        check(cm, x, index, src)
+    assert len(cm.entries) == 1 if hasattr(cm, "entries") else True
+
+
+def test_boolean_mask_put_of_one_value_is_a_where():
+    """x[mask] = v with one value: no data-dependent size, one pointwise kernel; many values
+    (one per masked element) stay an extern."""
+    x, mask = torch.randn(4, 5), torch.rand(4, 5) > 0.5
+    row = torch.rand(4) > 0.5
+
+    def put(x, mask, row):
+        y = torch.index_put(x, (mask,), torch.tensor(-1.0))
+        return y, torch.index_put(x, (row,), torch.tensor([2.5]), accumulate=True)
+
+    cm = check(put, x, mask, row, kernels=1)
+    assert not gjit.explain(cm, x, mask, row).externs
+    many = check(lambda x, m: torch.index_put(x, (m,), x[m] * 2), x, mask)
+    assert any("data-dependent" in e.reason for e in gjit.explain(many, x, mask).externs)
+
+
+def test_index_add_of_a_zero_d_tensor_and_bools():
+    z = torch.tensor(1.5)
+    check(lambda z: z.index_add(0, torch.tensor([0]), torch.tensor(2.0), alpha=3), z, kernels=2)
+    b = torch.rand(5) > 0.5  # no bool atomics: index_add stays an ATen call, computed as eager does
+    check(lambda b: b.index_add(0, torch.tensor([1, 1, 3]), torch.tensor([True, False, True])), b)
