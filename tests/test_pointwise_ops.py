@@ -268,6 +268,13 @@ def test_round_half_to_even():
     check_lowered(each(torch.round), ties, ties.half(), ties.bfloat16(), ties.double())
 
 
+def test_round_to_decimals_as_eager():
+    """x * 10**d rounded half to even, over 10**d (negative d: divided first), in the opmath dtype."""
+    x = torch.cat([torch.randn(64) * 100, torch.arange(-12, 13, dtype=F32) * 0.125, torch.tensor([1e30])])
+    for d in (0, 2, 3, -1, -3):
+        check_lowered(each(lambda t: torch.round(t, decimals=d)), x, x.half(), x.double())
+
+
 def test_bitwise_not():
     check_lowered(
         each(torch.bitwise_not), make(I64, low=-100, high=100), make(I32, low=-9, high=9), make(BOOL)

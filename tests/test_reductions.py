@@ -357,6 +357,27 @@ def test_pooling_is_one_kernel_with_its_prologue(pool, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_3d_pooling_is_a_window_reduction_too(mode):
+    """max_pool3d and avg_pool3d: the same window reduction over (kd, kh, kw); ceil mode,
+    padding, dilation, count_include_pad, NaN, dynamic sizes in one entry."""
+    fns = [
+        lambda x: F.max_pool3d(x, 3, 2, 1),
+        lambda x: F.max_pool3d(x, (2, 3, 2), (1, 2, 2), (1, 0, 1), dilation=(2, 1, 1), ceil_mode=True),
+        lambda x: F.avg_pool3d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False),
+        lambda x: F.avg_pool3d(x.relu(), (2, 3, 2), (1, 2, 1), (1, 1, 0), divisor_override=7),
+    ]
+    with gjit.config.scope(reduction=mode, rblock=4):
+        for fn in fns:
+            cm = gjit.compile(fn)
+            for shape in [(2, 3, 6, 7, 5), (3, 2, 8, 9, 7)]:  # ceil mode guards the parity
+                x = torch.randn(shape)
+                x.view(-1)[7] = float("nan")
+                check(cm, x, kernels=1)
+            assert len(cm.entries) == 1
+            check(fn, torch.randn(3, 6, 7, 5, dtype=torch.float64), kernels=1)  # no 3-D half pools on CPU
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_adaptive_pooling_has_a_window_per_output_element(mode):
     """Adaptive average and max pooling (and area interpolation) in 1-D, 2-D and 3-D: uneven
     splits give overlapping windows of two lengths; NaN propagates through the max."""
@@ -431,11 +452,15 @@ def test_vector_norm(ord):
     check(lambda t: torch.linalg.vector_norm(t, ord), x, kernels=1)
 
 
-def test_vector_norm_of_other_orders_and_complex_is_an_extern():
+@pytest.mark.parametrize("ord", [0, 3, 0.5, -1])
+def test_vector_norm_of_other_orders_and_0d(ord):
+    """ord 0 counts nonzeros; any other p is (sum |x|**p)**(1/p), as eager; a 0-d tensor is one
+    element. Complex norms stay externs."""
     x = torch.randn(4, 5)
-    for fn, t in [
-        (lambda t: torch.linalg.vector_norm(t, 3, -1), x),
-        (torch.linalg.vector_norm, torch.randn(4, 5, dtype=torch.complex64)),
-    ]:
-        cm = check(fn, t)
-        assert [e.op for e in gjit.explain(cm, t).externs] == ["aten.linalg_vector_norm.default"]
+    x[1, 2] = 0.0
+    check(lambda t: torch.linalg.vector_norm(t, ord, -1), x, kernels=1)
+    check(lambda t: torch.linalg.vector_norm(t, ord), torch.tensor(-1.5), kernels=1)
+    check(lambda t: torch.linalg.vector_norm(t, ord, dim=0, keepdim=True), x.half(), kernels=1)
+    z = torch.randn(4, 5, dtype=torch.complex64)
+    cm = check(torch.linalg.vector_norm, z)
+    assert [e.op for e in gjit.explain(cm, z).externs] == ["aten.linalg_vector_norm.default"]

@@ -255,6 +255,24 @@ for _name in ("floor", "ceil", "trunc", "round", "frac"):
     register_lowering(getattr(aten, _name).default)(_rounding(_name))
 
 
+@register_lowering(aten.round.decimals)
+def round_decimals(ctx: Lowering, a, *, decimals: int = 0):
+    """Eager's formula in its opmath dtype: rint(x * 10**d) / 10**d, or rint(x / 10**-d) * 10**-d
+    for negative d (ties to even, like round)."""
+    if not _is_float(a.dtype):
+        raise Unsupported(f"round(decimals=) of {a.dtype}")
+    compute = torch.float64 if a.dtype == torch.float64 else torch.float32
+    scale = Const(compute, float(torch.tensor(10.0 ** abs(decimals), dtype=compute).item()))
+
+    def fn(x: Expr) -> Expr:
+        x = cast(x, compute)
+        if decimals < 0:
+            return op("mul", op("round", op("truediv", x, scale)), scale)
+        return op("truediv", op("round", op("mul", x, scale)), scale)
+
+    return pointwise(ctx, [a], fn)
+
+
 @register_lowering(aten.sign.default)
 def sign(ctx: Lowering, a):
     def fn(x: Expr) -> Expr:

@@ -378,19 +378,30 @@ def group_norm(ctx: Lowering, x: TensorValue, weight, bias, n, c, hxw, groups: i
 
 @register_lowering(aten.linalg_vector_norm.default)
 def vector_norm(ctx: Lowering, x: TensorValue, ord=2, dim=None, keepdim: bool = False, *, dtype=None):
-    """ord 2 (sqrt of the sum of squares), 1, inf and -inf; others stay externs."""
+    """ord 2 (sqrt of the sum of squares), 1, inf, -inf, 0 (the count of nonzeros) and any other p
+    (the sum of |x|**p, to the power 1/p), as eager computes them. A 0-d tensor is one element."""
     out = ctx.out_val
     acc = acc_dtype(dtype or out.dtype)
-    if not acc.is_floating_point or ord not in (1, 2, float("inf"), float("-inf")):
+    if not acc.is_floating_point or not isinstance(ord, (int, float)):
         raise Unsupported(f"vector_norm of ord {ord} for {x.dtype}")
-    if len(x.size) == 0:
-        raise Unsupported("vector_norm of a 0-d tensor")
-    dims = reduced_dims(dim, len(x.size))
+    size, load = x.size, x.load
+    if len(x.size) == 0:  # one element, reduced over a dim of 1
+        size, load = (sympy.Integer(1),), lambda idx: x.load(())
+    dims = reduced_dims(dim, len(size))
 
     def term(idx: Index) -> Expr:
-        a = op("abs", cast(x.load(idx), acc))
-        return op("mul", a, a) if ord == 2 else a
+        value = cast(load(idx), acc)
+        if ord == 0:
+            return cast(op("ne", value, Const(acc, 0.0), dtype=torch.bool), acc)
+        a = op("abs", value)
+        if ord in (1, float("inf"), float("-inf")):
+            return a
+        return op("mul", a, a) if ord == 2 else op("pow", a, Const(acc, float(ord)))
 
-    kind = {1: "sum", 2: "sum", float("inf"): "max", float("-inf"): "min"}[ord]
-    total = ctx.reduction(term, x.size, dims, kind, acc, keepdim, suffix="_total")
-    return ctx.pointwise(lambda idx: op("sqrt", total.load(idx)) if ord == 2 else total.load(idx))
+    kind = {float("inf"): "max", float("-inf"): "min"}.get(ord, "sum")
+    total = ctx.reduction(term, size, dims, kind, acc, keepdim and bool(x.size), suffix="_total")
+    if ord in (0, 1, float("inf"), float("-inf")):
+        return ctx.pointwise(lambda idx: total.load(idx))
+    if ord == 2:
+        return ctx.pointwise(lambda idx: op("sqrt", total.load(idx)))
+    return ctx.pointwise(lambda idx: op("pow", total.load(idx), Const(acc, 1.0 / ord)))

@@ -44,22 +44,24 @@ if TYPE_CHECKING:  # the walk that calls the lowerings; it imports this module
 aten = torch.ops.aten
 
 
-def _pair(value, default: tuple[int, int]) -> tuple[int, int]:
+def _tuple(value, default: tuple[int, ...]) -> tuple[int, ...]:
+    """A pooling argument as one int per spatial dim (`default`'s length)."""
+    nd = len(default)
     if value is None or (isinstance(value, (list, tuple)) and len(value) == 0):
         return default
     if isinstance(value, int):
-        return (value, value)
-    return (value[0], value[0]) if len(value) == 1 else (value[0], value[1])
+        return (value,) * nd
+    return (value[0],) * nd if len(value) == 1 else tuple(value[:nd])
 
 
 def _window_read(x: TensorValue, idx: Index, step, pad, dil, acc: torch.dtype, outside: float) -> Expr:
     """Element (kh, kw) of output (.., oh, ow)'s window: the input at oh * stride - padding +
-    kh * dilation (and the same for w), or `outside` where that is not in the input."""
-    rank = len(x.size)
-    lead = rank - 2
-    at = [idx[lead + d] * step[d] - pad[d] + idx[rank + d] * dil[d] for d in range(2)]
+    kh * dilation (and the same for w, and d in 3-D), or `outside` where that is not in the input."""
+    rank, nd = len(x.size), len(step)
+    lead = rank - nd
+    at = [idx[lead + d] * step[d] - pad[d] + idx[rank + d] * dil[d] for d in range(nd)]
     inside = sympy.And(
-        *[c for d in range(2) for c in (sympy.Ge(at[d], 0), sympy.Lt(at[d], x.size[lead + d]))]
+        *[c for d in range(nd) for c in (sympy.Ge(at[d], 0), sympy.Lt(at[d], x.size[lead + d]))]
     )
     return Masked(acc, inside, cast(x.load(tuple(idx[:lead]) + tuple(at)), acc), outside)
 
@@ -70,30 +72,32 @@ def _indices_used(node) -> bool:
     return any(u.target is operator.getitem and u.args[1] == 1 and u.users for u in node.users)
 
 
-@register_lowering(aten.max_pool2d_with_indices.default)
-def max_pool2d(
+@register_lowering(aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default)
+def max_pool(
     ctx: Lowering, x: TensorValue, kernel_size, stride=(), padding=0, dilation=1, ceil_mode: bool = False
 ):
-    """The max of each window; NaN propagates, as in eager. The indices output is lowered only when
-    nothing reads it (eager picks the last NaN of a window, an argmax the first)."""
+    """The max of each window (2-D or 3-D); NaN propagates, as in eager. The indices output is
+    lowered only when nothing reads it (eager picks the last NaN of a window, an argmax the first)."""
     if _indices_used(ctx.node):
-        raise Unsupported("max_pool2d's indices are used")
+        raise Unsupported("max_pool's indices are used")
     out, indices = ctx.out_val
     if not x.dtype.is_floating_point:
-        raise Unsupported(f"max_pool2d of {x.dtype}")
-    kernel = _pair(kernel_size, (1, 1))
-    step, pad, dil = _pair(stride, kernel), _pair(padding, (0, 0)), _pair(dilation, (1, 1))
+        raise Unsupported(f"max_pool of {x.dtype}")
+    nd = 3 if ctx.node.target is aten.max_pool3d_with_indices.default else 2
+    kernel = _tuple(kernel_size, (1,) * nd)
+    step, pad, dil = _tuple(stride, kernel), _tuple(padding, (0,) * nd), _tuple(dilation, (1,) * nd)
     rank = len(x.size)
     acc = acc_dtype(x.dtype)
     window = lambda idx: _window_read(x, idx, step, pad, dil, acc, float("-inf"))
     full = tuple(to_sympy(s) for s in out.shape) + tuple(sympy.Integer(k) for k in kernel)
-    values = ctx.reduction(window, full, (rank, rank + 1), "max", out.dtype, False, layout=meta_layout(out))
+    reduced = tuple(range(rank, rank + nd))
+    values = ctx.reduction(window, full, reduced, "max", out.dtype, False, layout=meta_layout(out))
     unused = ctx.pointwise(lambda idx: Const(torch.int64, 0), meta_layout(indices), suffix="_indices")
     return [values, unused]
 
 
-@register_lowering(aten.avg_pool2d.default)
-def avg_pool2d(
+@register_lowering(aten.avg_pool2d.default, aten.avg_pool3d.default)
+def avg_pool(
     ctx: Lowering,
     x: TensorValue,
     kernel_size,
@@ -103,25 +107,26 @@ def avg_pool2d(
     count_include_pad: bool = True,
     divisor_override=None,
 ):
-    """The sum of each window's elements inside the input, over eager's divisor: the window
-    clipped to the padded input (count_include_pad), to the input itself, or the override."""
+    """The sum of each window's elements inside the input (2-D or 3-D), over eager's divisor: the
+    window clipped to the padded input (count_include_pad), to the input itself, or the override."""
     out = ctx.out_val
     if not x.dtype.is_floating_point:
-        raise Unsupported(f"avg_pool2d of {x.dtype}")
-    kernel = _pair(kernel_size, (1, 1))
-    step, pad = _pair(stride, kernel), _pair(padding, (0, 0))
+        raise Unsupported(f"avg_pool of {x.dtype}")
+    nd = 3 if ctx.node.target is aten.avg_pool3d.default else 2
+    kernel = _tuple(kernel_size, (1,) * nd)
+    step, pad = _tuple(stride, kernel), _tuple(padding, (0,) * nd)
     rank = len(x.size)
-    lead = rank - 2
+    lead = rank - nd
     acc = acc_dtype(x.dtype)
-    window = lambda idx: _window_read(x, idx, step, pad, (1, 1), acc, 0.0)
+    window = lambda idx: _window_read(x, idx, step, pad, (1,) * nd, acc, 0.0)
     full = tuple(to_sympy(s) for s in out.shape) + tuple(sympy.Integer(k) for k in kernel)
-    total = ctx.reduction(window, full, (rank, rank + 1), "sum", acc, False, suffix="_sum")
+    total = ctx.reduction(window, full, tuple(range(rank, rank + nd)), "sum", acc, False, suffix="_sum")
 
     def divisor(idx: Index) -> Expr:
         if divisor_override:
             return Const(acc, float(divisor_override))
         padded, clipped = sympy.Integer(1), sympy.Integer(1)
-        for d in range(2):
+        for d in range(nd):
             start = idx[lead + d] * step[d] - pad[d]
             end = sympy.Min(start + kernel[d], x.size[lead + d] + pad[d])
             padded *= end - start
