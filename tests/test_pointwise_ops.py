@@ -272,7 +272,7 @@ def test_round_to_decimals_as_eager():
     """x * 10**d rounded half to even, over 10**d (negative d: divided first), in the opmath dtype."""
     x = torch.cat([torch.randn(64) * 100, torch.arange(-12, 13, dtype=F32) * 0.125, torch.tensor([1e30])])
     for d in (0, 2, 3, -1, -3):
-        check_lowered(each(lambda t: torch.round(t, decimals=d)), x, x.half(), x.double())
+        check_lowered(each(lambda t, d=d: torch.round(t, decimals=d)), x, x.half(), x.double())
 
 
 def test_bitwise_not():
