@@ -8,6 +8,7 @@ only at __syncthreads(), and lanes exchange values only through __shfl_down_sync
 mask, every lane of every warp taking part (blocks are a multiple of 32 threads).
 """
 
+from gjit.kernels.polynomials import cuda_polynomials
 from gjit.kernels.special_math import cuda_special
 
 CUDA_PRELUDE = (
@@ -294,6 +295,7 @@ __device__ __forceinline__ long long gjit_block_argreduce(T v, long long i, bool
 }
 """
     + cuda_special()
+    + cuda_polynomials()
     + r"""#endif  // GJIT_PRELUDE
 // ---- end of prelude ----
 """

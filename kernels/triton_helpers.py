@@ -1,11 +1,13 @@
 """Hand-written Triton helpers that generated kernels call: NaN-propagating max/min, product,
 first-index argmax/argmin, online softmax and Welford's variance per lane (reductions), digamma,
-trigamma and the Hurwitz zeta function (kernels/special_math.py).
+trigamma and the Hurwitz zeta function (kernels/special_math.py), torch.special's orthogonal
+polynomials (kernels/polynomials.py).
 
 Each is Triton source text that codegen copies into a kernel's file when the kernel uses it
 (a generated kernel file stands alone: Triton's JIT and interpreter read it by itself).
 """
 
+from gjit.kernels.polynomials import POLYNOMIALS, triton_polynomial
 from gjit.kernels.special_math import triton_digamma, triton_trigamma, triton_zeta
 
 HELPERS = {
@@ -74,4 +76,5 @@ HELPERS = {
     "digamma": triton_digamma(),
     "trigamma": triton_trigamma(),
     "zeta": triton_zeta(),
+    **{name: triton_polynomial(name) for name in POLYNOMIALS},
 }

@@ -39,6 +39,14 @@ CASES = {
         ),
         lambda: (torch.randn(64),),
     ),
+    "orthogonal_polynomials": (  # loops over the block's largest degree, float64 steps rounded
+        lambda x, n: (
+            torch.special.chebyshev_polynomial_w(x, n),
+            torch.special.hermite_polynomial_h(x.double(), n),
+            torch.special.shifted_chebyshev_polynomial_u(x, 3),
+        ),
+        lambda: (torch.rand(64), torch.randint(0, 12, (64,))),
+    ),
     "casts_fp16_bf16_int": (
         lambda x, i: ((x.half() * 2).to(torch.bfloat16), (i // 3 + (i % 5)).float() + x),
         lambda: (torch.randn(40), torch.randint(-50, 50, (40,))),

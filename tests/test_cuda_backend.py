@@ -56,6 +56,7 @@ from test_pointwise_ops import (  # noqa: F401
     test_layouts,
     test_layouts_low_precision,
     test_ldexp_is_a_times_two_to_the_n,
+    test_orthogonal_polynomials_as_eager,
     test_round_half_to_even,
     test_scalar_overloads,
     test_shifts,

@@ -268,6 +268,36 @@ def test_round_half_to_even():
     check_lowered(each(torch.round), ties, ties.half(), ties.bfloat16(), ties.double())
 
 
+POLYNOMIALS = [
+    *(f"{s}chebyshev_polynomial_{k}" for s in ("", "shifted_") for k in "tuvw"),
+    "hermite_polynomial_h", "hermite_polynomial_he", "laguerre_polynomial_l", "legendre_polynomial_p",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", POLYNOMIALS)
+def test_orthogonal_polynomials_as_eager(name):
+    """torch.special's polynomials: the recurrence for degrees a block does not share, the closed
+    forms (edges +-1 and 0 of the shifted forms, the trigonometric form of high degrees), negative
+    degrees, fractional degrees truncated, Hermite's cap (NaN past 128 in float32), scalar
+    operands; float32 computed in float64 a step at a time: as close to float64 as eager or closer."""
+    f = getattr(torch.special, name)
+    edges = torch.tensor([1.0, -1.0, 0.0, 0.5, 1.0, -1.0, 0.0, 0.25])
+    x = torch.cat([make(F32, shape=(40,), low=-1.5, high=1.5), edges])
+    n = torch.cat([make(I64, shape=(40,), low=-2, high=14), torch.tensor([3, 4, 9, 12, 10, 11, 7, 2])])
+    n[:3] = torch.tensor([129, 700, 500])  # past Hermite's caps, long recurrences elsewhere
+    nf = n.float() + 0.5
+
+    def polys(x, n, nf):
+        return f(x, n), f(x, nf), f(x, 5), f(torch.tensor(0.3, dtype=x.dtype), n)
+
+    out, cm = run_compiled(polys, x, n, nf)
+    reference = polys(x.double(), n, nf.double())  # long recurrences: judged against float64
+    for got, want, exact in zip(out, polys(x, n, nf), reference):
+        assert_same(got, want, exact)
+    assert not gjit.explain(cm, x, n, nf).externs
+    check_lowered(lambda x, n: f(x, n), x.double(), n)
+
+
 def test_round_to_decimals_as_eager():
     """x * 10**d rounded half to even, over 10**d (negative d: divided first), in the opmath dtype."""
     x = torch.cat([torch.randn(64) * 100, torch.arange(-12, 13, dtype=F32) * 0.125, torch.tensor([1e30])])

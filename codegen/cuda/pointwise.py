@@ -21,6 +21,7 @@ from gjit.codegen.common import INFIX, KernelSource, constant, hint, next_power_
 from gjit.codegen.plan import RegionPlan
 from gjit.codegen.printer import ExprPrinter
 from gjit.ir import Expr, IndexValue, Masked, Op, Read
+from gjit.kernels.polynomials import POLYNOMIALS
 
 C_TYPES = {
     torch.float32: "float",
@@ -181,6 +182,7 @@ for _name in (
 CudaOverrides["digamma"] = lambda a, t: f"gjit_digamma({a})"  # double, in the prelude
 CudaOverrides["trigamma"] = lambda a, t: f"gjit_trigamma({a})"
 CudaOverrides["zeta"] = lambda a, b, t: f"gjit_zeta({a}, {b})"
+
 # special functions named differently in CUDA's math library
 for _name, _fn in {
     "ndtri": "normcdfinv",
@@ -242,6 +244,9 @@ class CudaEmitter(RegionPlan):
     def op(self, e: Op, args: list[str]) -> str:
         if e.name == "to_dtype":
             text = to_dtype(args[0], e.args[0].dtype, e.params[0])
+        elif e.name in POLYNOMIALS:  # the prelude's (kernels/polynomials.py), with Hermite's cap
+            limit, narrow = e.params
+            text = f"gjit_{e.name}({args[0]}, {args[1]}, {limit}, {str(narrow).lower()})"
         else:
             text = CudaOverrides[e.name](*args, e.dtype)
         return self.tmp(("op", e.name, *args, e.params), text, e.dtype)

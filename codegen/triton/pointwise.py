@@ -22,6 +22,7 @@ from gjit.codegen.printer import TritonPrinter
 from gjit.config import CompileOptions
 from gjit.fusion import Region
 from gjit.ir import Expr, IndexValue, Masked, Op, Read
+from gjit.kernels.polynomials import POLYNOMIALS
 from gjit.kernels.triton_helpers import HELPERS
 
 TL_DTYPES = {
@@ -153,7 +154,7 @@ LIBDEVICE_SPECIAL = {
 for _name, _fn in LIBDEVICE_SPECIAL.items():
     TritonOverrides[_name] = lambda *args, _fn=_fn: f"libdevice.{_fn}({', '.join(args[:-1])})"
 # float64 special functions libdevice lacks: hand-written helpers copied into the kernel's file
-HELPER_OPS = {"digamma", "trigamma", "zeta"}
+HELPER_OPS = {"digamma", "trigamma", "zeta", *POLYNOMIALS}
 TritonOverrides["digamma"] = lambda a, t: f"_digamma({a})"
 TritonOverrides["trigamma"] = lambda a, t: f"_trigamma({a})"
 TritonOverrides["zeta"] = lambda a, b, t: f"_zeta({a}, {b})"
@@ -243,6 +244,12 @@ class KernelWriter(RegionPlan):
             return literal(value, e.params[0])
         if e.name == "to_dtype":
             text = to_dtype(args[0], e.args[0].dtype, e.params[0])
+        elif e.name in POLYNOMIALS:  # both operands blocks of the mask's shape, n 0 outside it
+            x, n = args
+            block = f"tl.zeros(({self.mask}).shape, {TL_DTYPES[e.dtype]})"
+            limit, narrow = e.params
+            text = f"_{e.name}({x} + {block}, tl.where({self.mask}, {n}, 0), {limit}, {narrow})"
+            self.helpers.add(e.name)
         else:
             text = TritonOverrides[e.name](*args, e.dtype)
             if e.name in HELPER_OPS:

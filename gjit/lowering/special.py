@@ -1,6 +1,7 @@
 """Special functions: those libdevice (and CUDA's math library) implement (erfc, erfcx, lgamma,
 ndtri, hypot, nextafter, the Bessel functions of order 0 and 1), digamma, trigamma and the Hurwitz
-zeta function (gjit/kernels/special_math.py, in float64), polygamma built from them, and ldexp.
+zeta function (gjit/kernels/special_math.py, in float64), polygamma built from them, ldexp, and
+the orthogonal polynomials (Chebyshev, Hermite, Laguerre, Legendre: gjit/kernels/polynomials.py).
 Eager's special values are kept where libdevice differs: its Bessel functions of +-inf are NaN.
 """
 
@@ -12,9 +13,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 
-from gjit.ir import Const, Expr
+from gjit.ir import Const, Expr, Op
+from gjit.kernels.polynomials import HERMITE_LIMIT, POLYNOMIALS
 from gjit.lowering.pointwise import const, op, pointwise, unary, where
-from gjit.lowering.registry import Unsupported, cast, register_lowering
+from gjit.lowering.registry import Unsupported, cast, promote, register_lowering
 
 if TYPE_CHECKING:  # the walk that calls the lowerings; it imports this module
     from gjit.lowering.graph import Lowering
@@ -113,3 +115,29 @@ def nextafter(ctx: Lowering, a, b):
     if ctx.out_val.dtype not in (torch.float32, torch.float64):
         raise Unsupported(f"nextafter in {ctx.out_val.dtype}")
     return pointwise(ctx, [a, b], lambda x, y: op("nextafter", x, y))
+
+
+def _polynomial(name: str):
+    def lower(ctx: Lowering, x, n):
+        """p_n(x) in x's float dtype, the degree truncated to an integer as ATen does."""
+        compute, _ = promote([x, n], KIND.INT_TO_FLOAT)
+        if compute not in (torch.float32, torch.float64):
+            raise Unsupported(f"{name} in {compute}")
+        # float32: computed in float64, each step rounded to float32 (kernels/polynomials.py)
+        narrow = compute == torch.float32
+        limit = HERMITE_LIMIT["float" if narrow else "double"]
+
+        def fn(a: Expr, b: Expr) -> Expr:
+            args = (cast(a, torch.float64), cast(b, torch.int64))
+            wide = Op(torch.float64, name, args, (limit, narrow))
+            return cast(wide, a.dtype)
+
+        return pointwise(ctx, [x, n], fn, KIND.INT_TO_FLOAT)
+
+    return lower
+
+
+for _name in POLYNOMIALS:  # chebyshev_t -> aten.special_chebyshev_polynomial_t, ...
+    _family, _kind = _name.rsplit("_", 1)
+    _packet = getattr(aten, f"special_{_family}_polynomial_{_kind}")
+    register_lowering(_packet.default, _packet.x_scalar, _packet.n_scalar)(_polynomial(_name))
