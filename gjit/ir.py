@@ -74,6 +74,14 @@ class Op(Expr):
             raise ValueError(f"gjit: {self.name!r} is not an IR op (gjit.ir.OPS)")
 
 
+# torch.special's orthogonal polynomials p_n(x) (gjit/kernels/polynomials.py): Op(float64, name,
+# (x, n as int64), params=(Hermite's degree cap, whether each step rounds to float32)).
+POLYNOMIAL_OPS = (
+    *("chebyshev_t", "chebyshev_u", "chebyshev_v", "chebyshev_w", "legendre_p", "laguerre_l"),
+    *("shifted_chebyshev_t", "shifted_chebyshev_u", "shifted_chebyshev_v", "shifted_chebyshev_w"),
+    *("hermite_h", "hermite_he"),
+)
+
 # Every pointwise op of the IR. Each has an emitter in both kernel languages (TritonOverrides in
 # codegen/triton/pointwise.py, CudaOverrides in codegen/cuda/pointwise.py), except `to_dtype`, a
 # cast to params[0] that each printer spells with its own conversion rules.
@@ -86,9 +94,7 @@ OPS = frozenset(
         *("erf", "erfinv", "floor", "ceil", "trunc", "round", "frac", "signbit"),
         *("erfc", "erfcx", "lgamma", "ndtri", "hypot", "nextafter"),
         *("digamma", "trigamma", "zeta"),
-        *("chebyshev_t", "chebyshev_u", "chebyshev_v", "chebyshev_w", "legendre_p", "laguerre_l"),
-        *("shifted_chebyshev_t", "shifted_chebyshev_u", "shifted_chebyshev_v", "shifted_chebyshev_w"),
-        *("hermite_h", "hermite_he"),
+        *POLYNOMIAL_OPS,
         *("bessel_i0", "bessel_i1", "bessel_j0", "bessel_j1", "bessel_y0", "bessel_y1"),
         *("isnan", "isinf", "isfinite", "eq", "ne", "lt", "le", "gt", "ge"),
         *("logical_and", "logical_or", "logical_xor", "logical_not"),

@@ -28,7 +28,7 @@ class Poly:
     trig_above: int | None = None  # n above this and |y| < 1: the closed form `trig` of a = acos(y)
     trig: str = ""
     edges: tuple[tuple[str, str], ...] = ()  # (condition, value), checked in order before all else
-    limit: dict | None = None  # Hermite: the largest degree per dtype ("float"/"double")
+    limit: bool = False  # Hermite: degrees past the cap (an argument) are NaN
 
 
 _CHEBYSHEV_EDGES = {  # (value at y = 1, value at y = -1)
@@ -64,13 +64,12 @@ def _chebyshev(kind: str, shifted: bool) -> Poly:
     )
 
 
-HERMITE_LIMIT = {"float": 128, "double": 512}  # ATen's getHermitianLimit: float32, float64
 POLYNOMIALS = {
     p.name: p
     for p in [
         *(_chebyshev(kind, shifted) for shifted in (False, True) for kind in "tuvw"),
-        Poly("hermite_h", start="x + x", step="(x + x) * q - (jf + jf) * p", limit=HERMITE_LIMIT),
-        Poly("hermite_he", start="x", step="x * q - jf * p", limit=HERMITE_LIMIT),
+        Poly("hermite_h", start="x + x", step="(x + x) * q - (jf + jf) * p", limit=True),
+        Poly("hermite_he", start="x", step="x * q - jf * p", limit=True),
         Poly(
             "laguerre_l",
             start="one - x",
@@ -116,7 +115,7 @@ def triton_polynomial(name: str) -> str:
         lines.append(f"    skip = skip | ({t(cond)})")
     if p.trig_above is not None:
         lines += [f"    trig = (n > {p.trig_above}) & (tl.abs(y) < one)", "    skip = skip | trig"]
-    if p.limit is not None:
+    if p.limit:
         lines.append("    skip = skip | (n > limit)")
     lines += [
         "    steps = tl.where(skip, 0, n - 1)",
@@ -140,7 +139,7 @@ def triton_polynomial(name: str) -> str:
             f"        closed = _{name}_trig(y, n)",
             "    out = tl.where(trig, closed, out)",
         ]
-    if p.limit is not None:
+    if p.limit:
         lines.append("    out = tl.where(n > limit, float('nan'), out)")
     for cond, value in reversed(p.edges):  # the first edge ATen checks wins
         lines.append(f"    out = tl.where({t(cond)}, {t(value)}, out)")
@@ -188,7 +187,7 @@ def _cuda_polynomial(p: Poly) -> str:
             f"        return narrow ? T(gjit_{p.name}_trig(float(y), n)) : gjit_{p.name}_trig(y, n);",
         ]
     lines.append("    if (n == 0) return one;")
-    if p.limit is not None:
+    if p.limit:
         lines.append("    if (n > limit) return zero / zero;")
     lines += [
         f"    T p = one, q = {c(p.start)};",

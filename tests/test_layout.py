@@ -210,6 +210,12 @@ def test_every_ir_op_has_an_emitter_in_both_backends():
     assert ir.OPS - {"to_dtype"} == set(CudaOverrides)
 
 
+def test_every_polynomial_op_has_a_spec():
+    from gjit.kernels.polynomials import POLYNOMIALS
+
+    assert set(ir.POLYNOMIAL_OPS) == set(POLYNOMIALS)
+
+
 def test_an_unknown_ir_op_is_refused_where_it_is_made():
     with pytest.raises(ValueError, match="not an IR op"):
         ir.Op(torch.float32, "no_such_op", ())

@@ -182,6 +182,10 @@ for _name in (
 CudaOverrides["digamma"] = lambda a, t: f"gjit_digamma({a})"  # double, in the prelude
 CudaOverrides["trigamma"] = lambda a, t: f"gjit_trigamma({a})"
 CudaOverrides["zeta"] = lambda a, b, t: f"gjit_zeta({a}, {b})"
+for _name in POLYNOMIALS:  # the prelude's (kernels/polynomials.py)
+    CudaOverrides[_name] = lambda x, n, cap, narrow, t, _name=_name: (
+        f"gjit_{_name}({x}, {n}, {cap}, {str(narrow).lower()})"
+    )
 
 # special functions named differently in CUDA's math library
 for _name, _fn in {
@@ -244,9 +248,8 @@ class CudaEmitter(RegionPlan):
     def op(self, e: Op, args: list[str]) -> str:
         if e.name == "to_dtype":
             text = to_dtype(args[0], e.args[0].dtype, e.params[0])
-        elif e.name in POLYNOMIALS:  # the prelude's (kernels/polynomials.py), with Hermite's cap
-            limit, narrow = e.params
-            text = f"gjit_{e.name}({args[0]}, {args[1]}, {limit}, {str(narrow).lower()})"
+        elif e.name in POLYNOMIALS:  # with Hermite's cap and the float32 rounding: IR params
+            text = CudaOverrides[e.name](*args, *e.params, e.dtype)
         else:
             text = CudaOverrides[e.name](*args, e.dtype)
         return self.tmp(("op", e.name, *args, e.params), text, e.dtype)

@@ -155,6 +155,8 @@ for _name, _fn in LIBDEVICE_SPECIAL.items():
     TritonOverrides[_name] = lambda *args, _fn=_fn: f"libdevice.{_fn}({', '.join(args[:-1])})"
 # float64 special functions libdevice lacks: hand-written helpers copied into the kernel's file
 HELPER_OPS = {"digamma", "trigamma", "zeta", *POLYNOMIALS}
+for _name in POLYNOMIALS:  # (x, n, Hermite's cap, steps rounded to float32): kernels/polynomials.py
+    TritonOverrides[_name] = lambda x, n, cap, narrow, t, _name=_name: f"_{_name}({x}, {n}, {cap}, {narrow})"
 TritonOverrides["digamma"] = lambda a, t: f"_digamma({a})"
 TritonOverrides["trigamma"] = lambda a, t: f"_trigamma({a})"
 TritonOverrides["zeta"] = lambda a, b, t: f"_zeta({a}, {b})"
@@ -244,11 +246,10 @@ class KernelWriter(RegionPlan):
             return literal(value, e.params[0])
         if e.name == "to_dtype":
             text = to_dtype(args[0], e.args[0].dtype, e.params[0])
-        elif e.name in POLYNOMIALS:  # both operands blocks of the mask's shape, n 0 outside it
+        elif e.name in ir.POLYNOMIAL_OPS:  # both operands blocks of the mask's shape, n 0 outside it
             x, n = args
-            block = f"tl.zeros(({self.mask}).shape, {TL_DTYPES[e.dtype]})"
-            limit, narrow = e.params
-            text = f"_{e.name}({x} + {block}, tl.where({self.mask}, {n}, 0), {limit}, {narrow})"
+            x = f"{x} + tl.zeros(({self.mask}).shape, {TL_DTYPES[e.dtype]})"
+            text = TritonOverrides[e.name](x, f"tl.where({self.mask}, {n}, 0)", *e.params, e.dtype)
             self.helpers.add(e.name)
         else:
             text = TritonOverrides[e.name](*args, e.dtype)
