@@ -60,6 +60,9 @@ class KernelSource:
     # the entry's guards check them (a call that breaks one recompiles)
     assumptions: list[tuple[sympy.Basic, str]] = dataclasses.field(default_factory=list)
     backend: str = "triton"  # or "cuda": CUDA C for NVRTC / CuPy (codegen/cuda/pointwise.py)
+    # float atomics (a scatter's sums): the order of additions, so the last bits, vary between
+    # runs; the entry is guarded on torch's deterministic-algorithms setting being off
+    nondeterministic: bool = False
 
     @property
     def cache_key(self) -> str:

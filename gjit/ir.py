@@ -138,8 +138,9 @@ def free_symbols(expr: Expr) -> set[sympy.Symbol]:
 
     for e in walk(expr):
         for field in dataclasses.fields(e):
-            if field.name not in ("args", "body", "value"):
-                collect(getattr(e, field.name))
+            if field.name in ("args", "body") or (isinstance(e, WriteAt) and field.name == "value"):
+                continue  # sub-expressions: walk visits them
+            collect(getattr(e, field.name))
     return out
 
 

@@ -295,6 +295,7 @@ def build_guards(
     from_one: Collection[tuple[int, int]] = (),
     shape_guards: Sequence[sympy.Basic] = (),
     returns: Sequence[sympy.Symbol] | None = None,
+    nondeterministic: bool = False,
 ) -> GuardSet:
     """The guard set of one entry. `user_vals`: export's placeholder value per flat input (None:
     static, from the example); `assumptions`: (condition, why) the kernels rely on;
@@ -303,7 +304,9 @@ def build_guards(
     `from_one`: (flat input, dim) pairs export traced size-obliviously from 1 (a KV cache's
     length): their symbols are admitted from 1, every other symbol from 2; `shape_guards`: guards
     decomposition added to export's shape environment, when this one lacks them (a warm start);
-    `returns`: the symbols the wrapper takes, in its order (default: every bound symbol)."""
+    `returns`: the symbols the wrapper takes, in its order (default: every bound symbol);
+    `nondeterministic`: a kernel sums with float atomics, so the entry admits a call only while
+    torch's deterministic algorithms are off (else the recompile makes those writes externs)."""
     n = len(flat_inputs)
     user_vals = list(user_vals) if user_vals is not None else [None] * n
     b = _Builder(names)
@@ -328,6 +331,14 @@ def build_guards(
         _shape_env_guards(b, env, shape_guards)
     for cond, why in _strongest(assumptions):
         b.condition(cond, why, "kernel")
+    if nondeterministic:
+        b.guard(
+            "not torch.are_deterministic_algorithms_enabled()",
+            "deterministic algorithms off (float atomics)",
+            "torch.are_deterministic_algorithms_enabled()",
+            None,
+            "state",
+        )
     steps = b.steps + b.late_binds + b.later
     if returns is not None:
         missing = set(returns) - set(b.bound)

@@ -207,3 +207,69 @@ def test_index_add_of_a_zero_d_tensor_and_bools():
     check(lambda z: z.index_add(0, torch.tensor([0]), torch.tensor(2.0), alpha=3), z, kernels=2)
     b = torch.rand(5) > 0.5  # no bool atomics: index_add stays an ATen call, computed as eager does
     check(lambda b: b.index_add(0, torch.tensor([1, 1, 3]), torch.tensor([True, False, True])), b)
+
+
+@pytest.mark.parametrize("reduce", ["amax", "amin"])
+def test_nan_already_in_the_tensor_wins_as_in_eager(reduce):
+    """Triton's float atomic max/min compare bit patterns: a NaN in memory would lose to numbers.
+    x's own NaN (positive, and the negative NaN that 0/0 gives on x86) stays NaN."""
+    z = torch.zeros(2)
+    x = torch.cat([torch.tensor([math.nan, 2.0, 3.0]), z / z, torch.tensor([-1.0])])
+    index = torch.tensor([0, 1, 3, 4, 0, 5])
+    src = torch.tensor([1.0, 1.0, 5.0, -5.0, -7.0, math.nan])
+    check(lambda x, i, s: x.scatter_reduce(0, i, s, reduce), x, index, src)
+    check(lambda x, i, s: x.scatter_reduce(0, i, s, reduce, include_self=False), x, index, src)
+
+
+def test_masked_put_of_bools_and_uint8_masks_as_eager():
+    b, m = torch.tensor([True, False, False]), torch.tensor([True, True, False])
+    check(lambda b, m: torch.index_put(b, (m,), torch.tensor(True), accumulate=True), b, m)
+    x, u = torch.zeros(4), torch.tensor([1, 0, 1, 1], dtype=torch.uint8)  # uint8 indexes as a mask
+    check(lambda x, u: torch.index_put(x, (u,), torch.tensor(5.0), accumulate=True), x, u)
+
+
+def test_zero_d_target_is_bounds_checked():
+    with pytest.raises(Exception, match="index out of bounds writing"):
+        run_compiled(
+            lambda z, i, s: z.scatter_add(0, i, s), torch.tensor(2.0), torch.tensor(3), torch.tensor(5.0)
+        )
+
+
+def test_deterministic_algorithms_recompile_without_float_atomics():
+    """Float atomic sums vary in their last bits: an entry with them is guarded on torch's
+    deterministic setting; turned on, the call recompiles and the sum is an extern."""
+    cm = gjit.compile(lambda x, i, s: x.scatter_add(0, i, s))
+    args = (torch.randn(5), torch.tensor([0, 0, 3]), torch.randn(3))
+    check(cm, *args)
+    assert "deterministic algorithms off" in cm.entries[0].guards.format()
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        check(cm, *args)
+        assert len(cm.entries) == 2
+        assert "deterministic" in gjit.explain(cm, *args).externs[0].reason
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def test_gjit_check_replays_in_place_writes_on_copies(monkeypatch):
+    """GJIT_CHECK recomputes y[i] = v.sin() on a copy of y: a planted bug in the scatter kernel is
+    caught (replayed in place, the kernel's own buffer would be compared with itself)."""
+    from gjit.codegen.triton.pointwise import TritonOverrides
+
+    def f(x, i, v):
+        y = x * 2
+        y[i] = v.sin()
+        return y
+
+    x, i, v = torch.randn(4, 2), torch.tensor([1, 3]), torch.randn(2, 2)
+    cm = gjit.compile(f, check=True)
+    run_compiled(cm, x, i, v)
+    rows = cm.entries[0].program.graph.last_check
+    assert rows and all(r.ok for r in rows), rows
+    monkeypatch.setitem(TritonOverrides, "sin", lambda a, t: f"tl.cos({a})")
+    with gjit.config.scope(cache=False):
+        cm = gjit.compile(f, check=True)
+        run_compiled(cm, x, i, v)
+    bad = [r for r in cm.entries[0].program.graph.last_check if not r.ok]
+    assert [r.kernel.split("_")[1] for r in bad] == ["scatter"], bad

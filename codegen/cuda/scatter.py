@@ -45,5 +45,6 @@ class CudaScatterWriter(ScatterPlan, CudaKernelWriter):
             sizes={"xnumel": numel},
             threads=threads,
             index_dtype=index_dtype,
+            nondeterministic=node.reduce == "sum" and self.layout(node.name).dtype.is_floating_point,
             blocks={"XBLOCK": threads},
         )

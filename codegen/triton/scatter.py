@@ -46,5 +46,6 @@ class ScatterWriter(ScatterPlan, KernelWriter):
             sizes={"xnumel": numel},
             blocks={"XBLOCK": xblock_for(numel, self.hints, self.options.xblock)},
             index_dtype=index_dtype,
+            nondeterministic=node.reduce == "sum" and self.layout(node.name).dtype.is_floating_point,
             helpers=[HELPERS[h] for h in sorted(self.helpers)],
         )

@@ -15,6 +15,7 @@ import operator
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from gjit import logs
 
@@ -68,6 +69,9 @@ class RegionChecker:
             else:
                 args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
                 target = node.target
+                if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+                    # an in-place op (index_put_): replayed on copies, never on the kernels' buffers
+                    args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
                 result = target(*args, **kwargs) if target is not operator.getitem else args[0][args[1]]
             memo[node.name] = result
             return result

@@ -92,7 +92,7 @@ def index_tensor(ctx: Lowering, x: TensorValue, indices: list):
     tensors = [indices[k] for k in positions]
     if not all(isinstance(t, TensorValue) for t in tensors):
         raise Unsupported("index.Tensor with a non-tensor index")
-    if any(t.dtype == torch.bool for t in tensors):
+    if any(t.dtype in (torch.bool, torch.uint8) for t in tensors):  # uint8 indexes as a mask too
         raise Unsupported("boolean mask indexing has a data-dependent size")
     out_size = tuple(to_sympy(s) for s in ctx.out_val.shape)
     nb = len(out_size) - (len(x.size) - len(positions))

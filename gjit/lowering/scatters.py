@@ -78,18 +78,40 @@ def _combine(
 
         base, in_place = ctx.scatter(x, space, fill, "store", suffix=f"{suffix}_init"), True
     if reduce in ("max", "min") and dtype.is_floating_point:
-        identity = _identity(reduce, dtype)
-
-        def skip_nan(idx: Index) -> ir.WriteAt:  # NaN comes in the second pass
-            write = write_fn(idx)
-            value = cast(write.value, dtype)
-            nan = Op(torch.bool, "isnan", (value,))
-            return ir.WriteAt(dtype, Op(dtype, "where", (nan, Const(dtype, identity), value)), write.index,
-                              write.indirect)  # fmt: skip
-
-        base = ctx.scatter(base, space, skip_nan, reduce, suffix=f"{suffix}_finite", in_place=in_place)
-        return ctx.scatter(base, space, write_fn, "nan", suffix=suffix, in_place=True)
+        return _float_max_min(ctx, x, base, in_place, space, write_fn, reduce, include_self, suffix)
     return ctx.scatter(base, space, write_fn, reduce, suffix=suffix, in_place=in_place)
+
+
+def _float_max_min(ctx: Lowering, x: TensorValue, base: TensorValue, in_place: bool, space: Index, write_fn,
+                   reduce: str, include_self: bool, suffix: str) -> TensorValue:  # fmt: skip
+    """Triton's float atomic max/min compare bit patterns as integers: a NaN in memory or in a
+    value loses to numbers. So the atomics see no NaN (x's own are the identity, sources' skipped),
+    a second pass stores the NaN sources, and a pointwise pass puts x's NaN back (include_self)."""
+    dtype = ctx.out_val.dtype
+    identity = Const(dtype, _identity(reduce, dtype))
+
+    def finite(value: Expr) -> Expr:
+        return Op(dtype, "where", (Op(torch.bool, "isnan", (value,)), identity, value))
+
+    def skip_nan(idx: Index) -> ir.WriteAt:  # NaN comes in the second pass
+        write = write_fn(idx)
+        return ir.WriteAt(dtype, finite(cast(write.value, dtype)), write.index, write.indirect)
+
+    if include_self:
+        base, in_place = (
+            ctx.pointwise(lambda i: finite(cast(x.load(i), dtype)), suffix=f"{suffix}_finite_base"),
+            True,
+        )
+    base = ctx.scatter(base, space, skip_nan, reduce, suffix=f"{suffix}_finite", in_place=in_place)
+    if not include_self:
+        return ctx.scatter(base, space, write_fn, "nan", suffix=suffix, in_place=True)
+    out = ctx.scatter(base, space, write_fn, "nan", suffix=f"{suffix}_nan", in_place=True)
+
+    def restore(i: Index) -> Expr:
+        own = cast(x.load(i), dtype)
+        return Op(dtype, "where", (Op(torch.bool, "isnan", (own,)), own, out.load(i)))
+
+    return ctx.pointwise(restore, suffix=suffix)
 
 
 def _mean(ctx: Lowering, x: TensorValue, space: Index, write_fn, include_self: bool) -> TensorValue:
@@ -126,9 +148,10 @@ def _along(x: TensorValue, dim: int, index: TensorValue, value_fn):
         raise Unsupported(f"scatter with a {index.dtype} index")
 
     def write(idx: Index) -> ir.WriteAt:
-        if rank == 0:  # a 0-d tensor: the index can only be 0 (or -1)
-            return ir.WriteAt(x.dtype, value_fn(idx), (), ())
         sym = indirect_symbol()
+        if rank == 0:  # a 0-d tensor: the index must be 0 (bound-checked as a dim of 1)
+            value = index_value(index, idx, sympy.Integer(1), wrap=False)
+            return ir.WriteAt(x.dtype, value_fn(idx), (), ((sym, value, sympy.Integer(1)),))
         value = index_value(index, idx, x.size[dim], wrap=False)
         at = tuple(sym if k == dim else i for k, i in enumerate(idx))
         return ir.WriteAt(x.dtype, value_fn(idx), at, ((sym, value, x.size[dim]),))
@@ -178,7 +201,13 @@ def index_add(ctx: Lowering, x: TensorValue, dim: int, index: TensorValue, sourc
     dtype = ctx.out_val.dtype
     if not x.size:  # a 0-d tensor: each of the index's (zero) entries adds the 0-d source
         value = Op(dtype, "mul", (_source(source, (), dtype), Const(dtype, python_scalar(alpha, dtype))))
-        return _combine(ctx, x, index.size, lambda idx: ir.WriteAt(dtype, value, (), ()), "sum")
+
+        def add_to_0d(idx: Index) -> ir.WriteAt:
+            sym, one = indirect_symbol(), sympy.Integer(1)
+            at = index_value(index, idx if index.size else (), one, wrap=False)
+            return ir.WriteAt(dtype, value, (), ((sym, at, one),))
+
+        return _combine(ctx, x, index.size, add_to_0d, "sum")
 
     def write(idx: Index) -> ir.WriteAt:
         sym = indirect_symbol()
@@ -199,7 +228,9 @@ def _index_put(ctx: Lowering, x: TensorValue, indices: list, values, accumulate:
     tensors = [indices[k] for k in positions]
     if not tensors or not all(isinstance(t, TensorValue) for t in tensors):
         raise Unsupported("index_put with a non-tensor index")
-    if any(t.dtype == torch.bool for t in tensors):
+    if any(t.dtype in (torch.bool, torch.uint8) for t in tensors):  # uint8: a mask too, as in eager
+        if len(tensors) > 1:
+            raise Unsupported("index_put with a boolean mask and other indices has a data-dependent size")
         return _masked_put(ctx, x, positions, tensors, values, accumulate)
     bshape = _broadcast(ctx, [t.size for t in tensors])
     adjacent = positions == list(range(positions[0], positions[-1] + 1))
@@ -256,11 +287,12 @@ def _masked_put(ctx: Lowering, x: TensorValue, positions: list, tensors: list, v
     (mask,), start, dtype = tensors, positions[0], ctx.out_val.dtype
 
     def body(idx: Index) -> Expr:
-        hit = mask.load(idx[start : start + len(mask.size)])
+        hit = cast(mask.load(idx[start : start + len(mask.size)]), torch.bool)
         value = _source(values, (sympy.Integer(0),) * len(values.size), dtype) if isinstance(
             values, TensorValue) else _source(values, (), dtype)  # fmt: skip
         old = cast(x.load(idx), dtype)
-        new = Op(dtype, "add", (old, value)) if accumulate else value
+        add = "logical_or" if dtype == torch.bool else "add"  # bools saturate, as eager's add
+        new = Op(dtype, add, (old, value)) if accumulate else value
         return Op(dtype, "where", (hit, new, old))
 
     return ctx.pointwise(body)

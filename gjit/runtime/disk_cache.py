@@ -150,6 +150,8 @@ def graph_key(
         "hints": sorted((str(k), int(v)) for k, v in hints.items()),
         "ranges": sorted(f"{k}: {v}" for k, v in range_constraints.items()),
         "options": {k: repr(v) for k, v in dataclasses.asdict(options).items()},
+        # lowering keeps float atomics out when torch asks for deterministic algorithms
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
         "versions": versions(),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
