@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from test_scatters import (  # noqa: F401
     test_index_put_accumulate_negative_and_broadcast_indices,
+    test_masked_put_of_bools_and_uint8_masks_as_eager,
+    test_nan_already_in_the_tensor_wins_as_in_eager,
     test_non_contiguous_empty_and_zero_d,
     test_ops_that_decompose_to_index_put,
     test_scatter_add_duplicates_every_atomic_dtype,
