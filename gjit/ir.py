@@ -82,6 +82,17 @@ POLYNOMIAL_OPS = (
     *("hermite_h", "hermite_he"),
 )
 
+# Bessel functions libdevice lacks, float64 helpers (gjit/kernels/bessel.py): Op(float64, name, (x,)).
+BESSEL_OPS = (
+    "bessel_i0e",
+    "bessel_i1e",
+    "bessel_k0",
+    "bessel_k0e",
+    "bessel_k1",
+    "bessel_k1e",
+    "spherical_j0",
+)
+
 # Every pointwise op of the IR. Each has an emitter in both kernel languages (TritonOverrides in
 # codegen/triton/pointwise.py, CudaOverrides in codegen/cuda/pointwise.py), except `to_dtype`, a
 # cast to params[0] that each printer spells with its own conversion rules.
@@ -95,6 +106,7 @@ OPS = frozenset(
         *("erfc", "erfcx", "lgamma", "ndtri", "hypot", "nextafter"),
         *("digamma", "trigamma", "zeta"),
         *POLYNOMIAL_OPS,
+        *BESSEL_OPS,
         *("bessel_i0", "bessel_i1", "bessel_j0", "bessel_j1", "bessel_y0", "bessel_y1"),
         *("isnan", "isinf", "isfinite", "eq", "ne", "lt", "le", "gt", "ge"),
         *("logical_and", "logical_or", "logical_xor", "logical_not"),

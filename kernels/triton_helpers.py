@@ -1,14 +1,27 @@
 """Hand-written Triton helpers that generated kernels call: NaN-propagating max/min, product,
 first-index argmax/argmin, online softmax and Welford's variance per lane (reductions), digamma,
 trigamma and the Hurwitz zeta function (kernels/special_math.py), torch.special's orthogonal
-polynomials (kernels/polynomials.py).
+polynomials (kernels/polynomials.py), modified Bessel functions (kernels/bessel.py).
 
 Each is Triton source text that codegen copies into a kernel's file when the kernel uses it
 (a generated kernel file stands alone: Triton's JIT and interpreter read it by itself).
 """
 
+from gjit.kernels.bessel import BESSEL, TRITON_SPHERICAL_J0, triton_bessel
 from gjit.kernels.polynomials import POLYNOMIALS, triton_polynomial
 from gjit.kernels.special_math import triton_digamma, triton_trigamma, triton_zeta
+
+
+class _Helpers(dict):
+    """The helpers by name; the Bessel functions' source is made on first use (their series'
+    coefficients are computed then: kernels/bessel.py)."""
+
+    def __missing__(self, name: str) -> str:
+        if name not in (*BESSEL, "spherical_j0"):
+            raise KeyError(name)
+        self[name] = triton_bessel(name) if name in BESSEL else TRITON_SPHERICAL_J0
+        return self[name]
+
 
 HELPERS = {
     "max_nan": "@triton.jit\ndef _max_nan(a, b):\n    return tl.maximum(a, b, tl.PropagateNan.ALL)\n",
@@ -78,3 +91,4 @@ HELPERS = {
     "zeta": triton_zeta(),
     **{name: triton_polynomial(name) for name in POLYNOMIALS},
 }
+HELPERS = _Helpers(HELPERS)

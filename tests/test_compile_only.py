@@ -39,6 +39,13 @@ CASES = {
         ),
         lambda: (torch.randn(64),),
     ),
+    "bessel_series": (
+        lambda x: (
+            torch.special.i1e(x) * torch.special.modified_bessel_k0(x.abs())
+            + torch.special.spherical_bessel_j0(x)
+        ),
+        lambda: (torch.randn(64) * 5,),
+    ),
     "orthogonal_polynomials": (  # loops over the block's largest degree, float64 steps rounded
         lambda x, n: (
             torch.special.chebyshev_polynomial_w(x, n),

@@ -346,3 +346,16 @@ def test_scatter_combines_with_the_prelude_atomics():
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="the numerics passed; no NVRTC for sm_90")
     report = gjit.aot(cm, x, index, src, arch="sm_90")  # the prelude's atomics build for a GPU too
     assert len(report.kernels) == len(sources) + 1 and not any(k.spills for k in report.kernels)
+
+
+def test_bessel_functions_come_with_the_kernels_that_call_them():
+    """Not in the prelude every kernel carries (their coefficients are computed on first use):
+    the .cu text of a kernel that calls one has them, and NVRTC builds it for sm_90."""
+    x = torch.randn(64) * 5
+    cm = check(lambda x: torch.special.i0e(x) * torch.special.scaled_modified_bessel_k1(x.abs()), x)
+    (kernel,) = gjit.explain(cm, x).kernels
+    text = runtime_cuda.kernel_file_text(kernel)
+    assert "gjit_bessel_i0e(double x)" in text and "gjit_bessel_i0e" not in runtime_cuda.CUDA_PRELUDE
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="the numerics passed; no NVRTC for sm_90")
+    report = gjit.aot(cm, x, arch="sm_90")
+    assert len(report.kernels) == 1 and not report.kernels[0].spills

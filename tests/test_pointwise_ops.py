@@ -298,6 +298,25 @@ def test_orthogonal_polynomials_as_eager(name):
     check_lowered(lambda x, n: f(x, n), x.double(), n)
 
 
+BESSEL_SERIES = ["i0e", "i1e", "modified_bessel_k0", "modified_bessel_k1", "scaled_modified_bessel_k0",
+          "scaled_modified_bessel_k1", "spherical_bessel_j0"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", BESSEL_SERIES)
+def test_bessel_series_as_eager(name):
+    """Chebyshev series in float64 (coefficients computed with mpmath, kernels/bessel.py) across
+    both branches of each (|x| about 8 for I, 2 for K), tiny and huge arguments, 0, negative
+    numbers (K: NaN), +-inf and NaN; float32 judged against float64, float64 against eager."""
+    f = getattr(torch.special, name)
+    special = [0.0, -0.0, 1e-30, 1e-8, 2.0, 8.0, -8.0, 1e4, -1e4, 700.0, 710.0, math.inf, -math.inf, math.nan]
+    special = torch.tensor(special)
+    x = torch.cat([make(F32, shape=(60,), low=-12, high=12), make(F32, shape=(20,), low=0, high=60), special])
+    out, cm = run_compiled(lambda x: f(x), x)
+    assert_same(out, f(x), f(x.double()))
+    assert not gjit.explain(cm, x).externs
+    check_lowered(lambda x: f(x), x.double())
+
+
 def test_round_to_decimals_as_eager():
     """x * 10**d rounded half to even, over 10**d (negative d: divided first), in the opmath dtype."""
     x = torch.cat([torch.randn(64) * 100, torch.arange(-12, 13, dtype=F32) * 0.125, torch.tensor([1e30])])

@@ -20,7 +20,7 @@ import torch
 from gjit.codegen.common import INFIX, KernelSource, constant, hint, next_power_of_2
 from gjit.codegen.plan import RegionPlan
 from gjit.codegen.printer import ExprPrinter
-from gjit.ir import Expr, IndexValue, Masked, Op, Read
+from gjit.ir import BESSEL_OPS, Expr, IndexValue, Masked, Op, Read
 from gjit.kernels.polynomials import POLYNOMIALS
 
 C_TYPES = {
@@ -182,6 +182,8 @@ for _name in (
 CudaOverrides["digamma"] = lambda a, t: f"gjit_digamma({a})"  # double, in the prelude
 CudaOverrides["trigamma"] = lambda a, t: f"gjit_trigamma({a})"
 CudaOverrides["zeta"] = lambda a, b, t: f"gjit_zeta({a}, {b})"
+for _name in BESSEL_OPS:
+    CudaOverrides[_name] = lambda a, t, _name=_name: f"gjit_{_name}({a})"  # double: kernels/bessel.py
 for _name in POLYNOMIALS:  # the prelude's (kernels/polynomials.py)
     CudaOverrides[_name] = lambda x, n, cap, narrow, t, _name=_name: (
         f"gjit_{_name}({x}, {n}, {cap}, {str(narrow).lower()})"

@@ -154,7 +154,9 @@ LIBDEVICE_SPECIAL = {
 for _name, _fn in LIBDEVICE_SPECIAL.items():
     TritonOverrides[_name] = lambda *args, _fn=_fn: f"libdevice.{_fn}({', '.join(args[:-1])})"
 # float64 special functions libdevice lacks: hand-written helpers copied into the kernel's file
-HELPER_OPS = {"digamma", "trigamma", "zeta", *POLYNOMIALS}
+HELPER_OPS = {"digamma", "trigamma", "zeta", *POLYNOMIALS, *ir.BESSEL_OPS}
+for _name in ir.BESSEL_OPS:  # float64 Chebyshev series (kernels/bessel.py)
+    TritonOverrides[_name] = lambda a, t, _name=_name: f"_{_name}({a})"
 for _name in POLYNOMIALS:  # (x, n, Hermite's cap, steps rounded to float32): kernels/polynomials.py
     TritonOverrides[_name] = lambda x, n, cap, narrow, t, _name=_name: f"_{_name}({x}, {n}, {cap}, {narrow})"
 TritonOverrides["digamma"] = lambda a, t: f"_digamma({a})"

@@ -1,7 +1,8 @@
 """Special functions: those libdevice (and CUDA's math library) implement (erfc, erfcx, lgamma,
 ndtri, hypot, nextafter, the Bessel functions of order 0 and 1), digamma, trigamma and the Hurwitz
 zeta function (gjit/kernels/special_math.py, in float64), polygamma built from them, ldexp, and
-the orthogonal polynomials (Chebyshev, Hermite, Laguerre, Legendre: gjit/kernels/polynomials.py).
+the orthogonal polynomials (Chebyshev, Hermite, Laguerre, Legendre: gjit/kernels/polynomials.py)
+and the Bessel functions i0e, i1e, K0, K1 (scaled too) and spherical j0 (gjit/kernels/bessel.py).
 Eager's special values are kept where libdevice differs: its Bessel functions of +-inf are NaN.
 """
 
@@ -140,3 +141,17 @@ for _name in POLYNOMIAL_OPS:  # chebyshev_t -> aten.special_chebyshev_polynomial
     _family, _kind = _name.rsplit("_", 1)
     _packet = getattr(aten, f"special_{_family}_polynomial_{_kind}")
     register_lowering(_packet.default, _packet.x_scalar, _packet.n_scalar)(_polynomial(_name))
+
+
+for _target, _name in {  # float64 Chebyshev series (gjit/kernels/bessel.py)
+    aten.special_i0e.default: "bessel_i0e",
+    aten.special_i1e.default: "bessel_i1e",
+    aten.special_modified_bessel_k0.default: "bessel_k0",
+    aten.special_modified_bessel_k1.default: "bessel_k1",
+    aten.special_scaled_modified_bessel_k0.default: "bessel_k0e",
+    aten.special_scaled_modified_bessel_k1.default: "bessel_k1e",
+    aten.special_spherical_bessel_j0.default: "spherical_j0",
+}.items():
+    register_lowering(_target)(
+        lambda ctx, a, _name=_name: pointwise(ctx, [a], lambda x: _in_float64(_name, x), KIND.INT_TO_FLOAT)
+    )

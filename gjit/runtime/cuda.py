@@ -20,6 +20,7 @@ import torch
 from gjit import logs
 from gjit.codegen.common import KernelSource
 from gjit.config import config
+from gjit.kernels.bessel import CUDA_NAMES, cuda_bessel
 from gjit.kernels.cuda_prelude import CUDA_PRELUDE
 
 cache_log = logs.logger("cache")
@@ -113,4 +114,6 @@ def grouped(kernels: list[CudaKernel]) -> list[CudaKernel]:
 
 
 def kernel_file_text(kernel: KernelSource) -> str:
-    return CUDA_PRELUDE + kernel.source
+    """The prelude, the Bessel functions if the kernel calls one (kernels/bessel.py), the kernel."""
+    uses_bessel = any(name in kernel.source for name in CUDA_NAMES)
+    return CUDA_PRELUDE + (cuda_bessel() if uses_bessel else "") + kernel.source
