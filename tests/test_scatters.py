@@ -273,3 +273,11 @@ def test_gjit_check_replays_in_place_writes_on_copies(monkeypatch):
         run_compiled(cm, x, i, v)
     bad = [r for r in cm.entries[0].program.graph.last_check if not r.ok]
     assert [r.kernel.split("_")[1] for r in bad] == ["scatter"], bad
+
+
+def test_a_one_element_index_writes_through_a_block_pointer():
+    """An index of one element: the write's offset is one loaded (scalar) index, broadcast to the
+    block (a fuzz find: Triton refused a block value through a scalar pointer)."""
+    x, index = torch.randn(3), torch.tensor([1])
+    check(lambda x, i: x.scatter_add(0, i, torch.gather(x, 0, i) * 1.5), x, index, kernels=2)
+    check(lambda x, i: x.index_put((i,), torch.tensor(2.0), accumulate=True), x, index)
