@@ -344,6 +344,9 @@ class ScatterNode(ComputeNode):
     space: Index = ()
     base: str = ""
     reduce: str = "store"  # "store" | "sum" | "max" | "min" | "nan"
+    # (condition over size symbols, why): relations between sizes the writes assume (index
+    # tensors broadcast together), checked by the entry's guards like a kernel's assumptions
+    assumptions: tuple[tuple[sympy.Basic, str], ...] = ()
 
 
 @dataclasses.dataclass

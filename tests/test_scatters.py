@@ -80,10 +80,15 @@ def test_index_put_accumulate_negative_and_broadcast_indices():
     v = torch.randn(2, 2, 7)
     put = lambda x, i, j, v: torch.index_put(x, (i, j), v, accumulate=True)  # noqa: E731
     check(gjit.compile(put, dynamic=False), x, i, j, v, kernels=2)
-    # dynamic: export does not relate the sizes of index tensors that broadcast (i's s48, j's s7),
-    # so the kernel cannot pick one: an extern, with that reason
-    cm = check(put, x, i, j, v)
-    assert "broadcast unrelated sizes" in gjit.explain(cm, x, i, j, v).externs[0].reason
+    # dynamic: export does not relate the sizes of tensors index_put broadcasts (i's s48, j's s7):
+    # the kernel assumes them equal, as they are in this call, and the entry guards that; a call
+    # where they broadcast otherwise recompiles
+    cm = check(put, x, i, j, v, kernels=2)
+    assert "index tensors broadcast" in cm.entries[0].guards.format()
+    check(cm, x, i + 1, j - 1, v * 2)  # same sizes: the entry serves it
+    assert len(cm.entries) == 1
+    check(cm, x, torch.tensor([[0, 1, 3]]), torch.tensor([[1], [2], [4]]), torch.randn(3, 3, 7))
+    assert len(cm.entries) == 2  # broadcast the other way: a recompile, not a wrong read
 
     def add_at(x, j):
         y = x * 1

@@ -15,6 +15,7 @@ ATOMICS = {"sum": "gjit_atomic_add", "max": "gjit_atomic_max", "min": "gjit_atom
 
 class CudaScatterWriter(ScatterPlan, CudaKernelWriter):
     def generate(self, name: str) -> KernelSource:
+        self.assumptions += list(self.node.assumptions)  # sizes the writes rely on (guarded)
         numel, idx, plan, index_dtype = self.pointwise_space()
         it = "int" if index_dtype == "int32" else "long long"
         node, write = self.node, self.write

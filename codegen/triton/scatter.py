@@ -16,6 +16,7 @@ ATOMICS = {"sum": "tl.atomic_add", "max": "tl.atomic_max", "min": "tl.atomic_min
 
 class ScatterWriter(ScatterPlan, KernelWriter):
     def generate(self, name: str) -> KernelSource:
+        self.assumptions += list(self.node.assumptions)  # sizes the writes rely on (guarded)
         numel, idx, plan, index_dtype = self.pointwise_space()
         setup = self.index_setup(plan, index_dtype)
         node, write = self.node, self.write

@@ -169,6 +169,14 @@ class Lowering:
         )
         return TensorValue(name, layout.size, layout.dtype)
 
+    def hint(self, size: sympy.Expr) -> int:
+        """The example value of a size (what export traced with)."""
+        env, value = self.shape_env, sympy.sympify(size)
+        if env is not None:
+            values = getattr(env, "backed_var_to_val", None) or env.var_to_val
+            value = value.xreplace(values)
+        return int(value)
+
     def is_computed(self, value: TensorValue) -> bool:
         """Is `value` a node a kernel computes here (not an input, an extern's result or a view)?"""
         return type(value) is TensorValue and any(n.name == value.name for n in self.nodes

@@ -232,11 +232,13 @@ def _index_put(ctx: Lowering, x: TensorValue, indices: list, values, accumulate:
         if len(tensors) > 1:
             raise Unsupported("index_put with a boolean mask and other indices has a data-dependent size")
         return _masked_put(ctx, x, positions, tensors, values, accumulate)
-    bshape = _broadcast(ctx, [t.size for t in tensors])
+    bshape, assumed = _broadcast(ctx, [t.size for t in tensors])
     adjacent = positions == list(range(positions[0], positions[-1] + 1))
     start = positions[0] if adjacent else 0
     rest = [s for k, s in enumerate(x.size) if k not in positions]
     space = tuple(rest[:start]) + bshape + tuple(rest[start:])
+    if isinstance(values, TensorValue):  # values broadcast to the write's shape
+        assumed += _broadcast(ctx, [values.size, space], "values")[1]
     dtype = ctx.out_val.dtype
     nb = len(bshape)
 
@@ -260,23 +262,39 @@ def _index_put(ctx: Lowering, x: TensorValue, indices: list, values, accumulate:
         return ir.WriteAt(dtype, value, tuple(at), tuple(bindings))
 
     reduce = "sum" if accumulate else "store"
-    if not in_place:
-        return _combine(ctx, x, space, write, reduce)
-    _check(reduce, dtype)
-    return ctx.scatter(x, space, write, reduce, in_place=True)
+    first = len(ctx.nodes)
+    if in_place:
+        _check(reduce, dtype)
+        out = ctx.scatter(x, space, write, reduce, in_place=True)
+    else:
+        out = _combine(ctx, x, space, write, reduce)
+    for node in ctx.nodes[first:]:  # the writes' kernels rely on the sizes being related
+        if isinstance(node, ir.ScatterNode):
+            node.assumptions = tuple(assumed)
+    return out
 
 
-def _broadcast(ctx: Lowering, shapes: list[Index]) -> Index:
-    """The broadcast of the index tensors' shapes, without adding a guard: sizes must be equal or
-    known to be 1 (export relates the sizes it saw broadcast; a relation it did not record is
-    not assumed here)."""
-    out = []
+def _broadcast(ctx: Lowering, shapes: list[Index], what: str = "index tensors") -> tuple[Index, list]:
+    """The broadcast of `shapes` and the size relations it assumes. Export does not relate the
+    sizes of tensors index_put broadcasts (its meta function checks none), so sizes that are
+    not known to be 1 and differ as expressions are assumed equal, guarded: they are equal in the
+    call being compiled (eager broadcasts them, and a symbolic size is at least 2), and a later
+    call where they are not recompiles."""
+    out, assumed = [], []
     for k in range(1, max(len(s) for s in shapes) + 1):
-        sizes = {s[-k] for s in shapes if len(s) >= k and not ctx.known_one(s[-k])}
-        if len(sizes) > 1:
-            raise Unsupported(f"index tensors of sizes {[list(s) for s in shapes]} broadcast unrelated sizes")
-        out.append(sizes.pop() if sizes else sympy.Integer(1))
-    return tuple(reversed(out))
+        sizes = list(dict.fromkeys(s[-k] for s in shapes if len(s) >= k and not ctx.known_one(s[-k])))
+        if not sizes:
+            out.append(sympy.Integer(1))
+            continue
+        first = next((s for s in sizes if sympy.sympify(s).is_number), sizes[0])  # a static size if any
+        for other in sizes:
+            if other == first:
+                continue
+            if ctx.hint(other) != ctx.hint(first):
+                raise Unsupported(f"{what} of sizes {[list(s) for s in shapes]} do not broadcast")
+            assumed.append((sympy.Eq(other, first), f"{what} broadcast: {other} == {first}"))
+        out.append(first)
+    return tuple(reversed(out)), assumed
 
 
 def _masked_put(ctx: Lowering, x: TensorValue, positions: list, tensors: list, values, accumulate: bool):
