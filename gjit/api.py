@@ -418,7 +418,7 @@ class CompiledFunction:
                     from_one=captured.from_one,
                     shape_guards=program.shape_guards,
                     returns=program.symbols,
-                    nondeterministic=any(k.nondeterministic for k in program.kernels),
+                    nondeterministic=any(k.nondeterministic for k in program.graph.all_kernels()),
                 )
         except GuardBuildError as e:
             self._capture_failed = f"cannot guard the exported program: {e}"

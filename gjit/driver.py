@@ -3,6 +3,7 @@ timed, logged (GJIT_LOGS=passes), verified under GJIT_DEBUG and dumped under its
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -73,15 +74,22 @@ class CompiledProgram:
         return self._analyze()[1]
 
     def _analyze(self) -> tuple[LoopGraph, list[Step]]:
+        """Lowering and fusion again (an entry from the disk cache or a package has only their
+        kernels), under each setting of torch's deterministic algorithms, the one lowering reads
+        (float atomics or externs): the entry may have been compiled under the other."""
         if self._analysis is None:
-            loop_graph = lower_graph(self.captured.full_graph_module)
-            steps = fuse(loop_graph)
-            regions = [s for s in steps if isinstance(s, Region)]
-            for index, region in enumerate(regions):
-                region.name = kernel_name(region, index)  # as codegen named it
-            if [r.name for r in regions] != [k.name for k in self.kernels]:
+            for deterministic in _settings_first(torch.are_deterministic_algorithms_enabled()):
+                with _deterministic_algorithms(deterministic):
+                    loop_graph = lower_graph(self.captured.full_graph_module)
+                    steps = fuse(loop_graph)
+                regions = [s for s in steps if isinstance(s, Region)]
+                for index, region in enumerate(regions):
+                    region.name = kernel_name(region, index)  # as codegen named it
+                if [r.name for r in regions] == [k.name for k in self.kernels]:
+                    self._analysis = loop_graph, steps
+                    break
+            else:
                 raise RuntimeError("gjit: lowering and fusion did not reproduce the cached entry's kernels")
-            self._analysis = loop_graph, steps
         return self._analysis
 
     def dumped(self) -> dict[str, str]:
@@ -99,6 +107,26 @@ class CompiledProgram:
                 header = dump.stage_header(name, self.timings.get(name)) if file.endswith(".txt") else ""
                 files[file] = header + text
         return files
+
+
+def _settings_first(current: bool) -> tuple[bool, bool]:
+    return (current, not current)
+
+
+@contextlib.contextmanager
+def _deterministic_algorithms(mode: bool):
+    before, warn_only = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    if mode == before:
+        yield
+        return
+    torch.use_deterministic_algorithms(mode)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
 # What the dump folder shows of a pass: its result as files (name -> text), each file headed by

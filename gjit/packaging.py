@@ -220,7 +220,7 @@ def _entry_from_record(
             from_one=from_one,
             shape_guards=disk_cache._decode(record["shape_guards"]),
             returns=symbols,
-            nondeterministic=any(k.nondeterministic for k in graph.kernels),
+            nondeterministic=any(k.nondeterministic for k in graph.all_kernels()),
         )
     spec = pytree.treespec_loads(record["spec"])
     return Entry(guards, spec, program, names=record["names"], inputs=record["inputs"])

@@ -49,8 +49,8 @@ def coefficients(name: str) -> list[str]:
     path = os.path.join(config.cache_dir, "bessel", f"{name}-{key}.json")
     try:
         with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+            return [repr(float(c)) for c in json.load(f)]  # numbers, or computed again
+    except (OSError, ValueError, TypeError):
         pass
     out = _compute(name)
     try:

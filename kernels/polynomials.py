@@ -51,6 +51,9 @@ _SHIFTED_TRIG_ABOVE = {"t": 6, "u": 6, "v": 6, "w": 4}
 
 def _chebyshev(kind: str, shifted: bool) -> Poly:
     pos, neg = _CHEBYSHEV_EDGES[kind]
+    trig = _CHEBYSHEV_TRIG[kind]
+    if shifted and kind == "w":  # ATen's shifted W falls back to the parity alone, not x's sign
+        trig = "sel(cos(a / two) != one, sin((nf + half) * a) / sin(a / two), sel(even, one, -one))"
     # ATen tests |x| == 1 (then the sign), or, shifted, x == 1 and x == 0: the same points of y
     where = ("x == one", "x == zero") if shifted else ("y == one", "y == -one")
     return Poly(
@@ -59,7 +62,7 @@ def _chebyshev(kind: str, shifted: bool) -> Poly:
         step="(y + y) * q - p",
         y="x + x - one" if shifted else "x",
         trig_above=_SHIFTED_TRIG_ABOVE[kind] if shifted else (6 if kind == "t" else 8),
-        trig=_CHEBYSHEV_TRIG[kind],
+        trig=trig,
         edges=((where[0], pos), (where[1], neg)),
     )
 
@@ -121,14 +124,17 @@ def triton_polynomial(name: str) -> str:
         "    steps = tl.where(skip, 0, n - 1)",
         "    p = one",
         f"    q = {t(p.start)}",
-        "    for j in range(1, tl.max(steps) + 1):",
+        "    j = 1",
+        "    live = (j <= steps) & (q == q)",
+        "    while tl.max(tl.where(live, 1, 0)) > 0:  # as ATen, a lane stops at its degree or at NaN",
         "        jf = zero + j",
         f"        r = {t(p.step)}",
         "        if NARROW:",
         "            r = r.to(tl.float32).to(tl.float64)",
-        "        live = j <= steps",
         "        p = tl.where(live, q, p)",
         "        q = tl.where(live, r, q)",
+        "        j += 1",
+        "        live = live & (j <= steps) & (q == q)",
         "    out = tl.where(n == 0, one, q)",
     ]
     if p.trig_above is not None:  # in float32 when NARROW, as eager computes it
@@ -191,7 +197,7 @@ def _cuda_polynomial(p: Poly) -> str:
         lines.append("    if (n > limit) return zero / zero;")
     lines += [
         f"    T p = one, q = {c(p.start)};",
-        "    for (long long j = 1; j < n; j++) {",
+        "    for (long long j = 1; j < n && q == q; j++) {  // as ATen: stops at NaN",
         "        const T jf = T(j);",
         f"        T r = {c(p.step)};",
         "        if (narrow) r = T(float(r));",

@@ -317,6 +317,36 @@ def test_bessel_series_as_eager(name):
     check_lowered(lambda x: f(x), x.double())
 
 
+def test_polynomials_under_a_mask_nan_stops_and_shifted_edges():
+    """A polynomial computed under a narrower mask (pad) is not reused outside it; a recurrence
+    stops at NaN as ATen's does (a degree of 2**40 returns at once); shifted W's closed form at
+    the last float below 1 falls back to the parity, as ATen's."""
+    y = make(F32, shape=(10,), low=-0.9, high=0.9)
+    cheb = torch.special.chebyshev_polynomial_t
+    check_lowered(lambda y: y + F.pad(cheb(y, 3)[:8], (0, 2)) + cheb(y, 3), y)
+    check_lowered(lambda x, n: cheb(x, n), torch.tensor([2.0, math.nan, -3.0]), torch.full((3,), 2**40))
+    w = torch.tensor([1 - 2**-24, 0.5, 2**-25])
+    check_lowered(lambda x: torch.special.shifted_chebyshev_polynomial_w(x, 9), w)
+
+
+def test_bessel_coefficients_in_a_damaged_cache_file_are_computed_again(tmp_path):
+    from gjit.kernels import bessel, triton_helpers
+
+    def forget():  # this process may have the series already: read them from tmp_path
+        bessel.coefficients.cache_clear()
+        triton_helpers.HELPERS.pop("bessel_i0e", None)
+
+    forget()
+    with gjit.config.scope(cache_dir=str(tmp_path)):
+        check_lowered(lambda x: torch.special.i0e(x) + 1, make(F32))
+        files = list((tmp_path / "bessel").glob("*.json"))
+        assert files
+        for f in files:
+            f.write_text("null")  # valid JSON, not a list of numbers
+        forget()
+        check_lowered(lambda x: torch.special.i0e(x) * 2, make(F32))
+
+
 def test_round_to_decimals_as_eager():
     """x * 10**d rounded half to even, over 10**d (negative d: divided first), in the opmath dtype."""
     x = torch.cat([torch.randn(64) * 100, torch.arange(-12, 13, dtype=F32) * 0.125, torch.tensor([1e30])])

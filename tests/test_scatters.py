@@ -286,3 +286,29 @@ def test_a_one_element_index_writes_through_a_block_pointer():
     x, index = torch.randn(3), torch.tensor([1])
     check(lambda x, i: x.scatter_add(0, i, torch.gather(x, 0, i) * 1.5), x, index, kernels=2)
     check(lambda x, i: x.index_put((i,), torch.tensor(2.0), accumulate=True), x, index)
+
+
+def test_the_deterministic_guard_covers_cond_branches_and_explain_either_way():
+    def f(x, i, s):
+        return torch.cond(s.sum() > 0, lambda x, i, s: x.index_add(0, i, s), lambda x, i, s: x + 1, (x, i, s))
+
+    args = (torch.zeros(5), torch.tensor([0, 1, 1, 3]), torch.ones(4))
+    cm = gjit.compile(f)
+    check(cm, *args)
+    assert "deterministic algorithms off" in cm.entries[0].guards.format()  # a branch's atomics
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        check(cm, *args)
+        assert len(cm.entries) == 2
+    finally:
+        torch.use_deterministic_algorithms(before)
+    # an entry compiled under the setting also serves calls without it; explain re-lowers it as it was
+    g = gjit.compile(lambda x, i, s: x.index_add(0, i, s))
+    torch.use_deterministic_algorithms(True)
+    try:
+        check(g, *args)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    check(g, *args)
+    assert len(g.entries) == 1 and "deterministic" in gjit.explain(g, *args).externs[0].reason

@@ -257,7 +257,9 @@ class KernelWriter(RegionPlan):
             text = TritonOverrides[e.name](*args, e.dtype)
             if e.name in HELPER_OPS:
                 self.helpers.add(e.name)
-        return self.tmp(("op", e.name, *args, e.params), text)
+        # a polynomial's text reads the mask (its degree is 0 outside it): not reused under another
+        mask = self.mask if e.name in POLYNOMIALS else None
+        return self.tmp(("op", e.name, *args, e.params, mask), text)
 
     def masked(self, e: Masked) -> str:
         """`body` under the mask (a narrower block mask for its loads), `other` elsewhere."""

@@ -163,6 +163,10 @@ class CompiledGraph:
             self._calls[key] = _interpreted(call) if interpret else call
         return self._calls[key]
 
+    def all_kernels(self) -> list[KernelSource]:
+        """The kernels of this graph and of its torch.cond branches, recursively."""
+        return [*self.kernels, *(k for sub in self.subgraphs.values() for k in sub.all_kernels())]
+
     def eager_subgraphs(self) -> dict[str, torch.fx.GraphModule]:
         """The subgraphs of higher-order ops other than torch.cond (map, scan, while_loop, ...),
         by node name: the wrapper hands them to the op, which runs them eagerly."""
