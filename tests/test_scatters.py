@@ -312,3 +312,16 @@ def test_the_deterministic_guard_covers_cond_branches_and_explain_either_way():
         torch.use_deterministic_algorithms(before)
     check(g, *args)
     assert len(g.entries) == 1 and "deterministic" in gjit.explain(g, *args).externs[0].reason
+
+
+def test_data_dependent_index_sizes_are_an_extern_that_says_so():
+    def f(x, m, r):
+        i = m.nonzero().squeeze(1)  # two data-dependent counts, nothing relates them
+        j = (r > 0).nonzero().squeeze(1)
+        return torch.index_put(x, (i, j), torch.ones(()), accumulate=True)
+
+    m = torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.bool)
+    args = (torch.zeros(6, 6), m, torch.tensor([1.0, -1, 2, 3, -2, 1]))
+    cm = check(f, *args)
+    reasons = [e.reason for e in gjit.explain(cm, *args).externs if e.op == "aten.index_put.default"]
+    assert reasons and "data-dependent sizes" in reasons[0], reasons

@@ -290,7 +290,11 @@ def _broadcast(ctx: Lowering, shapes: list[Index], what: str = "index tensors") 
         for other in sizes:
             if other == first:
                 continue
-            if ctx.hint(other) != ctx.hint(first):
+            try:
+                related = ctx.hint(other) == ctx.hint(first)
+            except TypeError:  # a data-dependent size has no example value to compare
+                raise Unsupported(f"{what} of data-dependent sizes {[list(s) for s in shapes]}") from None
+            if not related:
                 raise Unsupported(f"{what} of sizes {[list(s) for s in shapes]} do not broadcast")
             assumed.append((sympy.Eq(other, first), f"{what} broadcast: {other} == {first}"))
         out.append(first)
