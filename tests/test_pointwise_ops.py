@@ -329,6 +329,22 @@ def test_polynomials_under_a_mask_nan_stops_and_shifted_edges():
     check_lowered(lambda x: torch.special.shifted_chebyshev_polynomial_w(x, 9), w)
 
 
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_16_bit_specials_eager_has_no_kernel_for_raise_as_eager(dtype):
+    """ATen's CPU kernels of the polynomials, K Bessel functions and j0 refuse 16-bit floats: gjit
+    leaves them to ATen, which raises the same error in the compiled program."""
+    x = make(F32, shape=(6,), low=0.1, high=0.9).to(dtype)
+    for fn in (
+        lambda x: torch.special.chebyshev_polynomial_t(x, 3) + 1,
+        lambda x: torch.special.spherical_bessel_j0(x) * 2,
+    ):
+        with pytest.raises(RuntimeError, match="not implemented for"):
+            fn(x)
+        with pytest.raises(RuntimeError, match="not implemented for"):
+            run_compiled(fn, x)
+    check_lowered(lambda x: torch.special.i0e(x) + 1, x)  # ATen has these in 16 bits: a kernel
+
+
 def test_bessel_coefficients_in_a_damaged_cache_file_are_computed_again(tmp_path):
     from gjit.kernels import bessel, triton_helpers
 

@@ -16,7 +16,7 @@ from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as KIND
 
 from gjit.ir import POLYNOMIAL_OPS, Const, Expr, Op
 from gjit.lowering.pointwise import const, op, pointwise, unary, where
-from gjit.lowering.registry import Unsupported, cast, promote, register_lowering
+from gjit.lowering.registry import TensorValue, Unsupported, cast, promote, register_lowering
 
 if TYPE_CHECKING:  # the walk that calls the lowerings; it imports this module
     from gjit.lowering.graph import Lowering
@@ -120,6 +120,7 @@ def nextafter(ctx: Lowering, a, b):
 def _polynomial(name: str):
     def lower(ctx: Lowering, x, n):
         """p_n(x) in x's float dtype, the degree truncated to an integer as ATen does."""
+        _no_16_bit(name, x, n)
         compute, _ = promote([x, n], KIND.INT_TO_FLOAT)
         if compute not in (torch.float32, torch.float64):
             raise Unsupported(f"{name} in {compute}")
@@ -143,6 +144,22 @@ for _name in POLYNOMIAL_OPS:  # chebyshev_t -> aten.special_chebyshev_polynomial
     register_lowering(_packet.default, _packet.x_scalar, _packet.n_scalar)(_polynomial(_name))
 
 
+def _no_16_bit(name: str, *args) -> None:
+    """ATen has no float16/bfloat16 kernel for these: it runs them (and raises, as eager does)."""
+    low = [a.dtype for a in args if isinstance(a, TensorValue) and a.dtype in (torch.float16, torch.bfloat16)]
+    if low:
+        raise Unsupported(f"ATen has no {low[0]} kernel for {name}: it runs it, as eager does")
+
+
+def _bessel_series(name: str):
+    def lower(ctx: Lowering, a):
+        if name not in ("bessel_i0e", "bessel_i1e"):  # the scaled I have 16-bit kernels in ATen
+            _no_16_bit(name, a)
+        return pointwise(ctx, [a], lambda x: _in_float64(name, x), KIND.INT_TO_FLOAT)
+
+    return lower
+
+
 for _target, _name in {  # float64 Chebyshev series (gjit/kernels/bessel.py)
     aten.special_i0e.default: "bessel_i0e",
     aten.special_i1e.default: "bessel_i1e",
@@ -152,6 +169,4 @@ for _target, _name in {  # float64 Chebyshev series (gjit/kernels/bessel.py)
     aten.special_scaled_modified_bessel_k1.default: "bessel_k1e",
     aten.special_spherical_bessel_j0.default: "spherical_j0",
 }.items():
-    register_lowering(_target)(
-        lambda ctx, a, _name=_name: pointwise(ctx, [a], lambda x: _in_float64(_name, x), KIND.INT_TO_FLOAT)
-    )
+    register_lowering(_target)(_bessel_series(_name))
