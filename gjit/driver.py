@@ -78,7 +78,8 @@ class CompiledProgram:
         kernels), under each setting of torch's deterministic algorithms, the one lowering reads
         (float atomics or externs): the entry may have been compiled under the other."""
         if self._analysis is None:
-            for deterministic in _settings_first(torch.are_deterministic_algorithms_enabled()):
+            current = torch.are_deterministic_algorithms_enabled()
+            for deterministic in (current, not current):
                 with _deterministic_algorithms(deterministic):
                     loop_graph = lower_graph(self.captured.full_graph_module)
                     steps = fuse(loop_graph)
@@ -107,10 +108,6 @@ class CompiledProgram:
                 header = dump.stage_header(name, self.timings.get(name)) if file.endswith(".txt") else ""
                 files[file] = header + text
         return files
-
-
-def _settings_first(current: bool) -> tuple[bool, bool]:
-    return (current, not current)
 
 
 @contextlib.contextmanager

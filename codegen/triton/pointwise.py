@@ -315,11 +315,9 @@ class KernelWriter(RegionPlan):
             value = self.node_value(node)
             arg = self.out_args.setdefault(node, f"out_ptr{len(self.out_args)}")
             offset_expr = self.subst(self.layout(node).offset_of(idx))
-            offset = self.index(offset_expr)
-            if not offset_expr.free_symbols & set(self.vars):
-                offset += ") + (tl.zeros([XBLOCK], tl.int32)"  # a 0-d store still needs a block pointer
-            if not self.depends_on_index(self.region.bodies[node]):
-                value = f"tl.where(xmask, {value}, {value})"
+            offset, value = self.block_store(
+                offset_expr, self.index(offset_expr), value, self.region.bodies[node]
+            )
             self.lines.append(f"tl.store({arg} + ({offset}), {value}, xmask)")
         return self.kernel_source(
             name,
@@ -330,6 +328,15 @@ class KernelWriter(RegionPlan):
             index_dtype=index_dtype,
             helpers=[HELPERS[h] for h in sorted(self.helpers)],
         )
+
+    def block_store(self, offset_expr: sympy.Expr, offset: str, value: str, body: Expr) -> tuple[str, str]:
+        """A store's offset and value as blocks of XBLOCK: an offset the lanes do not index (a 0-d
+        store, one loaded index) and a value that does not depend on the index are broadcast."""
+        if not offset_expr.free_symbols & set(self.vars):
+            offset += ") + (tl.zeros([XBLOCK], tl.int32)"
+        if not self.depends_on_index(body):
+            value = f"tl.where(xmask, {value}, {value})"
+        return offset, value
 
     def kernel_source(
         self,

@@ -24,12 +24,7 @@ class ScatterWriter(ScatterPlan, KernelWriter):
         names = self.indirect(write, f"writing {node.name}")
         arg = self.out_args.setdefault(node.name, f"out_ptr{len(self.out_args)}")
         offset_expr = self.subst(self.layout(node.name).offset_of(write.index))
-        offset = self.index(offset_expr, names)
-        if not offset_expr.free_symbols & set(self.vars):
-            # a target the block's lanes do not index (0-d, or one loaded index) needs a block pointer
-            offset += ") + (tl.zeros([XBLOCK], tl.int32)"
-        if not self.depends_on_index(write.value):
-            value = f"tl.where(xmask, {value}, {value})"
+        offset, value = self.block_store(offset_expr, self.index(offset_expr, names), value, write.value)
         conds = ["xmask"]
         for sym, _, size in write.indirect:
             conds.append(f"({names[sym]} >= 0) & ({names[sym]} < {self.index(self.subst(size))})")

@@ -101,19 +101,30 @@ def index_tensor(ctx: Lowering, x: TensorValue, indices: list):
     bshape = out_size[start : start + nb]
 
     def body(idx: Index) -> Expr:
-        b = idx[start : start + nb]
-        rest = list(idx[:start]) + list(idx[start + nb :])
-        src, bindings = [], []
-        it = iter(rest)
-        for k in range(len(x.size)):
-            if k in positions:
-                t = indices[k]
-                sym = indirect_symbol()
-                value = index_value(t, broadcast_index(t, b, bshape, ctx.known_one), x.size[k], wrap=True)
-                bindings.append((sym, value, x.size[k]))
-                src.append(sym)
-            else:
-                src.append(next(it))
+        src, bindings = advanced_index(ctx, x, indices, idx, start, bshape)
         return gather_from(x, src, bindings)
 
     return ctx.pointwise(body)
+
+
+def advanced_index(
+    ctx: Lowering, x: TensorValue, indices: list, idx: Index, start: int, bshape: Index
+) -> tuple[list, list]:
+    """The element of x that advanced indexing maps index `idx` of x[indices] to (index.Tensor
+    reads it, index_put writes it): the broadcast index dims sit at `start` of `idx`; each
+    indexed dim of x takes its index tensor's value there (negative counts from the end), the
+    other dims the remaining entries of `idx` in order. Returns (x's index, its bindings)."""
+    nb = len(bshape)
+    b = idx[start : start + nb]
+    rest = iter(list(idx[:start]) + list(idx[start + nb :]))
+    src, bindings = [], []
+    for k in range(len(x.size)):
+        t = indices[k] if k < len(indices) else None
+        if t is None:
+            src.append(next(rest))
+            continue
+        sym = indirect_symbol()
+        value = index_value(t, broadcast_index(t, b, bshape, ctx.known_one), x.size[k], wrap=True)
+        bindings.append((sym, value, x.size[k]))
+        src.append(sym)
+    return src, bindings

@@ -20,7 +20,7 @@ import torch
 
 from gjit import ir
 from gjit.ir import Const, Expr, Index, Op
-from gjit.lowering.indexing import index_value, indirect_symbol
+from gjit.lowering.indexing import advanced_index, index_value, indirect_symbol
 from gjit.lowering.registry import (
     TensorValue,
     Unsupported,
@@ -240,21 +240,9 @@ def _index_put(ctx: Lowering, x: TensorValue, indices: list, values, accumulate:
     if isinstance(values, TensorValue):  # values broadcast to the write's shape
         assumed += _broadcast(ctx, [values.size, space], "values")[1]
     dtype = ctx.out_val.dtype
-    nb = len(bshape)
 
     def write(idx: Index) -> ir.WriteAt:
-        b = idx[start : start + nb]
-        it = iter(list(idx[:start]) + list(idx[start + nb :]))
-        at, bindings = [], []
-        for k in range(len(x.size)):
-            if k in positions:
-                t = indices[k]
-                sym = indirect_symbol()
-                value = index_value(t, broadcast_index(t, b, bshape, ctx.known_one), x.size[k], wrap=True)
-                bindings.append((sym, value, x.size[k]))
-                at.append(sym)
-            else:
-                at.append(next(it))
+        at, bindings = advanced_index(ctx, x, indices, idx, start, bshape)
         if isinstance(values, TensorValue):
             value = cast(values.load(broadcast_index(values, idx, space, ctx.known_one)), dtype)
         else:
