@@ -24,7 +24,7 @@ from typing import Any
 import triton
 
 from gjit import logs
-from gjit.codegen.toolchain.compile_only import compile_kernel
+from gjit.codegen.toolchain.compile_only import compile_kernel, finish_warm_up, start_warm_up
 from gjit.config import config
 
 log = logs.logger("output_code")
@@ -126,6 +126,7 @@ def aot(
     from gjit.api import CompiledFunction
 
     number = int(arch.removeprefix("sm_"))
+    start_warm_up()  # Triton's one-time start beside capture, not after it
     cm = model if isinstance(model, CompiledFunction) else CompiledFunction(model)
     entry, _ = cm.entry_for(args, kwargs)
     if entry is None:
@@ -139,17 +140,6 @@ def aot(
         graphs += list(graph.subgraphs.values())
     workers = config.compile_workers if workers is None else workers
     return AotReport(arch, build_all(jobs, number, out_dir, workers))
-
-
-def _warm_up_triton() -> None:
-    """Triton's one-time work per process: the hash of its own sources and library that keys its
-    cache (about 0.6 s), the import of its code generator."""
-    try:
-        import triton.compiler.code_generator  # noqa: F401
-        from triton.runtime.cache import triton_key
-    except ImportError:  # another Triton: each worker pays it
-        return
-    triton_key()
 
 
 def build_all(jobs: list[tuple[Any, str]], arch: int, out_dir: str, workers: int) -> list[KernelBinary]:
@@ -170,7 +160,7 @@ def build_all(jobs: list[tuple[Any, str]], arch: int, out_dir: str, workers: int
         workers = 1
     if workers == 1:
         return [build(*job) for job in builds]
-    _warm_up_triton()  # once here, inherited by every fork, instead of once per worker per call
+    finish_warm_up()  # once here, inherited by every fork, instead of once per worker per call
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     with warnings.catch_warnings():  # Python 3.12+ warns on any fork of a threaded process

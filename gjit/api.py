@@ -13,6 +13,7 @@ import torch.utils._pytree as pytree
 
 from gjit import kv_cache, logs, stats
 from gjit.capture import CaptureError, DecompositionError, bind_call, capture, forward_signature, readable
+from gjit.codegen.toolchain.compile_only import start_warm_up
 from gjit.config import BACKENDS, CompileOptions, config
 from gjit.debug import dump
 from gjit.debug.report import Report, build_report
@@ -383,6 +384,8 @@ class CompiledFunction:
                 from_one |= {(i, d) for d, (lo, _) in free.items() if lo == 1}
         cache_log.info("%s: no entry admits the call (in-memory cache miss); compiling", self._name())
         options = CompileOptions.from_config(backend=self.backend, check=self.check)
+        if options.backend == "triton" and any(isinstance(v, torch.Tensor) and v.is_cuda for v in flat):
+            start_warm_up()  # Triton's first build in this process pays it: run it beside capture
         try:
             try:
                 exported = capture(self.model, args, kwargs, dims, timings, frozenset(from_one))

@@ -8,6 +8,8 @@ as Triton's launcher specializes them on a GPU when the sizes allow.
 
 from __future__ import annotations
 
+import threading
+
 import triton
 from triton.backends.compiler import GPUTarget
 
@@ -28,3 +30,33 @@ def compile_kernel(kernel: KernelSource, path: str, arch: int = 90, aligned: boo
         fn=fn, signature=dict(kernel.signature), constexprs=dict(kernel.blocks), attrs=attrs
     )
     return triton.compile(source, target=GPUTarget("cuda", arch, 32))
+
+
+_warm_up: threading.Thread | None = None
+
+
+def _triton_one_time_work() -> None:
+    try:
+        import triton.compiler.code_generator  # noqa: F401
+        from triton.runtime.cache import triton_key
+    except ImportError:  # another Triton: its first compile pays whatever it needs
+        return
+    triton_key()  # lru-cached: every later compile of this process reads it
+
+
+def start_warm_up() -> None:
+    """Start Triton's one-time work of a process on a background thread: the hash of its sources
+    and library that keys its cache (about 0.5 s, mostly hashing, which releases the GIL) and
+    the import of its code generator. Called where GPU binaries will be built, before capture,
+    so it runs beside export instead of after it. Idempotent."""
+    global _warm_up
+    if _warm_up is None:
+        _warm_up = threading.Thread(target=_triton_one_time_work, name="gjit-triton-warm-up", daemon=True)
+        _warm_up.start()
+
+
+def finish_warm_up() -> None:
+    """Wait for the warm-up (starting it if nobody did): forked build workers inherit its result."""
+    start_warm_up()
+    assert _warm_up is not None
+    _warm_up.join()

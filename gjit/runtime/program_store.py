@@ -14,13 +14,10 @@ a tree of calls to sympy's and torch's size functions over literals, or the prog
 
 from __future__ import annotations
 
-import ast
 import base64
-import functools
 import json
 import math
 import operator
-import re
 import types
 from collections.abc import Collection
 from typing import Any
@@ -28,7 +25,6 @@ from typing import Any
 import sympy
 import torch
 import torch.utils._pytree as pytree
-import torch.utils._sympy.functions as torch_sympy
 from torch._export.serde import serialize as serde
 from torch.export import ExportedProgram
 from torch.export.graph_signature import (
@@ -45,6 +41,7 @@ from torch.utils._sympy.value_ranges import ValueRanges
 
 from gjit import logs
 from gjit.runtime.disk_cache import CacheError, expr_from_json, expr_to_json
+from gjit.runtime.size_expressions import ExpressionError, check_expressions
 
 log = logs.logger("cache")
 
@@ -87,7 +84,10 @@ def load_program(
     by qualified name, `constants` the lifted constants it was not stored with."""
     try:
         graph = record["graph"]
-        check_expressions(graph)
+        try:
+            check_expressions(graph)
+        except ExpressionError as e:
+            raise ProgramStoreError(str(e)) from e
         serialized = serde._dict_to_dataclass(serde.ExportedProgram, graph)
         state_dict, lifted = {}, _tensors_from_text(record["constants"]) | dict(constants or {})
         for spec in serialized.graph_module.signature.input_specs:
@@ -128,81 +128,6 @@ def _tensors_from_text(text: str | None) -> dict[str, torch.Tensor]:
     from safetensors.torch import load
 
     return load(base64.b64decode(text.encode("ascii"), validate=True))
-
-
-# ----------------------------------------------------------------------------------------------
-# Size expressions: only calls of known sympy functions over literals
-# ----------------------------------------------------------------------------------------------
-
-
-@functools.cache
-def allowed_names() -> frozenset[str]:
-    """Functions a serialized size expression may call: sympy's and torch's size classes (what
-    `sympy.srepr` writes for the expressions a shape environment makes), no sympify (`S`)."""
-    names = set()
-    for module in (sympy, torch_sympy):
-        for name, obj in vars(module).items():
-            if isinstance(obj, type) and issubclass(obj, sympy.Basic):
-                names.add(name)
-    return frozenset(names)
-
-
-_LITERALS = frozenset({"oo", "zoo", "nan", "true", "false"})
-_SYMBOL = re.compile(r"[a-z][a-z0-9_]*")
-_FLOAT = re.compile(r"-?[0-9.]+(e[-+]?[0-9]+)?")
-
-
-def check_expressions(tree: Any) -> None:
-    """Refuse a stored graph whose size expressions are anything but such calls."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key == "expr_str":
-                    _check_expression(value)
-                else:
-                    stack.append(value)
-        elif isinstance(node, list):
-            stack.extend(node)
-
-
-def _check_expression(text: Any) -> None:
-    if not isinstance(text, str):
-        raise ProgramStoreError(f"a size expression is not text: {text!r}")
-    try:
-        parsed = ast.parse(text, mode="eval").body
-    except SyntaxError as e:
-        raise ProgramStoreError(f"a size expression does not parse: {text[:120]!r}") from e
-    if not _is_expression(parsed):
-        raise ProgramStoreError(f"a size expression is not a sympy expression: {text[:120]!r}")
-
-
-def _is_expression(node: ast.AST) -> bool:
-    """A call of an allowed class over expressions and numbers; a name only as the string argument
-    of Symbol (matching a size symbol's name) and a float only as Float's string."""
-    if isinstance(node, ast.Constant):
-        return type(node.value) in (int, float)
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        return _is_expression(node.operand)
-    if isinstance(node, ast.Name):
-        return node.id in _LITERALS
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
-        return False
-    if not all(
-        isinstance(k.value, ast.Constant) and type(k.value.value) in (bool, int) for k in node.keywords
-    ):
-        return False
-    name, args = node.func.id, node.args
-    if name in ("Symbol", "Float"):
-        pattern = _SYMBOL if name == "Symbol" else _FLOAT
-        return (
-            len(args) == 1
-            and isinstance(args[0], ast.Constant)
-            and isinstance(args[0].value, str)
-            and pattern.fullmatch(args[0].value) is not None
-        ) or (name == "Float" and len(args) == 1 and _is_expression(args[0]))
-    return name in allowed_names() and all(_is_expression(a) for a in args)
 
 
 # ----------------------------------------------------------------------------------------------
