@@ -92,7 +92,8 @@ def source_line(node: torch.fx.Node) -> str | None:
 
 def kernel_name(region: Region, index: int) -> str:
     ops = "_".join(region.aten_ops()[:6]) or "copy"
-    kind = "scatter" if region.scatter else "scan" if region.scan else "red" if region.reduction else "poi"
+    kind = "scatter" if region.scatter else "scan" if region.scan else "mm" if region.matmul else None
+    kind = kind or ("red" if region.reduction else "poi")
     return f"gjit_{kind}_fused_{ops}_{index}"
 
 

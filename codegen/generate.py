@@ -10,6 +10,7 @@ from gjit.codegen.cuda.pointwise import CudaKernelWriter
 from gjit.codegen.cuda.reduction import CudaReductionWriter
 from gjit.codegen.cuda.scan import CudaScanWriter
 from gjit.codegen.cuda.scatter import CudaScatterWriter
+from gjit.codegen.triton.matmul import MatmulWriter
 from gjit.codegen.triton.pointwise import KernelWriter
 from gjit.codegen.triton.reduction import ReductionWriter
 from gjit.codegen.triton.scan import ScanWriter
@@ -22,6 +23,7 @@ WRITERS = {  # (backend, region kind) -> writer class
     ("triton", "reduction"): ReductionWriter,
     ("triton", "scan"): ScanWriter,
     ("triton", "scatter"): ScatterWriter,
+    ("triton", "matmul"): MatmulWriter,
     ("cupy", "pointwise"): CudaKernelWriter,
     ("cupy", "reduction"): CudaReductionWriter,
     ("cupy", "scan"): CudaScanWriter,
@@ -36,6 +38,8 @@ def generate_kernel(
     region.name = kernel_name(region, index)
     if region.scatter or region.scan:
         kind = "scatter" if region.scatter else "scan"
+    elif region.matmul:
+        kind = "matmul"
     else:
         kind = "reduction" if region.reduction is not None else "pointwise"
     writer = WRITERS[options.backend, kind]

@@ -13,6 +13,9 @@
     gjit.config.xblock                GJIT_XBLOCK        block size of pointwise kernels
     gjit.config.reduction             GJIT_REDUCTION     auto | persistent | looped reduction kernels
     gjit.config.persistent_max        GJIT_PERSISTENT_MAX  auto: persistent up to this row length
+    gjit.config.matmul                GJIT_MATMUL        template (default) | aten: matmuls as generated
+                                                         Triton kernels with their neighbours fused in,
+                                                         or as ATen externs
     gjit.config.rblock                GJIT_RBLOCK        chunk size of looped reductions
     gjit.config.recompile_limit       GJIT_RECOMPILE_LIMIT  entries per compiled callable; calls that
                                                          miss past it run eagerly (one warning)
@@ -132,6 +135,12 @@ class Config:
         _env_str("GJIT_REDUCTION", lambda: "auto"),
         "reduction kernel shape: auto | persistent (whole row in one block) | looped (row in chunks)",
     )
+    matmul = _Knob(
+        "GJIT_MATMUL",
+        _env_str("GJIT_MATMUL", lambda: "template"),
+        "matmuls: template (a generated tensor-core kernel with operand views and the consuming "
+        "pointwise work fused in; the Triton backend) | aten (ATen externs)",
+    )
     persistent_max = _Knob(
         "GJIT_PERSISTENT_MAX",
         _env_int("GJIT_PERSISTENT_MAX", 1024),
@@ -209,10 +218,18 @@ class CompileOptions:
     reduction: str
     persistent_max: int
     rblock: int  # (no defaults here: the knobs above hold them)
+    matmul: str
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"gjit: unknown backend {self.backend!r}: expected one of {BACKENDS}")
+        if self.matmul not in ("template", "aten"):
+            raise ValueError(f"gjit: unknown matmul setting {self.matmul!r}: expected 'template' or 'aten'")
+
+    @property
+    def matmul_template(self) -> bool:
+        """Matmuls become template kernels: asked for, and the backend has the template (Triton)."""
+        return self.matmul == "template" and self.backend == "triton"
 
     @classmethod
     def from_config(cls, **given: Any) -> CompileOptions:

@@ -75,13 +75,16 @@ class CompiledProgram:
 
     def _analyze(self) -> tuple[LoopGraph, list[Step]]:
         """Lowering and fusion again (an entry from the disk cache or a package has only their
-        kernels), under each setting of torch's deterministic algorithms, the one lowering reads
-        (float atomics or externs): the entry may have been compiled under the other."""
+        kernels), under each setting of what lowering reads: torch's deterministic algorithms
+        (float atomics or externs) and whether matmuls are templates (the knob, the backend). The
+        entry may have been compiled under others than the current ones."""
         if self._analysis is None:
             current = torch.are_deterministic_algorithms_enabled()
-            for deterministic in (current, not current):
+            template = CompileOptions.from_config().matmul_template
+            settings = [(d, t) for t in (template, not template) for d in (current, not current)]
+            for deterministic, matmul_template in settings:
                 with _deterministic_algorithms(deterministic):
-                    loop_graph = lower_graph(self.captured.full_graph_module)
+                    loop_graph = lower_graph(self.captured.full_graph_module, matmul_template)
                     steps = fuse(loop_graph)
                 regions = [s for s in steps if isinstance(s, Region)]
                 for index, region in enumerate(regions):
@@ -139,7 +142,7 @@ DUMPED: dict[str, Callable[[Any], dict[str, str]]] = {
 }
 # Under GJIT_DEBUG, what each pass's result must satisfy before the next pass reads it.
 VERIFIED: dict[str, Callable[..., None]] = {
-    "lower": lambda loop_graph, gm: ir.verify(loop_graph),
+    "lower": lambda loop_graph, *_: ir.verify(loop_graph),
     "fuse": lambda steps, loop_graph: verify_schedule(steps, loop_graph),
 }
 
@@ -223,7 +226,7 @@ def compile_graph(
     The branches of a torch.cond are compiled the same way (binding their sizes themselves)."""
     options = run.options
     # lower: ATen FX graph -> loop IR (views become index expressions, unsupported ops externs)
-    loop_graph = run("lower", lower_graph, gm)
+    loop_graph = run("lower", lower_graph, gm, options.matmul_template)
     # fuse: loop IR -> regions (one kernel each) and externs, in execution order
     steps = run("fuse", fuse, loop_graph)
     # codegen: each region -> one Triton (or CUDA C) kernel, sizes as arguments

@@ -4,7 +4,8 @@ Rules, in order:
   1. inline: a node that need not be in memory and that no consumer reads element-for-
      element (same size, identity index) is recomputed inside each consumer (broadcasts,
      reshapes and transposes of cheap pointwise values cost no kernel and no memory; a gather
-     of a few reads' value reads those at the gathered indices);
+     of a few reads' value reads those at the gathered indices); a matmul's operand is inlined
+     into its prologue only when the matmul is its one reader;
   2. vertical: a node joins its producer's region when both have the same iteration space
      and every read between them is element-for-element;
   3. horizontal: regions of the same iteration space that read a common buffer merge, so
@@ -30,9 +31,20 @@ import logging
 import sympy
 import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
 from gjit import ir
-from gjit.ir import ComputeNode, Expr, ExternNode, LoopGraph, Read, ReduceNode, ScanNode, ScatterNode
+from gjit.ir import (
+    ComputeNode,
+    Expr,
+    ExternNode,
+    LoopGraph,
+    MatmulNode,
+    Read,
+    ReduceNode,
+    ScanNode,
+    ScatterNode,
+)
 
 OWN_KERNEL = (ReduceNode, ScanNode, ScatterNode)  # never inlined: what reads them reads memory
 
@@ -45,14 +57,18 @@ class ReductionSpace:
 
     full: ir.Index
     reduced: tuple[int, ...]
+    matmul: str = ""  # a matmul's (its node): members may also be reshapes of its output space
+    # their placements, derived from how they read the product (see `reshape_placement`)
+    reshaped: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     @property
     def vars(self) -> ir.Index:
         """The canonical index variables c0, c1, ... of the full space."""
         return ir.index_vars(len(self.full), prefix="c")
 
-    def placement(self, node: ComputeNode) -> dict | None:
-        """Map `node`'s index variables to canonical ones; None if it does not live in this space."""
+    def placement(self, node: ComputeNode, body: Expr | None = None) -> dict | None:
+        """Map `node`'s index variables to canonical ones; None if it does not live in this space.
+        `body`: the node's body with its inlined producers (what it reads of a matmul)."""
         c = self.vars
         if isinstance(node, ReduceNode):
             ok = tuple(node.full_size) == tuple(self.full) and tuple(node.reduced) == self.reduced
@@ -65,6 +81,10 @@ class ReductionSpace:
             return {iv[k]: (sympy.Integer(0) if k in self.reduced else c[k]) for k in range(len(c))}
         if size == tuple(self.full[k] for k in kept):
             return {iv[j]: c[k] for j, k in enumerate(kept)}
+        if self.matmul:
+            if node.name not in self.reshaped:
+                self.reshaped[node.name] = self.reshape_placement(node, node.body if body is None else body)
+            return self.reshaped[node.name]
         return None
 
     def value_index(self, node: ComputeNode) -> ir.Index:
@@ -73,6 +93,48 @@ class ReductionSpace:
             return node.output_index(self.vars)
         mapping = self.placement(node)
         return tuple(mapping[v] for v in ir.index_vars(len(node.size)))
+
+    def reshape_placement(self, node: ComputeNode, body: Expr) -> dict | None:
+        """A member over a reshape (or a permuted reshape) of the matmul's output space: a linear's
+        output viewed as [B, S, N] from the [B*S, N] product, heads split off N and moved. How the
+        member reads the product says where it lives: each index of that read must be the row-major
+        flattening of some of the member's dims (the view's index math), which are then that output
+        dim's digits. The flattened form maps back to the output dim itself (xreplace goes top-down),
+        so the member reads the accumulator, not memory."""
+        size, iv = tuple(node.size), ir.index_vars(len(node.size))
+        read = next((r for r in ir.reads(body) if r.name == self.matmul), None)
+        if read is None or len(read.index) != len(self.full) - 1:
+            return None
+        kept = [k for k in range(len(self.full)) if k not in self.reduced]
+        mapping: dict = {v: sympy.Integer(0) for v, n in zip(iv, size) if n == 1}
+        used: set = set()
+        for original, k in zip(read.index, kept):
+            var, total = self.vars[k], self.full[k]
+            component = sympy.sympify(original).xreplace({v: sympy.Integer(0) for v in mapping})
+            terms = {v: component.coeff(v) for v in iv if v not in mapping and component.has(v)}
+            if sympy.expand(component - sum((c * v for v, c in terms.items()), sympy.Integer(0))) != 0:
+                return None
+            if any(c.free_symbols & set(iv) for c in terms.values()) or used & set(terms):
+                return None
+            used |= set(terms)
+            order, inner = [], sympy.Integer(1)  # innermost digit first
+            while len(order) < len(terms):
+                nxt = [v for v in terms if v not in order and sympy.simplify(terms[v] - inner) == 0]
+                if len(nxt) != 1:
+                    return None
+                order.append(nxt[0])
+                inner *= size[iv.index(nxt[0])]
+            if sympy.simplify(inner - total) != 0:
+                return None
+            stride = sympy.Integer(1)
+            for n, v in enumerate(order):
+                if n == len(order) - 1:  # the outermost digit needs no modulo
+                    mapping[v] = FloorDiv(var, stride) if stride != 1 else var
+                else:
+                    mapping[v] = ModularIndexing(var, stride, size[iv.index(v)])
+                stride *= size[iv.index(v)]
+            mapping[sympy.sympify(original)] = var
+        return mapping if set(iv) <= used | set(mapping) else None
 
 
 @dataclasses.dataclass
@@ -98,6 +160,11 @@ class Region:
     def scatter(self) -> bool:
         """A write through indices: its one node, over its source's elements."""
         return isinstance(self.nodes[0], ScatterNode)
+
+    @property
+    def matmul(self) -> bool:
+        """A matmul template's region: one MatmulNode and the pointwise nodes over its output."""
+        return any(isinstance(n, MatmulNode) for n in self.nodes)
 
     def aten_ops(self) -> list[str]:
         seen: list[str] = []
@@ -157,11 +224,13 @@ class Fusion:
         identity_consumers: dict[str, int] = {name: 0 for name in self.compute}
         # read at data-dependent indices (gather, embedding), directly or through inlined nodes
         indirect = {r.name for n in self.compute.values() for r in ir.reads(n.body) if r.indirect}
+        shared_operands = self.shared_matmul_operands()
         for name in reversed(list(self.compute)):
             node = self.compute[name]
             reduction = isinstance(node, OWN_KERNEL)
             gatherable = _gatherable(node) and self.reads_memory(name)
             kept = name in self.graph.needed_in_memory or (name in indirect and not gatherable)
+            kept = kept or name in shared_operands
             if not reduction and not kept and identity_consumers[name] == 0:
                 inline.add(name)
                 if name in indirect:  # its reads follow the gathered index: treat them all as gathered
@@ -177,6 +246,24 @@ class Fusion:
                 if producer is not None and producer.size == node.size and _identity(r, node.size):
                     identity_consumers[r.name] += 1
         return inline
+
+    def shared_matmul_operands(self) -> set[str]:
+        """Nodes a matmul reads (directly or through pointwise nodes) that have other readers too:
+        they are stored. Inlined, each reader would recompute them and everything they read,
+        and a residual stream, read by every layer's norm and next add, would be recomputed in
+        every later layer's matmul prologue."""
+        readers: dict[str, set[str]] = {}
+        for n in self.compute.values():
+            for r in ir.reads(n.body):
+                readers.setdefault(r.name, set()).add(n.name)
+        feeds: set[str] = set()  # a matmul reads it, itself or through pointwise readers
+        for name in reversed(list(self.compute)):
+            for reader in readers.get(name, ()):
+                node = self.compute[reader]
+                if isinstance(node, MatmulNode) or (not isinstance(node, OWN_KERNEL) and reader in feeds):
+                    feeds.add(name)
+                    break
+        return {name for name in feeds if len(readers[name]) > 1}
 
     def reads_memory(self, name: str) -> bool:
         """Does `name`'s value read a buffer or a reduction, itself or through its producers?
@@ -274,7 +361,8 @@ class Fusion:
         for m in self.group_members(gid):
             node = self.compute[m]
             if isinstance(node, ReduceNode):
-                return ReductionSpace(tuple(node.full_size), tuple(node.reduced))
+                matmul = node.name if isinstance(node, MatmulNode) else ""
+                return ReductionSpace(tuple(node.full_size), tuple(node.reduced), matmul)
             if isinstance(node, ScanNode):
                 return ReductionSpace(tuple(node.size), (node.dim,))
         return None
@@ -289,6 +377,9 @@ class Fusion:
         if any(isinstance(self.compute[m], ScatterNode) for m in ma + mb):
             return "a write through indices is a kernel of its own"
         members = set(ma) | set(mb)
+        reason = self.why_not_matmul(members)
+        if reason is not None:
+            return reason
         space_a, space_b = self.space(a), self.space(b)
         if space_a is not None and space_b is not None and space_a != space_b:
             return "reductions over different spaces"
@@ -301,6 +392,23 @@ class Fusion:
             return reason
         if self.reaches({a}, {b}) or self.reaches({b}, {a}):
             return "fusing would create a cycle through another kernel or extern"
+        return None
+
+    def why_not_matmul(self, members: set[str]) -> str | None:
+        """A matmul template computes one product and, on its output tile, pointwise work: no
+        other reduction, nothing over the product's k dim."""
+        products = [m for m in members if isinstance(self.compute[m], MatmulNode)]
+        if not products:
+            return None
+        if len(products) > 1:
+            return "a matmul template computes one product"
+        node = self.compute[products[0]]
+        for m in members - {node.name}:
+            other = self.compute[m]
+            if isinstance(other, ReduceNode):
+                return f"a matmul template holds no other reduction ({m})"
+            if tuple(other.size) == tuple(node.full_size):
+                return f"{m} is over the product's k dim: a matmul's epilogue works on its output tile"
         return None
 
     def why_not_pointwise(self, ma: list[str], mb: list[str], members: set[str]) -> str | None:
@@ -316,7 +424,7 @@ class Fusion:
     def why_not_reduction(self, space: ReductionSpace, members: set[str]) -> str | None:
         placements = {}
         for m in members:
-            placements[m] = space.placement(self.compute[m])
+            placements[m] = space.placement(self.compute[m], self.bodies[m])
             if placements[m] is None:
                 return f"{m} {list(self.compute[m].size)} is not in the reduction space {list(space.full)}"
         for m in members:

@@ -320,6 +320,17 @@ class ReduceNode(ComputeNode):
 
 
 @dataclasses.dataclass
+class MatmulNode(ReduceNode):
+    """A matrix product, a sum over k like any reduction: `full_size` is (batch..., M, N, K), the
+    last dim reduced, and `body` is `mul(lhs, rhs)` with the left operand's element at
+    (batch..., m, k) and the right one's at (batch..., k, n), each already in the accumulator's
+    dtype (float32). Its region is a template (kernels/matmul.py): tiles of the output
+    accumulated with tensor-core dots over k, the operands read through their views and cheap
+    producers (the prologue), the pointwise nodes that consume the product applied to the tile
+    before its store (the epilogue)."""
+
+
+@dataclasses.dataclass
 class ScanNode(ComputeNode):
     """An inclusive scan along `dim` (cumsum, cumprod, logcumsumexp, cummax/cummin's values or
     indices: argmax/argmin scans give the index, int64): `body` is one element of the
@@ -403,8 +414,9 @@ class LoopGraph:
             if isinstance(n, ReduceNode):
                 iv = ", ".join(map(str, index_vars(len(n.full_size))))
                 dims = list(n.reduced)
+                kind = "matmul sum" if isinstance(n, MatmulNode) else n.reduce_type
                 lines.append(
-                    f"{n.name} = {n.reduce_type}[{iv}] over dims {dims} of {format_expr(n.body)}"
+                    f"{n.name} = {kind}[{iv}] over dims {dims} of {format_expr(n.body)}"
                     f"  # {dtype_str(n.dtype)}{list(n.size)}"
                 )
             elif isinstance(n, ScatterNode):

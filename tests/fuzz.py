@@ -596,6 +596,14 @@ class Generator:
             f"torch.max({a}, {d}{kd}).indices", f"torch.cummax({a}, {d}).indices",
             f"torch.cummin({a}, {d}).indices",
         ]  # fmt: skip
+        if t.dim() >= 2 and t.dtype in (F32, F16, BF16) and rng.random() < 0.25:
+            products = [  # matmul templates: operands through views, prologues, epilogues
+                f"{a} @ {a}.transpose(-1, -2)",
+                f"{a}.transpose(-1, -2) @ {a}",
+                f"torch.matmul({a} * 0.5, {a}.mT) + {a}.sum(-1, keepdim=True)",
+                f"torch.relu({a}.mT.contiguous() @ ({a} - 1))",
+            ]
+            return rng.choice(products), (a,), False, False
         r = rng.random()
         if r < 0.6:
             return rng.choice(smooth), (a,), False, False

@@ -31,6 +31,26 @@ def test_reductions_report_shared_memory_and_no_spills(tmp_path):
     assert report.kernels and all(not k.spills and k.registers > 0 for k in report.kernels)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_matmul_templates_use_tensor_cores_and_do_not_spill(tmp_path, dtype):
+    """The matmul template (kernels/matmul.py) with an epilogue and an attention-style prologue:
+    16-bit tiles multiply on Hopper's tensor cores (wgmma); float32 stays IEEE (no TF32)."""
+
+    def f(a, b, c, q, k):
+        p = (q @ k.transpose(-1, -2)).softmax(-1)
+        return torch.nn.functional.gelu(a @ b + c), p @ k
+
+    args = [torch.randn(s, dtype=dtype) for s in ((300, 256), (256, 384), (384,), (2, 40, 64), (2, 40, 64))]
+    report = gjit.aot(f, *args, out_dir=str(tmp_path), workers=1)
+    matmuls = [k for k in report.kernels if k.name.startswith("gjit_mm_")]
+    assert len(matmuls) == 3, report
+    for kernel in matmuls:
+        assert not kernel.spills and 0 < kernel.registers <= 255, report
+        ptx = open(kernel.ptx_path).read()
+        tensor_cores = "wgmma.mma_async" in ptx or "mma.sync" in ptx
+        assert tensor_cores == (dtype != torch.float32), kernel.name
+
+
 def test_torch_cond_branch_kernels_are_built_too(tmp_path):
     report = gjit.aot(Cond(), torch.randn(4, 3), out_dir=str(tmp_path))
     assert len(report.kernels) == 3  # the predicate's reduction and one kernel per branch

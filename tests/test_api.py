@@ -209,13 +209,22 @@ def test_explain_takes_a_model_or_a_compiled_callable():
         rep = gjit.explain(target, x, w)
         assert len(rep.kernels) == 1
         kernel = rep.kernels[0]
-        assert kernel.name.startswith("gjit_poi_fused_relu_mul")
+        assert kernel.name.startswith("gjit_mm_fused_mm_relu_mul")  # the matmul template, epilogue fused
         assert "@triton.jit" in kernel.source
-        assert [n.split(": ")[1] for n in kernel.aten_nodes] == ["aten.relu.default", "aten.mul.Tensor"]
-        assert [(e.op, e.reason) for e in rep.externs] == [
-            ("aten.mm.default", "matmul runs as an ATen extern")
-        ]
-        assert "gjit: 1 kernel(s), 1 extern(s)" in str(rep)
+        nodes = [n.split(": ")[1] for n in kernel.aten_nodes]
+        assert nodes == ["aten.mm.default", "aten.relu.default", "aten.mul.Tensor"]
+        assert rep.externs == []
+        assert "gjit: 1 kernel(s), 0 extern(s)" in str(rep)
+    with gjit.config.scope(matmul="aten"):  # the matmul as an extern, and why
+        rep = gjit.explain(f, x, w)
+    assert [k.name for k in rep.kernels] == ["gjit_poi_fused_relu_mul_0"]
+    assert [(e.op, e.reason) for e in rep.externs] == [
+        (
+            "aten.mm.default",
+            "lowering refused: matmul runs as an ATen extern "
+            "(gjit.config.matmul is 'aten', or the backend is cupy)",
+        )
+    ]
 
 
 def test_cpu_without_interpret_runs_the_fallback_interpreter():

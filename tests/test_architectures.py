@@ -38,7 +38,9 @@ def test_architecture_matches_eager(name, backend):
     externs = collections.Counter(short(e.op) for e in report.externs)
     unexpected = set(externs) - HEAVY_OPS - TOLERATED_EXTERNS
     assert not unexpected, f"ops that should be lowered ran as externs: {unexpected}\n{report}"
-    assert {"mm", "addmm", "convolution"} & set(externs), report  # the heavy ops are there
+    # the heavy ops are there: matmul template kernels (Triton), or externs (CUDA C, convolutions)
+    templates = [k for k in report.kernels if k.name.startswith("gjit_mm_")]
+    assert templates or {"mm", "addmm", "convolution"} & set(externs), report
     traffic = report.traffic
     assert 0 < len(report.kernels) + sum(externs.values()) < traffic.eager_kernels, report
     assert traffic.gjit < traffic.eager, report

@@ -90,9 +90,9 @@ class ResidualMLP(nn.Module):
 def test_residual_mlp_one_kernel_per_gap_between_externs():
     model = ResidualMLP().eval()
     x = torch.randn(2, 5, 32)
-    with torch.no_grad():
+    with torch.no_grad(), gjit.config.scope(matmul="aten"):
         cm = check(model, x)
-    rep = gjit.explain(cm, x)
+        rep = gjit.explain(cm, x)
     assert [e.op for e in rep.externs] == ["aten.addmm.default", "aten.addmm.default"]
     # gap 1: gelu between the matmuls; gap 2: the residual add fused into the layer norm
     assert len(rep.kernels) == 2, rep
@@ -105,8 +105,9 @@ def test_view_feeding_an_extern_is_passed_strided_not_copied():
         return torch.mm(x, w.t()).relu()
 
     x, w = torch.randn(4, 6), torch.randn(5, 6)
-    cm = check(f, x, w, kernels=1)
-    rep = gjit.explain(cm, x, w)
+    with gjit.config.scope(matmul="aten"):
+        cm = check(f, x, w, kernels=1)
+        rep = gjit.explain(cm, x, w)
     wrapper = open(cm.entries[0].program.graph.wrapper_path).read()
     assert "aten.permute.default(w, [1, 0])" in wrapper
     assert [e.op for e in rep.externs] == ["aten.mm.default"]
@@ -150,7 +151,9 @@ def test_sizes_are_kernel_arguments():
 
 
 def test_kernel_count_of_extern_only_graph_is_zero():
-    assert kernel_count(gjit.compile(lambda a, b: torch.mm(a, b)), torch.randn(2, 3), torch.randn(3, 4)) == 0
+    with gjit.config.scope(matmul="aten"):
+        cm = gjit.compile(lambda a, b: torch.mm(a, b))
+        assert kernel_count(cm, torch.randn(2, 3), torch.randn(3, 4)) == 0
 
 
 def test_conv_batchnorm_relu_is_conv_extern_plus_one_kernel():
@@ -161,3 +164,18 @@ def test_conv_batchnorm_relu_is_conv_extern_plus_one_kernel():
     with torch.no_grad():
         cm = check(model, x, kernels=1)
     assert [e.op for e in gjit.explain(cm, x).externs] == ["aten.convolution.default"]
+
+
+def test_residual_mlp_with_matmul_templates():
+    """The same block with matmul templates: fc1 with its bias, fc2 with gelu on its operand's
+    load (prologue) and its bias and the residual add on its tile (epilogue), then the norm."""
+    model = ResidualMLP().eval()
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        cm = check(model, x)
+        rep = gjit.explain(cm, x)
+    assert rep.externs == []
+    names = [k.name for k in rep.kernels]
+    assert len(names) == 3 and names[0].startswith("gjit_mm_") and names[1].startswith("gjit_mm_"), names
+    fused = [sorted({n.split(": ")[1] for n in k.aten_nodes}) for k in rep.kernels]
+    assert "aten.gelu.default" in fused[1] and "aten.add.Tensor" in fused[1], fused

@@ -115,17 +115,19 @@ def test_fusion_refusals_and_externs_are_logged(caplog):
         y = x.sin()
         return (y @ w).relu() + y.sum()
 
-    with caplog.at_level(logging.INFO, logger="gjit"):
+    with caplog.at_level(logging.INFO, logger="gjit"), gjit.config.scope(matmul="aten"):
         run_compiled(gjit.compile(f), torch.randn(4, 4), torch.randn(4, 4))
     assert "cannot fuse" in lines_of(caplog, "fusion"), lines_of(caplog, "fusion")
-    assert "extern mm = aten.mm.default: matmul runs as an ATen extern" in lines_of(caplog, "lowering")
+    assert "extern mm = aten.mm.default: lowering refused: matmul runs as an ATen extern" in lines_of(
+        caplog, "lowering"
+    )
 
 
 def test_perf_hints_name_looped_reductions_and_externs_between_kernels(caplog):
     def f(x, w):
         return (torch.softmax(x, -1) @ w).relu()
 
-    with caplog.at_level(logging.INFO, logger="gjit.perf_hints"):
+    with caplog.at_level(logging.INFO, logger="gjit.perf_hints"), gjit.config.scope(matmul="aten"):
         run_compiled(gjit.compile(f), torch.randn(2, 1500), torch.randn(1500, 3))
     text = lines_of(caplog, "perf_hints")
     assert "looped reduction" in text and "runs between kernels" in text, text
@@ -152,7 +154,8 @@ def test_dump_folder_has_every_stage_and_names_the_kernels(tmp_path):
 
     cm = gjit.compile(f, dump_dir=str(tmp_path))
     x, w = torch.randn(4, 8), torch.randn(8, 5)
-    run_compiled(cm, x, w)
+    with gjit.config.scope(matmul="aten"):  # a graph with an extern between kernels
+        run_compiled(cm, x, w)
     (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     names = {p.name for p in folder.iterdir()}
     expected = {"00_exported.txt", "01_core_aten.txt", "02_loop_ir.txt", "03_regions.txt", "03_regions.dot"}
@@ -194,7 +197,8 @@ def test_explain_gpt2_lists_kernels_externs_dims_and_bytes():
         report = gjit.explain(gjit.compile(model), ids)
     assert len(report.kernels) >= 5 and all(k.aten_nodes and k.source_lines for k in report.kernels)
     ops = {e.op for e in report.externs}
-    assert "aten.scaled_dot_product_attention.default" in ops and "aten.addmm.default" in ops
+    assert ops == {"aten.scaled_dot_product_attention.default"}
+    assert any(k.name.startswith("gjit_mm_fused_") and "addmm" in k.name for k in report.kernels)
     assert [d.split(" =")[0] for d in report.dynamic_dims] == ["input_ids.size(0)", "input_ids.size(1)"]
     assert report.traffic.gjit < report.traffic.eager
     text = str(report)
@@ -230,8 +234,8 @@ def test_stats_count_compiles_recompiles_reasons_hits_and_stages():
 
 
 def two_kernels(x, w):
-    y = (x.sin() + 1) * x  # kernel 1
-    return torch.softmax(y @ w, -1)  # an extern, then kernel 2
+    y = (x.sin() + 1) * x  # kernel 1: the matmul template, y its prologue
+    return torch.softmax(y @ w, -1)  # kernel 2: the softmax
 
 
 def test_check_reports_every_kernel_within_tolerance(caplog):
@@ -250,8 +254,8 @@ def test_check_names_the_guilty_kernel(monkeypatch, caplog):
         run_compiled(cm, torch.randn(4, 6), torch.randn(6, 5))
     rows = cm.entries[0].program.graph.last_check
     bad = [r for r in rows if not r.ok]
-    assert len(bad) == 1 and bad[0].kernel.startswith("gjit_poi_fused_sin")
-    assert "first kernel past tolerance: gjit_poi_fused_sin" in caplog.text
+    assert len(bad) == 1 and bad[0].kernel.startswith("gjit_mm_fused_sin")  # sin is the matmul's prologue
+    assert "first kernel past tolerance: gjit_mm_fused_sin" in caplog.text
     # the softmax kernel read the (wrong) values kernel 1 wrote, and is itself right
     assert next(r for r in rows if "softmax" in r.kernel).ok
 

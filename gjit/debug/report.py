@@ -16,7 +16,7 @@ from gjit.capture import size_hints
 from gjit.debug.byte_model import Traffic, traffic
 from gjit.decompose import DECOMPOSED_FROM
 from gjit.fusion import Region
-from gjit.ir import ExternNode
+from gjit.ir import ExternNode, MatmulNode
 
 if TYPE_CHECKING:  # the driver makes the program a report describes
     from gjit.driver import CompiledProgram
@@ -56,6 +56,8 @@ class Report:
     perf_hints: list[str] = dataclasses.field(default_factory=list)
     # ops gjit has no lowering for that torch.compile's decompositions turned into ops it lowers
     decomposed: list[str] = dataclasses.field(default_factory=list)
+    # per matmul of the graph: the template kernel that computes it, or the extern and why
+    matmuls: list[str] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         out = [f"gjit: {len(self.kernels)} kernel(s), {len(self.externs)} extern(s)"]
@@ -63,6 +65,8 @@ class Report:
             out.append(f"  kernel {k.name}: {', '.join(n.split(':')[0] for n in k.aten_nodes)}")
         for e in self.externs:
             out.append(f"  extern {e.node} = {e.op}: {e.reason}")
+        for m in self.matmuls:
+            out.append(f"  matmul {m}")
         if self.decomposed:
             out.append(
                 f"  decomposed for lack of a lowering (torch.compile's table): {', '.join(self.decomposed)}"
@@ -124,7 +128,26 @@ def build_report(entry: Any, sizes: tuple = ()) -> Report:
         list(entry.specialized),
         perf_hints(program, entry.specialized),
         decomposed_ops(program.captured.full_graph_module),
+        matmul_lines(program.steps),
     )
+
+
+MATMUL_OPS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default")
+
+
+def matmul_lines(steps: list) -> list[str]:
+    """Which way each matmul ran: in a template kernel (with what the kernel fused around it), or
+    as an ATen extern with the reason."""
+    out = []
+    for step in steps:
+        if isinstance(step, ExternNode) and str(step.fx_node.target) in MATMUL_OPS:
+            out.append(f"{step.name} ({step.fx_node.target}): ATen extern: {step.reason}")
+        elif isinstance(step, Region) and step.matmul:
+            node = next(n for n in step.nodes if isinstance(n, MatmulNode))
+            others = [n.name for n in step.inlined + step.nodes if n is not node]
+            fused = f", with {', '.join(others)} fused in" if others else ""
+            out.append(f"{node.fx_node.name} ({node.fx_node.target}): template kernel {step.name}{fused}")
+    return out
 
 
 def decomposed_ops(gm: torch.fx.GraphModule) -> list[str]:

@@ -24,6 +24,7 @@ from gjit.ir import Expr, Index
 from gjit.lowering import (  # noqa: F401 - each registers its lowerings
     copies,
     indexing,
+    matmul,
     pointwise,
     reductions,
     scans,
@@ -56,8 +57,9 @@ aten = torch.ops.aten
 
 
 class Lowering:
-    def __init__(self, gm: torch.fx.GraphModule):
+    def __init__(self, gm: torch.fx.GraphModule, matmul_template: bool = False):
         self.gm = gm
+        self.matmul_template = matmul_template  # matmuls become MatmulNodes (else externs)
         self.values: dict[torch.fx.Node, Any] = {}
         self.buffers: dict[str, ir.Buffer] = {}
         self.nodes: list[ir.ComputeNode | ir.ExternNode] = []
@@ -132,6 +134,19 @@ class Lowering:
         name = self.node.name + suffix
         node = ir.ReduceNode(
             name, layout, body, self.node, self.aten_name, tuple(full_size), reduced, reduce_type, keepdim
+        )
+        self.nodes.append(node)
+        return TensorValue(name, layout.size, layout.dtype)
+
+    def matmul(
+        self, body_fn: Callable[[Index], Expr], full_size: Index, layout: ir.Layout, suffix: str = ""
+    ) -> TensorValue:
+        """Make a MatmulNode: the sum over the last dim of `full_size` of `body_fn(full index)`."""
+        name = self.node.name + suffix
+        body = body_fn(ir.index_vars(len(full_size)))
+        reduced = (len(full_size) - 1,)
+        node = ir.MatmulNode(
+            name, layout, body, self.node, self.aten_name, tuple(full_size), reduced, "sum", False
         )
         self.nodes.append(node)
         return TensorValue(name, layout.size, layout.dtype)
@@ -328,5 +343,5 @@ class Lowering:
         return self.buffer(node.name, val, "extern")
 
 
-def lower_graph(gm: torch.fx.GraphModule) -> ir.LoopGraph:
-    return Lowering(gm).run()
+def lower_graph(gm: torch.fx.GraphModule, matmul_template: bool = False) -> ir.LoopGraph:
+    return Lowering(gm, matmul_template).run()

@@ -40,10 +40,6 @@ LOWERINGS: dict[torch._ops.OpOverload, Callable] = {}
 
 # Ops that are always externs, with the reason shown in `gjit.explain(...).externs`.
 EXTERN_REASONS: dict[torch._ops.OpOverload, str] = {
-    aten.mm.default: "matmul runs as an ATen extern",
-    aten.addmm.default: "matmul runs as an ATen extern",
-    aten.bmm.default: "matmul runs as an ATen extern",
-    aten.baddbmm.default: "matmul runs as an ATen extern",
     aten.convolution.default: "convolution runs as an ATen extern",
     aten.scaled_dot_product_attention.default: "attention runs as an ATen extern",
 }

@@ -213,6 +213,27 @@ def _boolean_result(compare: Callable) -> Callable:
     return create
 
 
+def _bfloat16_dot(dot: Callable) -> Callable:
+    """tl.dot of bfloat16 tiles: the interpreter keeps bfloat16 as its uint16 bits and multiplies
+    those; widen them to the float32 values first (a GPU's tensor cores multiply the values exactly
+    into the float32 accumulator)."""
+    from triton.runtime.interpreter import TensorHandle
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        import triton.language as tl
+
+        def widened(h):
+            if h.dtype.scalar != tl.bfloat16:
+                return h
+            bits = np.asarray(h.data).astype(np.uint32) << 16
+            return TensorHandle(bits.view(np.float32), tl.float32)
+
+        return dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    create_dot.gjit_bfloat16 = True
+    return create_dot
+
+
 def install() -> None:
     """Teach Triton's interpreter libdevice (idempotent).
 
@@ -226,6 +247,8 @@ def install() -> None:
     interpreter.InterpreterBuilder.create_assert = create_assert
     if not hasattr(interpreter.InterpreterBuilder.cast_impl, "gjit_rounding"):
         interpreter.InterpreterBuilder.cast_impl = _rounding_cast(interpreter.InterpreterBuilder.cast_impl)
+    if not hasattr(interpreter.InterpreterBuilder.create_dot, "gjit_bfloat16"):
+        interpreter.InterpreterBuilder.create_dot = _bfloat16_dot(interpreter.InterpreterBuilder.create_dot)
     for name in dir(interpreter.InterpreterBuilder):
         compare = getattr(interpreter.InterpreterBuilder, name)
         if name.startswith(("create_icmp", "create_fcmp")) and not hasattr(compare, "gjit_boolean"):

@@ -1,0 +1,169 @@
+"""Triton codegen of a matmul region: the template of kernels/matmul.py filled with the region.
+
+The region (fusion) is one `MatmulNode` over (batch..., M, N, K) and the pointwise nodes over
+its output space (batch..., M, N) that consume the product. Its body `mul(lhs, rhs)` gives the
+two operand expressions: each is printed, under its tile's mask, with the index variables of
+its tile (m and k as [BLOCK_M, 1] and [1, BLOCK_K], k and n as [BLOCK_K, 1] and [1, BLOCK_N]):
+views and inlined producers become the loads' index math and the work on the loaded tile. A
+float32 cast around a 16-bit operand is left to the dot (tensor cores multiply 16-bit values
+exactly into the float32 accumulator). The epilogue is printed with m and n as the output tile's
+rows and columns; the product is the accumulator, rounded to the node's dtype as eager rounds it.
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+
+from gjit import ir
+from gjit.codegen.common import KernelSource, hint
+from gjit.codegen.triton.pointwise import TL_DTYPES, KernelWriter, comment
+from gjit.config import CompileOptions
+from gjit.fusion import Region
+from gjit.ir import Expr, MatmulNode, Op, Read
+from gjit.kernels.matmul import matmul_blocks, template, tile_order
+from gjit.kernels.triton_helpers import HELPERS
+
+
+def operands(body: Expr) -> tuple[Expr, Expr]:
+    """The two factors of a MatmulNode's body; a float32 cast of 16-bit operands of one dtype is
+    dropped (the dot takes them as they are)."""
+    assert isinstance(body, Op) and body.name == "mul", body
+    lhs, rhs = body.args
+
+    def inner(e: Expr) -> Expr | None:
+        if isinstance(e, Op) and e.name == "to_dtype" and e.args[0].dtype in (torch.float16, torch.bfloat16):
+            return e.args[0]
+        return None
+
+    a, b = inner(lhs), inner(rhs)
+    if a is not None and b is not None and a.dtype == b.dtype:
+        return a, b
+    return lhs, rhs
+
+
+class MatmulWriter(KernelWriter):
+    """Prints a matmul region's kernel from the template."""
+
+    def __init__(
+        self, region: Region, graph: ir.LoopGraph, hints: dict[sympy.Symbol, int], options: CompileOptions
+    ):
+        super().__init__(region, graph, hints, options)
+        space = region.reduction
+        self.space = space
+        self.nodes = {n.name: n for n in region.nodes}
+        self.matmul = next(n for n in region.nodes if isinstance(n, MatmulNode))
+        self.bodies = {}
+        for name, body in region.bodies.items():
+            mapping = space.placement(self.nodes[name], body)
+            self.bodies[name] = ir.substitute(
+                body, lambda r: r, lambda e, m=mapping: sympy.sympify(e).xreplace(m)
+            )
+        c = space.vars
+        self.batch_vars = list(c[:-3])
+        self.m_var, self.n_var, self.k_var = c[-3:]
+        self.vars = [self.m_var, self.n_var, self.k_var]  # the tiles' lanes; batch indices are scalars
+        self.subst = lambda e: e
+
+    def kernel_size_symbols(self) -> list[sympy.Symbol]:
+        return [s for s in super().kernel_size_symbols() if s not in self.batch_vars]
+
+    # -- values -----------------------------------------------------------------------------------
+
+    def in_registers(self, r: Read) -> bool:
+        return r.name in self.bodies and r.index == self.space.value_index(self.nodes[r.name])
+
+    def node_value(self, name: str) -> str:
+        if name not in self.values:
+            if name == self.matmul.name:
+                acc = (
+                    "acc" if self.matmul.dtype == torch.float32 else f"acc.to({TL_DTYPES[self.matmul.dtype]})"
+                )
+                self.values[name] = self.tmp(("acc",), acc)
+            else:
+                self.values[name] = self.emit(self.bodies[name])
+        return self.values[name]
+
+    def scope(self, mask: str, shape: str) -> None:
+        """A new scope of temporaries (the loop's two tiles, the epilogue): loads under `mask`."""
+        self.lines, self.cse, self.values = [], {}, {}
+        self.mask = mask
+        self.base_masks = {mask}
+        self.block_zeros = f"tl.zeros({shape}, tl.int32)"
+
+    def traffic(self, elements: sympy.Expr, rows: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
+        """Modeled bytes: each buffer the kernel reads once (the operands' re-reads by other
+        tiles are L2 hits on a GPU), each store once."""
+        read = sympy.Integer(0)
+        for name in dict.fromkeys(n for n, *_ in self.loaded):
+            lay = self.layout(name)
+            read += (sympy.Mul(*lay.size) if lay.size else sympy.Integer(1)) * lay.dtype.itemsize
+        written = sum(
+            ((sympy.Mul(*self.layout(n).size) if self.layout(n).size else 1) * self.layout(n).dtype.itemsize)
+            for n in self.region.stores
+        )
+        return read, sympy.sympify(written)
+
+    # -- the kernel -----------------------------------------------------------------------------
+
+    def generate(self, name: str) -> KernelSource:
+        full = self.space.full
+        batch, (m, n, k) = full[:-3], full[-3:]
+        out_numel = sympy.Mul(*batch, m, n)
+        index_dtype = self.pick_index_dtype(out_numel)
+        body = self.bodies[self.matmul.name]
+        lhs, rhs = operands(body)
+        blocks = matmul_blocks(hint(m, self.hints), hint(n, self.hints), hint(k, self.hints), lhs.dtype)
+
+        head = [f"M = {self.index(m)}", f"N = {self.index(n)}", f"K = {self.index(k)}"]
+        head += tile_order(index_dtype, bool(batch))
+        for j, var in enumerate(self.batch_vars):
+            inner = sympy.Mul(*batch[j + 1 :]) if j + 1 < len(batch) else sympy.Integer(1)
+            expr = f"batch // ({self.index(inner)})" if inner != 1 else "batch"
+            head.append(f"{var} = ({expr}) % ({self.index(batch[j])})" if j > 0 else f"{var} = {expr}")
+
+        mv, nv, kv = self.m_var.name, self.n_var.name, self.k_var.name
+        self.scope("lhs_mask", "[BLOCK_M, BLOCK_K]")
+        lhs_lines = [f"{mv} = rm[:, None]", f"{kv} = (k0 + tl.arange(0, BLOCK_K))[None, :]"]
+        lhs_lines.append(f"lhs_mask = ({mv} < M) & ({kv} < K)")
+        lhs_value = self.emit(lhs)
+        lhs_lines += self.lines
+
+        self.scope("rhs_mask", "[BLOCK_K, BLOCK_N]")
+        rhs_lines = [f"{kv} = (k0 + tl.arange(0, BLOCK_K))[:, None]", f"{nv} = rn[None, :]"]
+        rhs_lines.append(f"rhs_mask = ({kv} < K) & ({nv} < N)")
+        rhs_value = self.emit(rhs)
+        rhs_lines += self.lines
+
+        self.scope("out_mask", "[BLOCK_M, BLOCK_N]")
+        epilogue = [f"{mv} = rm[:, None]", f"{nv} = rn[None, :]", f"out_mask = ({mv} < M) & ({nv} < N)"]
+        for node in self.region.stores:
+            out_index = self.space.value_index(self.nodes[node])
+            value = self.node_value(node)
+            if not self.depends_on_index(self.bodies[node]) and node != self.matmul.name:
+                value = f"tl.where(out_mask, {value}, {value})"
+            arg = self.out_args.setdefault(node, f"out_ptr{len(self.out_args)}")
+            offset = self.index(self.layout(node).offset_of(out_index))
+            self.lines.append(f"tl.store({arg} + ({offset}), {value}, out_mask)")
+        epilogue += self.lines
+
+        precision = "" if lhs.dtype != torch.float32 else ', input_precision="ieee"'
+        lines = template(head, lhs_lines, lhs_value, rhs_lines, rhs_value, precision, epilogue)
+        tiles = sympy.Mul(
+            *batch, (m + blocks.m - 1) // blocks.m, (n + blocks.n - 1) // blocks.n
+        )  # sympy floor: printed as integer math
+        dims = f"[{', '.join(map(str, batch))}{', ' if batch else ''}{m} x {k}] @ [{k} x {n}]"
+        extra = [
+            f"matmul template (kernels/matmul.py): {dims}, tiles of {blocks.m} x {blocks.n}, k in steps of "
+            f"{blocks.k}, float32 accumulator, tl.dot on {ir.dtype_str(lhs.dtype)} tiles"
+            + (" (IEEE float32, no TF32)" if lhs.dtype == torch.float32 else ""),
+        ]
+        return self.kernel_source(
+            name,
+            header=comment(self.header(name, out_numel, extra)),
+            body=lines,
+            sizes={"xnumel": tiles},
+            blocks={"XBLOCK": 1, **blocks.as_constexprs()},
+            index_dtype=index_dtype,
+            helpers=[HELPERS[h] for h in sorted(self.helpers)],
+        )

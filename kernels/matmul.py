@@ -1,0 +1,95 @@
+"""The matmul template: a tiled product of two operands with fp32 accumulation on tensor cores.
+
+Codegen (codegen/triton/matmul.py) fills the template's holes with code it prints from the
+region: how the batch index splits into the batch dims, the loads (and cheap pointwise work) of
+a [BLOCK_M, BLOCK_K] tile of the left operand and a [BLOCK_K, BLOCK_N] tile of the right one at
+k offset `k0` (the prologue), and the epilogue: the pointwise nodes that consume the product,
+computed on the accumulator tile, and the stores. Program ids walk the output tiles in groups of
+GROUP_M rows of tiles, so the right operand's columns a group reads stay in L2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulBlocks:
+    """One configuration of the template: tile sizes and the tile-order group."""
+
+    m: int
+    n: int
+    k: int
+    group_m: int = 8
+
+    def as_constexprs(self) -> dict[str, int]:
+        return {"BLOCK_M": self.m, "BLOCK_N": self.n, "BLOCK_K": self.k, "GROUP_M": self.group_m}
+
+
+def _power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 2 ** (n - 1).bit_length()
+
+
+def matmul_blocks(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulBlocks:
+    """Tile sizes for a product of (example) sizes [m x k] @ [k x n] in `dtype`, from a small table
+    by shape class: a tile no larger than the product (at least 16, tl.dot's smallest), at most
+    64 x 64 x 16 for float32 and 64 x 128 x 32 for 16-bit operands: at Triton's default 4 warps,
+    those build for sm_90 without spills even when every stride is a size argument
+    (tests/test_aot.py checks it)."""
+    wide = dtype in (torch.float16, torch.bfloat16)
+    block_m = min(64, max(16, _power_of_2(m)))
+    block_n = min(128 if wide else 64, max(16, _power_of_2(n)))
+    block_k = min(32 if wide else 16, max(16, _power_of_2(k)))
+    return MatmulBlocks(block_m, block_n, block_k)
+
+
+def tile_order(index_dtype: str, has_batch: bool) -> list[str]:
+    """The template's first lines: which output tile (and batch element) this program computes."""
+    pid = "tl.program_id(0)" if index_dtype == "int32" else "tl.program_id(0).to(tl.int64)"
+    lines = [
+        f"pid = {pid}",
+        "tiles_m = (M + BLOCK_M - 1) // BLOCK_M",
+        "tiles_n = (N + BLOCK_N - 1) // BLOCK_N",
+    ]
+    if has_batch:
+        lines += ["batch = pid // (tiles_m * tiles_n)", "pid = pid % (tiles_m * tiles_n)"]
+    lines += [
+        "# GROUP_M rows of tiles at a time: the right operand's columns they read stay in L2",
+        "group = pid // (GROUP_M * tiles_n)",
+        "first_m = group * GROUP_M",
+        "group_m = tl.minimum(tiles_m - first_m, GROUP_M)",
+        "pid_m = first_m + (pid % (GROUP_M * tiles_n)) % group_m",
+        "pid_n = (pid % (GROUP_M * tiles_n)) // group_m",
+        "rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
+        "rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)",
+    ]
+    return lines
+
+
+def template(
+    head: list[str],
+    lhs: list[str],
+    lhs_value: str,
+    rhs: list[str],
+    rhs_value: str,
+    dot_options: str,
+    epilogue: list[str],
+) -> list[str]:
+    """The kernel body: `head` (tile order, batch dims), the k loop around the operand tiles'
+    lines, each tile zero outside its mask (what a masked-off lane computes never reaches the
+    sum), the dot, then the epilogue on `acc`."""
+    loop = [
+        "acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)",
+        "for k0 in range(0, K, BLOCK_K):",
+        "    # the left operand's tile [BLOCK_M, BLOCK_K] (prologue)",
+        *(f"    {ln}" for ln in lhs),
+        f"    a = tl.where(lhs_mask, {lhs_value}, 0.0)",
+        "    # the right operand's tile [BLOCK_K, BLOCK_N] (prologue)",
+        *(f"    {ln}" for ln in rhs),
+        f"    b = tl.where(rhs_mask, {rhs_value}, 0.0)",
+        f"    acc = tl.dot(a, b, acc{dot_options})",
+        "# the epilogue, on the output tile",
+    ]
+    return head + loop + epilogue

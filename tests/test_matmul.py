@@ -1,0 +1,185 @@
+"""Matmuls as template kernels (kernels/matmul.py): mm, bmm, addmm, baddbmm and what linear and
+matmul decompose to, in float32, float16 and bfloat16 (fp32 accumulation), through Triton's
+interpreter, compared with eager and a float64 reference. Odd sizes that are not multiples of the
+tiles, transposed, sliced and broadcast operands, zero-size dims, NaN and inf; the epilogue (bias,
+activation, residual, several outputs, through the output's view) and the prologue (the operands'
+views and casts, the clone before bmm) fused in; the extern where the template does not apply."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gjit
+from helpers import assert_same, run_compiled, upcast
+
+pytestmark = [pytest.mark.cpu]
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def check_matmul(fn, *args, kernels=None, externs=0, reference_fn=None):
+    """Run `fn` compiled (every product in a template kernel), compare with eager and float64
+    (`reference_fn`: `fn` in float64, for a module)."""
+    expected = fn(*args)
+    out, cm = run_compiled(fn, *args)
+    reference = (reference_fn or fn)(*upcast(args))
+    outs = out if isinstance(out, tuple) else (out,)
+    exps = expected if isinstance(expected, tuple) else (expected,)
+    refs = reference if isinstance(reference, tuple) else (reference,)
+    for a, e, r in zip(outs, exps, refs):
+        assert_same(a, e, r)
+    report = gjit.explain(cm, *args)
+    assert len(report.externs) == externs, report
+    assert any(k.name.startswith("gjit_mm_") for k in report.kernels) or externs, report
+    if kernels is not None:
+        assert len(report.kernels) == kernels, report
+    return cm, report
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (3, 17, 5), (17, 3, 127), (127, 33, 17), (64, 64, 64)])
+def test_mm_odd_sizes(dtype, m, k, n):
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    check_matmul(torch.mm, a, b, kernels=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bmm_and_baddbmm(dtype):
+    a, b = torch.randn(3, 17, 9, dtype=dtype), torch.randn(3, 9, 20, dtype=dtype)
+    bias = torch.randn(20, dtype=dtype)
+    check_matmul(torch.bmm, a, b, kernels=1)
+    check_matmul(lambda a, b, c: torch.baddbmm(c, a, b, beta=0.5, alpha=2.0), a, b, bias, kernels=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_addmm_beta_alpha(dtype):
+    a, b, bias = (
+        torch.randn(5, 7, dtype=dtype),
+        torch.randn(7, 3, dtype=dtype),
+        torch.randn(5, 3, dtype=dtype),
+    )
+    check_matmul(torch.addmm, bias, a, b, kernels=1)
+    check_matmul(lambda c, a, b: torch.addmm(c, a, b, beta=0.25, alpha=-3.0), bias, a, b, kernels=1)
+    check_matmul(lambda c, a, b: torch.addmm(c[0], a, b), bias, a, b, kernels=1)  # a broadcast row
+
+
+def test_addmm_beta_zero_ignores_nan_bias():
+    a, b = torch.randn(4, 6), torch.randn(6, 5)
+    bias = torch.full((4, 5), float("nan"))
+    cm, _ = check_matmul(lambda c, a, b: torch.addmm(c, a, b, beta=0), bias, a, b)
+    assert not cm(bias, a, b).isnan().any()
+
+
+def test_nan_and_inf_propagate_as_in_eager():
+    a, b = torch.randn(9, 12), torch.randn(12, 7)
+    a[2, 3], b[5, 1], a[4, 0] = float("nan"), float("inf"), float("-inf")
+    check_matmul(torch.mm, a, b)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: (torch.randn(12, 7).t(), torch.randn(12, 5)),  # transposed left operand
+        lambda: (torch.randn(7, 12), torch.randn(5, 12).t()),  # transposed right operand (linear's)
+        lambda: (torch.randn(9, 30)[:, 3:15], torch.randn(24, 5)[::2]),  # sliced, strided
+        lambda: (torch.randn(1, 12).expand(6, 12), torch.randn(12, 5)),  # broadcast rows
+    ],
+)
+def test_operands_read_through_their_views(make):
+    a, b = make()
+    check_matmul(torch.mm, a, b, kernels=1)
+
+
+def test_zero_size_dims():
+    check_matmul(torch.mm, torch.randn(3, 0), torch.randn(0, 4))  # K = 0: zeros
+    check_matmul(
+        lambda c, a, b: torch.addmm(c, a, b), torch.randn(3, 4), torch.randn(3, 0), torch.randn(0, 4)
+    )
+    out, _ = run_compiled(torch.mm, torch.randn(0, 5), torch.randn(5, 4))
+    assert out.shape == (0, 4)
+
+
+class Block(torch.nn.Module):
+    """A transformer MLP on [B, S, H]: the product is viewed back to 3-D before its epilogue."""
+
+    def __init__(self, hidden=24, inner=40):
+        super().__init__()
+        self.up = torch.nn.Linear(hidden, inner)
+        self.down = torch.nn.Linear(inner, hidden)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_epilogue_through_the_output_view(dtype):
+    model = Block().to(dtype).eval()
+    x = torch.randn(2, 7, 24, dtype=dtype)
+    with torch.no_grad():
+        cm, report = check_matmul(model, x, kernels=2, reference_fn=copy.deepcopy(model).double())
+    # the down projection's kernel adds its bias and the residual: nothing else is stored
+    down = report.kernels[-1]
+    assert "add" in down.name and len(cm.entries[0].program.kernels[-1].out_args) == 1
+
+
+def test_epilogue_with_several_outputs_and_the_product_unstored():
+    def fn(a, b, c):
+        p = a @ b
+        return torch.relu(p + c), p.sum(-1, keepdim=True) * 0 + torch.sigmoid(p)
+
+    a, b, c = torch.randn(10, 6), torch.randn(6, 9), torch.randn(9)
+    cm, report = check_matmul(fn, a, b, c)
+    (line,) = report.matmuls  # explain says which kernel computes it and what it fuses
+    assert line.startswith("mm (aten.mm.default): template kernel gjit_mm_") and "relu" in line, line
+    assert f"  matmul {line}" in str(report)
+    mm_kernels = [k for k in cm.entries[0].program.kernels if k.name.startswith("gjit_mm_")]
+    assert len(mm_kernels) == 1
+
+
+def test_attention_written_out_reads_the_transposes_in_place():
+    """Eager attention as HF models write it: no clone kernel hands bmm a contiguous copy."""
+
+    def attention(q, k, v):
+        b, s, h, d = q.shape
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        scores = torch.matmul(q, k.transpose(-1, -2)) * 0.25
+        return torch.matmul(scores.softmax(-1), v).transpose(1, 2).reshape(b, s, h * d)
+
+    q, k, v = (torch.randn(2, 9, 3, 16) for _ in range(3))
+    cm, report = check_matmul(attention, q, k, v)
+    names = [k.name for k in report.kernels]
+    assert not any("clone" in n and not n.startswith("gjit_mm_") for n in names), names
+    assert sum(n.startswith("gjit_mm_") for n in names) == 2, names
+
+
+def test_half_casts_in_the_prologue():
+    a, b = torch.randn(8, 20, dtype=torch.float16), torch.randn(20, 6)
+    check_matmul(lambda a, b: a.to(b.dtype) @ (b * 2), a, b, kernels=1)
+
+
+def test_dynamic_rows_share_one_entry():
+    model = Block().eval()
+    cm = gjit.compile(model, dynamic=True)
+    with torch.no_grad():
+        reference = copy.deepcopy(model).double()
+        for rows in (3, 11, 40):
+            x = torch.randn(2, rows, 24)
+            out, _ = run_compiled(cm, x)
+            assert_same(out, model(x), reference(x.double()))
+    assert len(cm.entries) == 1
+
+
+def test_aten_setting_and_float64_stay_externs():
+    a, b = torch.randn(5, 7), torch.randn(7, 3)
+    with gjit.config.scope(matmul="aten"):
+        out, cm = run_compiled(torch.mm, a, b)
+        report = gjit.explain(cm, a, b)
+    assert len(report.externs) == 1 and "aten" in report.externs[0].reason
+    assert report.matmuls == [f"mm (aten.mm.default): ATen extern: {report.externs[0].reason}"]
+    a64, b64 = a.double(), b.double()
+    _, report = check_matmul(torch.mm, a64, b64, externs=1)
+    assert "float16, bfloat16 or float32" in report.externs[0].reason
+    ints = torch.randint(-5, 5, (4, 6)), torch.randint(-5, 5, (6, 2))
+    _, report = check_matmul(torch.mm, *ints, externs=1)
