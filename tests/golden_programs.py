@@ -148,6 +148,15 @@ def cond(x):
     return torch.cond(x.sum() > 0, lambda t: t.sin() * 2, lambda t: t.cos() + 1, (x,))
 
 
+def eager_attention(q, k, v):
+    """Attention as HF's eager path writes it: two matmul templates, the softmax's probabilities
+    computed on the second one's operand load, the transposes read in place."""
+    b, s, h, d = q.shape
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    scores = torch.matmul(q, k.transpose(-1, -2)) * 0.25
+    return torch.matmul(scores.softmax(-1), v).transpose(1, 2).reshape(b, s, h * d)
+
+
 PROGRAMS = [
     Program("pointwise_chain", pointwise_chain, lambda: (torch.randn(4, 33), torch.randn(33))),
     Program(
@@ -190,6 +199,12 @@ PROGRAMS = [
     Program("pooling", pooling, _randn(2, 3, 9, 9)),
     Program("group_norm", group_norm, _randn(2, 4, 5, 5)),
     Program("transformer_block", _block(), _randn(2, 8, 32)),
+    Program(
+        "eager_attention_fp16",
+        eager_attention,
+        lambda: tuple(torch.randn(2, 9, 3, 16, dtype=torch.float16) for _ in range(3)),
+        dynamic=True,
+    ),
     Program("cond", cond, _randn(5, 3)),
     Program(
         "embedding_gather_debug",  # debug mode: poisoned buffers, bounds checks on gathered indices
