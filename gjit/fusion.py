@@ -103,7 +103,13 @@ class ReductionSpace:
         so the member reads the accumulator, not memory."""
         size, iv = tuple(node.size), ir.index_vars(len(node.size))
         read = next((r for r in ir.reads(body) if r.name == self.matmul), None)
-        if read is None or len(read.index) != len(self.full) - 1:
+        if read is None:  # a member that reads a placed member of its own size element-for-element
+            for r in ir.reads(body):
+                placed = self.reshaped.get(r.name)
+                if placed is not None and r.index == iv and len(r.index) == len(size):
+                    return placed
+            return None
+        if len(read.index) != len(self.full) - 1:
             return None
         kept = [k for k in range(len(self.full)) if k not in self.reduced]
         mapping: dict = {v: sympy.Integer(0) for v, n in zip(iv, size) if n == 1}
@@ -423,7 +429,7 @@ class Fusion:
 
     def why_not_reduction(self, space: ReductionSpace, members: set[str]) -> str | None:
         placements = {}
-        for m in members:
+        for m in sorted(members, key=self.order.get):  # a member's producers first (reshape_placement)
             placements[m] = space.placement(self.compute[m], self.bodies[m])
             if placements[m] is None:
                 return f"{m} {list(self.compute[m].size)} is not in the reduction space {list(space.full)}"

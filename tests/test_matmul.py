@@ -183,3 +183,51 @@ def test_aten_setting_and_float64_stay_externs():
     assert "float16, bfloat16 or float32" in report.externs[0].reason
     ints = torch.randint(-5, 5, (4, 6)), torch.randint(-5, 5, (6, 2))
     _, report = check_matmul(torch.mm, *ints, externs=1)
+
+
+def test_a_size_one_row_or_column_read_through_a_view():
+    """A decode step's linear on [1, 1, H], a value head's single column, attention with one
+    query: the tile's stores broadcast an offset that has no row (or column) index."""
+    w = torch.randn(8, 8)
+    check_matmul(lambda x, w: F.linear(x, w) * 2, torch.randn(1, 1, 8), w)
+    check_matmul(lambda x, w: F.linear(x, w[:1]).squeeze(-1) + 1, torch.randn(2, 5, 8), w)
+
+    def attention(q, k, v):
+        return torch.matmul(torch.matmul(q, k.transpose(-1, -2)).mul(0.25).softmax(-1), v)
+
+    check_matmul(attention, torch.randn(2, 3, 1, 16), torch.randn(2, 3, 7, 16), torch.randn(2, 3, 7, 16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_constant_16_bit_operand(dtype):
+    check_matmul(lambda x: x @ torch.ones(5, 3, dtype=x.dtype), torch.randn(4, 5, dtype=dtype))
+    check_matmul(lambda x: torch.full((6, 4), 0.5, dtype=x.dtype) @ x, torch.randn(4, 3, dtype=dtype))
+
+
+def test_addmm_alpha_zero_does_not_read_the_product():
+    a, b = torch.randn(4, 6), torch.full((6, 5), float("inf"))
+    bias = torch.randn(4, 5)
+    out, _ = run_compiled(lambda c, a, b: torch.addmm(c, a, b, beta=2, alpha=0), bias, a, b)
+    assert torch.equal(out, 2 * bias)
+
+
+def test_epilogue_chain_through_the_output_view_is_one_kernel():
+    """gelu(linear(x)) + r on [B, S, H]: the add reads gelu's value (not the product) through the
+    same view; both are on the tile, and nothing but the sum is stored."""
+    args = torch.randn(2, 5, 16), torch.randn(2, 5, 24), torch.randn(24, 16), torch.randn(24)
+    cm, report = check_matmul(lambda x, r, w, b: F.gelu(F.linear(x, w, b)) + r, *args, kernels=1)
+    assert len(cm.entries[0].program.kernels[0].out_args) == 1
+
+
+@pytest.mark.slow
+def test_int64_offsets_reach_the_k_index():
+    """A right operand whose k stride passes 2**31 elements (a 4 GB buffer): the kernel takes int64
+    offsets, and the k index is int64 too (an int32 k times the stride would wrap)."""
+    stride = 2**30 + 8
+    base = torch.zeros(2 * stride + 64, dtype=torch.float16)
+    rhs = base.as_strided((3, 4), (stride, 1))
+    rhs.copy_(torch.arange(12.0).view(3, 4))
+    lhs = torch.ones(2, 3, dtype=torch.float16)
+    out, cm = run_compiled(torch.mm, lhs, rhs)
+    assert torch.equal(out, lhs @ rhs)
+    assert cm.entries[0].program.kernels[0].index_dtype == "int64"

@@ -124,13 +124,14 @@ class MatmulWriter(KernelWriter):
 
         mv, nv, kv = self.m_var.name, self.n_var.name, self.k_var.name
         self.scope("lhs_mask", "[BLOCK_M, BLOCK_K]")
-        lhs_lines = [f"{mv} = rm[:, None]", f"{kv} = (k0 + tl.arange(0, BLOCK_K))[None, :]"]
+        ks = "(k0 + tl.arange(0, BLOCK_K))" + (".to(tl.int64)" if index_dtype == "int64" else "")
+        lhs_lines = [f"{mv} = rm[:, None]", f"{kv} = {ks}[None, :]"]
         lhs_lines.append(f"lhs_mask = ({mv} < M) & ({kv} < K)")
         lhs_value = self.emit(lhs)
         lhs_lines += self.lines
 
         self.scope("rhs_mask", "[BLOCK_K, BLOCK_N]")
-        rhs_lines = [f"{kv} = (k0 + tl.arange(0, BLOCK_K))[:, None]", f"{nv} = rn[None, :]"]
+        rhs_lines = [f"{kv} = {ks}[:, None]", f"{nv} = rn[None, :]"]
         rhs_lines.append(f"rhs_mask = ({kv} < K) & ({nv} < N)")
         rhs_value = self.emit(rhs)
         rhs_lines += self.lines
@@ -143,12 +144,16 @@ class MatmulWriter(KernelWriter):
             if not self.depends_on_index(self.bodies[node]) and node != self.matmul.name:
                 value = f"tl.where(out_mask, {value}, {value})"
             arg = self.out_args.setdefault(node, f"out_ptr{len(self.out_args)}")
-            offset = self.index(self.layout(node).offset_of(out_index))
+            offset_expr = self.layout(node).offset_of(out_index)
+            offset = self.index(offset_expr)
+            if not {self.m_var, self.n_var} <= offset_expr.free_symbols:  # a size-1 dim of the tile
+                offset += ") + (tl.zeros([BLOCK_M, BLOCK_N], tl.int32)"
             self.lines.append(f"tl.store({arg} + ({offset}), {value}, out_mask)")
         epilogue += self.lines
 
         precision = "" if lhs.dtype != torch.float32 else ', input_precision="ieee"'
-        lines = template(head, lhs_lines, lhs_value, rhs_lines, rhs_value, precision, epilogue)
+        dot_type = TL_DTYPES[lhs.dtype]  # a constant operand prints as a float32 tile: cast it too
+        lines = template(head, lhs_lines, lhs_value, rhs_lines, rhs_value, dot_type, precision, epilogue)
         tiles = sympy.Mul(
             *batch, (m + blocks.m - 1) // blocks.m, (n + blocks.n - 1) // blocks.n
         )  # sympy floor: printed as integer math

@@ -146,7 +146,7 @@ def matmul_lines(steps: list) -> list[str]:
             node = next(n for n in step.nodes if isinstance(n, MatmulNode))
             others = [n.name for n in step.inlined + step.nodes if n is not node]
             fused = f", with {', '.join(others)} fused in" if others else ""
-            out.append(f"{node.fx_node.name} ({node.fx_node.target}): template kernel {step.name}{fused}")
+            out.append(f"{node.name} ({node.fx_node.target}): template kernel {step.name}{fused}")
     return out
 
 

@@ -22,6 +22,7 @@ from gjit.lowering.registry import (
     load_as,
     meta_layout,
     register_lowering,
+    to_sympy,
 )
 
 if TYPE_CHECKING:  # the walk that calls the lowerings; it imports this module
@@ -79,6 +80,14 @@ def addmm(ctx: Lowering, bias, a: TensorValue, b: TensorValue, *, beta=1, alpha=
     out = ctx.out_val
     if not isinstance(beta, (int, float)) or not isinstance(alpha, (int, float)):
         raise Unsupported("a symbolic beta or alpha")
+    if alpha == 0:  # BLAS does not read the operands then: their NaN and inf do not propagate
+        size = tuple(to_sympy(s) for s in ctx.out_val.shape)
+        if beta == 0:
+            return ctx.pointwise(lambda idx: Const(torch.float32, 0.0))
+        scale = Const(torch.float32, float(beta))
+        return ctx.pointwise(
+            lambda idx: op("mul", load_as(bias, torch.float32, idx, size, ctx.known_one), scale)
+        )
     mm_value = product(ctx, a, b, torch.float32, suffix="_mm")
     size = mm_value.size
 
