@@ -9,6 +9,12 @@
     gjit.config.cache_dir             GJIT_CACHE_DIR     the on-disk cache: compiled graphs, kernel and
                                                          wrapper sources (default ~/.cache/gjit)
     gjit.config.cache                 GJIT_CACHE=0       turn the on-disk compile cache off (on by default)
+    gjit.config.remote_cache          GJIT_REMOTE_CACHE  redis://[user:password@]host:port/db (rediss:// for
+                                                         TLS): a compile cache a fleet shares, behind the
+                                                         disk cache (gjit/runtime/remote_cache.py)
+    gjit.config.remote_cache_prefix   GJIT_REMOTE_CACHE_PREFIX  key prefix (one per deployment; "gjit:")
+    gjit.config.remote_cache_timeout  GJIT_REMOTE_CACHE_TIMEOUT  seconds a server may take (0.5)
+    gjit.config.remote_cache_max_bytes  GJIT_REMOTE_CACHE_MAX_BYTES  the largest entry stored or read (32 MB)
     gjit.config.backend               GJIT_BACKEND       triton (default) | cupy: CUDA C kernels (NVRTC, CuPy)
     gjit.config.xblock                GJIT_XBLOCK        block size of pointwise kernels
     gjit.config.reduction             GJIT_REDUCTION     auto | persistent | looped reduction kernels
@@ -54,6 +60,14 @@ def _env_int(name: str, default: int) -> Callable[[], int]:
     def read() -> int:
         raw = os.environ.get(name)
         return int(raw) if raw else default
+
+    return read
+
+
+def _env_float(name: str, default: float) -> Callable[[], float]:
+    def read() -> float:
+        raw = os.environ.get(name)
+        return float(raw) if raw else default
 
     return read
 
@@ -123,6 +137,26 @@ class Config:
         "GJIT_CACHE",
         _env_bool("GJIT_CACHE", True),
         "reuse compiled graphs (kernels + wrapper) from the on-disk cache across processes",
+    )
+    remote_cache = _Knob(
+        "GJIT_REMOTE_CACHE",
+        lambda: os.environ.get("GJIT_REMOTE_CACHE") or None,
+        "redis:// (or rediss://) URL of a compile cache shared by a fleet, read after the disk cache",
+    )
+    remote_cache_prefix = _Knob(
+        "GJIT_REMOTE_CACHE_PREFIX",
+        _env_str("GJIT_REMOTE_CACHE_PREFIX", lambda: "gjit:"),
+        "the remote cache's key prefix (one per deployment)",
+    )
+    remote_cache_timeout = _Knob(
+        "GJIT_REMOTE_CACHE_TIMEOUT",
+        _env_float("GJIT_REMOTE_CACHE_TIMEOUT", 0.5),
+        "seconds the remote cache's server may take to connect or answer",
+    )
+    remote_cache_max_bytes = _Knob(
+        "GJIT_REMOTE_CACHE_MAX_BYTES",
+        _env_int("GJIT_REMOTE_CACHE_MAX_BYTES", 32 * 2**20),
+        "the largest entry (uncompressed) written to or accepted from the remote cache",
     )
     backend = _Knob(
         "GJIT_BACKEND",

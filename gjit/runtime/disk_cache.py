@@ -15,7 +15,8 @@ functions over literals. The first line is the sha256 of the rest: a truncated o
 edited entry is logged under `cache` and recompiled. Writes are atomic (temp file + rename),
 so two processes compiling one model at once both succeed and agree. Kernel files stay
 content-addressed (runtime.write_source): identical regions of two models or two entries
-share one file, which Triton's own cache then compiles once.
+share one file, which Triton's own cache then compiles once. Behind the disk sits the fleet's
+tier (gjit/runtime/remote_cache.py): a disk miss asks it, a store also goes there.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from gjit import logs, stats
 from gjit.codegen.common import KernelSource, source_line
 from gjit.codegen.toolchain.files import atomic_write
 from gjit.config import CompileOptions, config
+from gjit.runtime import remote_cache
 from gjit.runtime.graph import CompiledGraph
 
 cache_log = logs.logger("cache")
@@ -294,24 +296,48 @@ def entry_path(key: str) -> str:
     return os.path.join(config.cache_dir, "graphs", key[:2], f"{key}.json")
 
 
+def verified(text: str, key: str) -> dict:
+    """The record of an entry's text: its checksum, key and format checked (CacheError if not)."""
+    checksum, _, body = text.partition("\n")
+    if hashlib.sha256(body.encode()).hexdigest() != checksum:
+        raise CacheError("checksum mismatch (truncated or modified)")
+    try:
+        record = json.loads(body)
+    except ValueError as e:
+        raise CacheError(f"not JSON ({e})") from e
+    if not isinstance(record, dict) or record.get("key") != key or record.get("format") != FORMAT:
+        raise CacheError("the entry is for another key or format")
+    return record
+
+
+def from_remote(key: str, path: str) -> bool:
+    """On a disk miss, the remote cache's entry (gjit/runtime/remote_cache.py), verified as a disk
+    entry is, written to `path`; False when there is none (or none that checks out)."""
+    remote = remote_cache.current()
+    text = remote.get(key, lambda text: verified(text, key)) if remote is not None else None
+    if text is None:
+        return False
+    try:
+        atomic_write(path, text)
+    except OSError as e:
+        cache_log.warning("gjit: could not write the remote cache's entry to %s (%s)", path, e)
+        return False
+    return True
+
+
 def load(key: str, build: Callable[[dict], T]) -> T | None:
-    """`build(record)` of the cached entry (its checksum and key verified); None on a miss or on an
-    entry that cannot be trusted or does not build (logged, then recompiled and overwritten)."""
+    """`build(record)` of the cached entry (its checksum and key verified), from the disk or else the
+    remote cache; None on a miss or on an entry that cannot be trusted or does not build (logged,
+    then recompiled and overwritten)."""
     path = entry_path(key)
-    if not os.path.exists(path):
+    if not os.path.exists(path) and not from_remote(key, path):
         cache_log.info("on-disk miss: no compiled graph %s", path)
         stats.COUNTERS["disk_cache_misses"] += 1
         return None
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
-        checksum, _, body = text.partition("\n")
-        if hashlib.sha256(body.encode()).hexdigest() != checksum:
-            raise CacheError("checksum mismatch (truncated or modified)")
-        record = json.loads(body)
-        if record.get("key") != key or record.get("format") != FORMAT:
-            raise CacheError("the entry is for another key or format")
-        result = build(record)
+        result = build(verified(text, key))
     except Exception as e:  # any damage means recompile, never a crash or a wrong answer
         cache_log.warning("gjit: ignoring the damaged cache entry %s (%s); recompiling", path, e)
         stats.COUNTERS["disk_cache_errors"] += 1
@@ -348,6 +374,9 @@ def store(key: str, graph: CompiledGraph, extra: dict | None = None) -> None:
         cache_log.warning("gjit: could not write the cache entry %s (%s)", path, e)
         return
     cache_log.info("on-disk store: compiled graph written to %s", path)
+    remote = remote_cache.current()
+    if remote is not None:
+        remote.put(key, text)  # in the background, set if absent
 
 
 def decoded(record: dict, name: str) -> Any:

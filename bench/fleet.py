@@ -1,0 +1,120 @@
+"""A fleet sharing a compile cache through Redis: first-output time and compiles per process.
+
+    .venv/bin/python bench/fleet.py                   # tiny GPT-2 (sdpa), needs redis-server
+    .venv/bin/python bench/fleet.py --model mlp --processes 8 --at-once 4
+
+Every process is fresh, with an empty local disk cache of its own (a new machine, as far as the
+cache goes), and compiles the same model: first, 8 processes one after another, then 4 at once;
+each with a shared redis-server (GJIT_REMOTE_CACHE) and without it. A process reports the time
+from the start of its compile to its first output (CPU: the eager fallback runs the graph) and
+whether it compiled (decomposed) or was served by the remote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CHILD = """
+import json, sys, time
+import torch, gjit
+sys.path.insert(0, sys.argv[2])
+import model_zoo
+name = sys.argv[1]
+if name == "mlp":
+    torch.manual_seed(0)
+    Linear = torch.nn.Linear
+    model = torch.nn.Sequential(Linear(256, 1024), torch.nn.GELU(), Linear(1024, 256)).eval()
+    args = (torch.randn(16, 256),)
+else:
+    model, args = model_zoo.MODELS[name]()
+with torch.no_grad():
+    begin = time.perf_counter()
+    gjit.compile(model)(*args)
+    first = time.perf_counter() - begin
+stats = gjit.stats()
+print(json.dumps({"first": first, "compiled": stats.get("decompositions", 0) > 0,
+                  "remote_hits": stats.get("remote_cache_hits", 0)}))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(model: str, cache_dir: str, url: str | None) -> subprocess.Popen:
+    env = dict(os.environ, GJIT_CACHE="1", GJIT_CACHE_DIR=cache_dir)
+    env.pop("GJIT_INTERPRET", None)
+    env.pop("GJIT_REMOTE_CACHE", None)
+    if url:
+        env["GJIT_REMOTE_CACHE"] = url
+    argv = [sys.executable, "-c", CHILD, model, os.path.join(ROOT, "tests")]
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def result(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"a fleet process failed:\n{err[-3000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def fleet(model: str, processes: int, at_once: int, url: str | None, root: str) -> list[dict]:
+    runs = []
+    for k in range(processes):  # one after another
+        runs.append(result(launch(model, os.path.join(root, f"seq{k}"), url)) | {"phase": "sequential"})
+    procs = [launch(model, os.path.join(root, f"par{k}"), url) for k in range(at_once)]
+    runs += [result(p) | {"phase": "at once"} for p in procs]
+    return runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="gpt2-sdpa")
+    parser.add_argument("--processes", type=int, default=8)
+    parser.add_argument("--at-once", type=int, default=4)
+    opts = parser.parse_args()
+    server = shutil.which("redis-server")
+    if server is None:
+        sys.exit("bench/fleet.py needs redis-server (apt-get install redis-server)")
+    port = free_port()
+    redis = subprocess.Popen(
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
+    time.sleep(0.5)
+    try:
+        table = {}
+        for label, url in (("without remote", None), ("with Redis", f"redis://127.0.0.1:{port}/0")):
+            with tempfile.TemporaryDirectory(prefix="gjit_fleet_") as root:
+                table[label] = fleet(opts.model, opts.processes, opts.at_once, url, root)
+    finally:
+        redis.kill()
+    print(f"model {opts.model}: {opts.processes} processes one after another, then {opts.at_once} at once")
+    print("| cache | phase | first output s (each process) | median | compiled |")
+    print("|---|---|---|---:|---:|")
+    for label, runs in table.items():
+        for phase in ("sequential", "at once"):
+            rs = [r for r in runs if r["phase"] == phase]
+            times = ", ".join(f"{r['first']:.2f}" for r in rs)
+            median = statistics.median(r["first"] for r in rs)
+            compiled = sum(r["compiled"] for r in rs)
+            print(f"| {label} | {phase} | {times} | {median:.2f} | {compiled} of {len(rs)} |")
+
+
+if __name__ == "__main__":
+    main()

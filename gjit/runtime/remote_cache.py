@@ -1,0 +1,237 @@
+"""The fleet tier of the compile cache: a Redis server that many machines share.
+
+    GJIT_REMOTE_CACHE=redis://[user:password@]host:port/db     (rediss:// for TLS)
+
+Lookup order: memory (the callable's entries), local disk (gjit/runtime/disk_cache.py), this
+remote, compile. A remote hit is written to the local disk, so the next process on the machine
+needs no network. A fresh compile's entry is written to the remote by a background thread
+(a bounded queue, flushed at exit) with SET NX: the first writer of a key wins, a second process
+that compiled the same graph at the same time only finds the key taken.
+
+What is stored is exactly the disk entry (its first line the sha256 of the rest; the kernel and
+wrapper sources are in it), compressed, behind a header of this format's magic and the sha256 of
+the compressed bytes. Keys are the disk keys (every version and knob that changes generated
+code) under a prefix. A value is accepted only if the header, the digest, the size limit, the
+entry's own checksum and its key and format all check out; then it is parsed as gjit's entry
+format, as a disk entry is. Nothing from the server is executed or unpickled before that, and
+the generated sources it carries are rewritten to content-addressed files whose names are their
+hashes.
+
+Trust: whoever can write to the server can make every machine that reads it run their kernels
+(a value with a valid checksum is indistinguishable from one gjit wrote). Use a server only your
+deployment can write to: a password (or ACL user) and TLS (rediss://), and a key prefix per
+deployment (GJIT_REMOTE_CACHE_PREFIX).
+
+Faults never fail a call and never give a wrong kernel: a server that is down (at start or
+mid-run), slow (short timeouts, GJIT_REMOTE_CACHE_TIMEOUT), full or read-only, a wrong password,
+a value cut short, damaged or written by another format: each is logged once under `cache`,
+counted in `gjit.stats()["remote_cache_errors"]`, and the call compiles locally. After a
+connection failure the server is left alone for a while (`RETRY_SECONDS`), so a dead server
+costs one timeout, not one per compile.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import queue
+import threading
+import time
+import zlib
+from collections.abc import Callable
+
+from gjit import logs, stats
+from gjit.config import config
+
+cache_log = logs.logger("cache")
+
+MAGIC = b"gjit-remote-entry-1\n"
+RETRY_SECONDS = 30.0  # after a connection failure, how long lookups skip the server
+QUEUE_SIZE = 64  # entries waiting to be written; more are dropped (counted), never block a call
+
+
+class _Fault(Exception):
+    """A value from the server that is not a gjit entry."""
+
+
+class RemoteCache:
+    """One server (one URL and prefix): get and background put of disk entries' text."""
+
+    def __init__(self, url: str, prefix: str, timeout: float, max_bytes: int):
+        import redis  # only with a remote cache configured (pip install redis)
+
+        self.url, self.prefix, self.max_bytes = url, prefix, max_bytes
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        self.redis = redis
+        self.down_until = 0.0
+        self.logged: set[str] = set()
+        self.pending: queue.Queue = queue.Queue(QUEUE_SIZE)
+        self.writer: threading.Thread | None = None
+        self.lock = threading.Lock()
+
+    # -- faults ------------------------------------------------------------------------------------
+
+    def fault(self, kind: str, message: str, down: bool = False) -> None:
+        """Count a fault; log its kind once per process; after a connection failure, skip the
+        server for RETRY_SECONDS."""
+        stats.COUNTERS["remote_cache_errors"] += 1
+        if down:
+            self.down_until = time.monotonic() + RETRY_SECONDS
+        if kind not in self.logged:
+            self.logged.add(kind)
+            cache_log.warning("gjit: remote cache %s: %s; compiling locally", _safe_url(self.url), message)
+
+    def classify(self, e: Exception) -> tuple[str, bool]:
+        """(the kind of a client error, whether the server counts as down)."""
+        errors = self.redis.exceptions
+        if isinstance(e, errors.AuthenticationError) or "NOAUTH" in str(e) or "WRONGPASS" in str(e):
+            return "authentication failed", True
+        if isinstance(e, errors.TimeoutError):
+            return "timed out", True
+        if isinstance(e, errors.ConnectionError):
+            return "unreachable", True
+        if isinstance(e, errors.ReadOnlyError) or "READONLY" in str(e):
+            return "read-only", False
+        if isinstance(e, getattr(errors, "OutOfMemoryError", ())) or "maxmemory" in str(e) or "OOM" in str(e):
+            return "full (maxmemory)", False
+        return f"error ({type(e).__name__})", False
+
+    # -- reads -------------------------------------------------------------------------------------
+
+    def get(self, key: str, check: Callable[[str], object]) -> str | None:
+        """The entry text stored under `key`, unpacked and accepted by `check` (which raises on an
+        entry that is not gjit's); None on a miss or any fault."""
+        if time.monotonic() < self.down_until:
+            return None
+        try:
+            value = self.client.get(self.prefix + key)
+        except Exception as e:  # noqa: BLE001 - any client failure is a miss, never a crash
+            kind, down = self.classify(e)
+            self.fault(kind, f"{kind} ({e})", down)
+            return None
+        if value is None:
+            stats.COUNTERS["remote_cache_misses"] += 1
+            cache_log.info("remote miss: %s", key)
+            return None
+        try:
+            text = self.unpack(value)
+            check(text)
+        except Exception as e:  # noqa: BLE001 - a value that is not a gjit entry is a miss
+            self.fault("damaged value", f"the value of {self.prefix + key} is not a gjit entry: {e}")
+            return None
+        stats.COUNTERS["remote_cache_hits"] += 1
+        cache_log.info("remote hit: %s", key)
+        return text
+
+    def unpack(self, value: bytes) -> str:
+        if len(value) > self.max_bytes + len(MAGIC) + 65:
+            raise _Fault(f"{len(value)} bytes, over the limit of {self.max_bytes}")
+        if not value.startswith(MAGIC):
+            raise _Fault("no gjit header (another format or another program's key)")
+        digest, _, packed = value[len(MAGIC) :].partition(b"\n")
+        if hashlib.sha256(packed).hexdigest().encode() != digest:
+            raise _Fault("checksum mismatch (cut short or modified)")
+        inflate = zlib.decompressobj()
+        try:
+            raw = inflate.decompress(packed, self.max_bytes + 1)
+        except zlib.error as e:
+            raise _Fault(f"does not decompress ({e})") from e
+        if len(raw) > self.max_bytes or not inflate.eof:
+            raise _Fault(f"more than {self.max_bytes} bytes uncompressed")
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise _Fault("not UTF-8 text") from e
+
+    # -- writes ------------------------------------------------------------------------------------
+
+    def put(self, key: str, text: str) -> None:
+        """Queue `text` for the background writer; never blocks the call."""
+        raw = text.encode("utf-8")
+        if len(raw) > self.max_bytes:
+            self.fault(
+                "value too large", f"an entry of {len(raw)} bytes is over the limit of {self.max_bytes}"
+            )
+            return
+        packed = zlib.compress(raw, 6)
+        value = MAGIC + hashlib.sha256(packed).hexdigest().encode() + b"\n" + packed
+        with self.lock:
+            if self.writer is None or not self.writer.is_alive():
+                self.writer = threading.Thread(target=self.write_loop, name="gjit-remote-cache", daemon=True)
+                self.writer.start()
+        try:
+            self.pending.put_nowait((key, value))
+        except queue.Full:
+            self.fault("write queue full", f"{QUEUE_SIZE} entries wait to be written; dropped one")
+
+    def write_loop(self) -> None:
+        while True:
+            item = self.pending.get()
+            try:
+                if item is None:
+                    return
+                self.write(*item)
+            finally:
+                self.pending.task_done()
+
+    def write(self, key: str, value: bytes) -> None:
+        if time.monotonic() < self.down_until:
+            return
+        try:
+            written = self.client.set(self.prefix + key, value, nx=True)
+        except Exception as e:  # noqa: BLE001 - a failed write costs only another machine's compile
+            kind, down = self.classify(e)
+            self.fault(kind, f"{kind} ({e})", down)
+            return
+        stats.COUNTERS["remote_cache_writes" if written else "remote_cache_already_there"] += 1
+        cache_log.info("remote store: %s (%s)", key, "written" if written else "already there")
+
+    def flush(self, timeout: float = 5.0) -> None:
+        """Wait (at most `timeout` seconds) for queued writes."""
+        if self.writer is None or not self.writer.is_alive():
+            return
+        deadline = time.monotonic() + timeout
+        while self.pending.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def _safe_url(url: str) -> str:
+    """The URL without its password, for logs."""
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        credentials, _, host = rest.rpartition("@")
+        user = credentials.split(":", 1)[0]
+        rest = f"{user}:***@{host}" if ":" in credentials else f"{user}@{host}"
+    return scheme + sep + rest
+
+
+_REMOTES: dict[tuple, RemoteCache | None] = {}
+
+
+def current() -> RemoteCache | None:
+    """The remote cache the config names (one client per URL and settings), or None."""
+    url = config.remote_cache
+    if not url:
+        return None
+    settings = (
+        url,
+        config.remote_cache_prefix,
+        float(config.remote_cache_timeout),
+        int(config.remote_cache_max_bytes),
+    )
+    if settings not in _REMOTES:
+        try:
+            _REMOTES[settings] = RemoteCache(*settings)
+        except Exception as e:  # noqa: BLE001 - no client library, a malformed URL: no remote tier
+            stats.COUNTERS["remote_cache_errors"] += 1
+            cache_log.warning("gjit: remote cache %s not used: %s: %s", _safe_url(url), type(e).__name__, e)
+            _REMOTES[settings] = None
+    return _REMOTES[settings]
+
+
+@atexit.register
+def flush_all() -> None:
+    """Queued writes go out before the process ends (each server at most a few seconds)."""
+    for remote in list(_REMOTES.values()):
+        if remote is not None:
+            remote.flush()

@@ -1,0 +1,314 @@
+"""The remote compile cache (gjit/runtime/remote_cache.py) against a real redis-server started on
+a free local port: a fleet of fresh processes with their own disk caches shares one server (the
+first compiles, the others hit), and every fault (server down at start or killed mid-run, a
+damaged, cut-short or foreign value, a full server, a wrong password) leaves every call correct,
+is counted and is logged once."""
+
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import gjit
+from gjit.runtime import remote_cache
+
+pytestmark = [pytest.mark.cpu]
+
+redis = pytest.importorskip("redis", reason="the redis client library is not installed (pip install redis)")
+SERVER = shutil.which("redis-server")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A redis-server process of the test's own, no persistence."""
+
+    def __init__(self, *args: str, password: str | None = None):
+        if SERVER is None:
+            pytest.skip("no redis-server on this machine (apt-get install redis-server; CI installs it)")
+        self.port = free_port()
+        command = [
+            SERVER,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]
+        if password:
+            command += ["--requirepass", password]
+        self.proc = subprocess.Popen([*command, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.client = redis.Redis(port=self.port, password=password, socket_timeout=2)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                self.client.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                if time.monotonic() > deadline:
+                    self.kill()
+                    pytest.skip("redis-server did not start")
+                time.sleep(0.05)
+
+    def url(self, password: str | None = None) -> str:
+        auth = f":{password}@" if password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def server():
+    s = Server()
+    yield s
+    s.kill()
+
+
+def model(x, w):
+    return torch.softmax(torch.relu(x @ w) * 2 + 1, -1)
+
+
+def args():
+    torch.manual_seed(3)
+    return torch.randn(8, 16), torch.randn(16, 12)
+
+
+def compile_on_a_new_machine(tmp_path, name: str, url: str, fn=model):
+    """A fresh callable with an empty disk cache of its own (another machine, as far as the cache
+    tiers go): run it through the kernels, compare with eager, return the counters it moved."""
+    before = dict(gjit.stats())
+    with gjit.config.scope(cache=True, cache_dir=str(tmp_path / name), remote_cache=url, interpret=True):
+        out = gjit.compile(fn)(*args())
+    torch.testing.assert_close(out, fn(*args()))
+    after = gjit.stats()
+    return {k: after.get(k, 0) - before.get(k, 0) for k in after if isinstance(after.get(k), int)}
+
+
+def flush(url: str) -> None:
+    with gjit.config.scope(remote_cache=url):
+        remote = remote_cache.current()
+    if remote is not None:
+        remote.flush()
+
+
+def stored_keys(server: Server) -> list[bytes]:
+    return server.client.keys(b"gjit:*")
+
+
+def test_a_second_machine_hits_the_remote_and_fills_its_disk(server, tmp_path):
+    first = compile_on_a_new_machine(tmp_path, "a", server.url())
+    flush(server.url())
+    assert first["remote_cache_misses"] >= 1 and first["remote_cache_writes"] >= 1
+    assert stored_keys(server)
+    second = compile_on_a_new_machine(tmp_path, "b", server.url())
+    assert second["remote_cache_hits"] >= 1 and second.get("decompositions", 0) == 0, second
+    assert os.listdir(tmp_path / "b" / "graphs")  # written to the local disk
+    third = compile_on_a_new_machine(tmp_path, "b", server.url())  # the same machine again: disk
+    assert third.get("remote_cache_hits", 0) == 0 and third["disk_cache_hits"] >= 1
+
+
+def test_a_fleet_of_processes(server, tmp_path):
+    """Fresh processes, each with its own disk cache: the first compiles, the others hit the
+    remote; every output matches eager."""
+    script = f"""
+import json, sys, torch, gjit
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_remote_cache import model, args
+out = gjit.compile(model)(*args())
+torch.testing.assert_close(out, model(*args()))
+print(json.dumps({{k: v for k, v in gjit.stats().items() if isinstance(v, int)}}))
+"""
+    results = []
+    for k in range(3):
+        env = dict(os.environ, GJIT_CACHE="1", GJIT_CACHE_DIR=str(tmp_path / f"m{k}"),
+                   GJIT_REMOTE_CACHE=server.url(), GJIT_INTERPRET="1")  # fmt: skip
+        proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert results[0].get("remote_cache_writes", 0) >= 1 and results[0].get("decompositions", 0) >= 1
+    for r in results[1:]:
+        assert r.get("remote_cache_hits", 0) >= 1 and r.get("decompositions", 0) == 0, r
+
+
+def test_two_processes_at_once_both_succeed_and_the_value_is_written_once(server, tmp_path):
+    script = f"""
+import json, sys, torch, gjit
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_remote_cache import model, args
+out = gjit.compile(model)(*args())
+torch.testing.assert_close(out, model(*args()))
+print(json.dumps({{k: v for k, v in gjit.stats().items() if isinstance(v, int)}}))
+"""
+    procs = []
+    for k in range(2):
+        env = dict(os.environ, GJIT_CACHE="1", GJIT_CACHE_DIR=str(tmp_path / f"p{k}"),
+                   GJIT_REMOTE_CACHE=server.url(), GJIT_INTERPRET="1")  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    keys = stored_keys(server)
+    assert sum(r.get("remote_cache_writes", 0) for r in results) == len(keys) >= 1
+
+
+def warnings_about_the_remote(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "remote cache" in r.getMessage()]
+
+
+def test_server_down_at_start(tmp_path, caplog):
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    with caplog.at_level(logging.WARNING, logger="gjit.cache"):
+        first = compile_on_a_new_machine(tmp_path, "a", url)
+        second = compile_on_a_new_machine(tmp_path, "b", url, fn=lambda x, w: model(x, w) + 1)
+    assert first["remote_cache_errors"] >= 1
+    assert second.get("remote_cache_hits", 0) == 0
+    assert len(warnings_about_the_remote(caplog)) == 1, caplog.text
+
+
+def test_server_killed_mid_run(server, tmp_path, caplog):
+    compile_on_a_new_machine(tmp_path, "a", server.url())
+    flush(server.url())
+    server.kill()
+    with caplog.at_level(logging.WARNING, logger="gjit.cache"):
+        moved = compile_on_a_new_machine(tmp_path, "b", server.url())
+        compile_on_a_new_machine(tmp_path, "c", server.url(), fn=lambda x, w: model(x, w) * 3)
+    assert moved["remote_cache_errors"] >= 1 and moved.get("decompositions", 0) >= 1
+    assert len(warnings_about_the_remote(caplog)) == 1, caplog.text
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda v: b"garbage",  # not ours
+        lambda v: v[: len(v) // 2],  # cut short
+        lambda v: v[:-20] + bytes(20),  # a wrong checksum
+        lambda v: v.replace(remote_cache.MAGIC, b"gjit-remote-entry-0\n"),  # another format
+    ],
+    ids=["foreign", "truncated", "wrong-checksum", "other-format"],
+)
+def test_a_damaged_value_is_refused(server, tmp_path, caplog, damage):
+    compile_on_a_new_machine(tmp_path, "a", server.url())
+    flush(server.url())
+    for key in stored_keys(server):
+        server.client.set(key, damage(server.client.get(key)))
+    with caplog.at_level(logging.WARNING, logger="gjit.cache"):
+        moved = compile_on_a_new_machine(tmp_path, "b", server.url())
+    assert moved["remote_cache_errors"] >= 1 and moved.get("remote_cache_hits", 0) == 0
+    assert moved.get("decompositions", 0) >= 1  # compiled locally
+    assert len(warnings_about_the_remote(caplog)) == 1, caplog.text
+
+
+def test_a_checksummed_value_for_another_key_is_refused(server, tmp_path):
+    """A well-formed entry under the wrong key (another graph's, or another version's): the entry
+    names its own key, so it is refused."""
+    compile_on_a_new_machine(tmp_path, "a", server.url())
+    flush(server.url())
+    (key,) = stored_keys(server)
+    with gjit.config.scope(remote_cache=server.url()):
+        remote = remote_cache.current()
+        text = remote.unpack(server.client.get(key))
+    checksum, _, body = text.partition("\n")
+    record = json.loads(body)
+    record["key"] = "0" * 64
+    body = json.dumps(record, sort_keys=True)
+    forged = disk_cache_text(body)
+    server.client.set(key, pack(forged))
+    moved = compile_on_a_new_machine(tmp_path, "b", server.url())
+    assert moved["remote_cache_errors"] >= 1 and moved.get("remote_cache_hits", 0) == 0
+
+
+def disk_cache_text(body: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(body.encode()).hexdigest() + "\n" + body
+
+
+def pack(text: str) -> bytes:
+    import hashlib
+    import zlib
+
+    packed = zlib.compress(text.encode())
+    return remote_cache.MAGIC + hashlib.sha256(packed).hexdigest().encode() + b"\n" + packed
+
+
+def test_a_full_server(server, tmp_path, caplog):
+    server.client.config_set("maxmemory-policy", "noeviction")
+    server.client.config_set("maxmemory", 1)  # every write is refused (OOM)
+    with caplog.at_level(logging.WARNING, logger="gjit.cache"):
+        compile_on_a_new_machine(tmp_path, "a", server.url())
+        flush(server.url())
+        compile_on_a_new_machine(tmp_path, "b", server.url(), fn=lambda x, w: model(x, w) - 1)
+        flush(server.url())
+    assert gjit.stats()["remote_cache_errors"] >= 1
+    assert not stored_keys(server)
+    messages = warnings_about_the_remote(caplog)
+    assert len(messages) == 1 and "full" in messages[0], messages
+
+
+def test_a_wrong_password(tmp_path, caplog):
+    s = Server(password="right")
+    try:
+        with caplog.at_level(logging.WARNING, logger="gjit.cache"):
+            moved = compile_on_a_new_machine(tmp_path, "a", s.url(password="not-the-pa55word"))
+            flush(s.url(password="not-the-pa55word"))
+        assert moved["remote_cache_errors"] >= 1
+        messages = warnings_about_the_remote(caplog)
+        assert (
+            len(messages) == 1 and "authentication" in messages[0] and "not-the-pa55word" not in messages[0]
+        ), messages
+        assert not s.client.keys(b"*")
+    finally:
+        s.kill()
+
+
+def test_no_remote_configured_touches_nothing(tmp_path):
+    moved = compile_on_a_new_machine(tmp_path, "a", None)
+    assert not any(k.startswith("remote_cache") for k, v in moved.items() if v)
+
+
+def test_a_slow_server_times_out(server, tmp_path, caplog):
+    server.client.client_pause(3000)  # the server answers nobody for 3 s
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="gjit.cache"), gjit.config.scope(remote_cache_timeout=0.2):
+        moved = compile_on_a_new_machine(tmp_path, "a", server.url())
+    assert moved["remote_cache_errors"] >= 1
+    messages = warnings_about_the_remote(caplog)
+    assert len(messages) == 1 and "timed out" in messages[0], messages
+    assert time.monotonic() - start < 3 + 60  # one timeout, then the server is left alone
+
+
+def test_an_entry_over_the_size_limit_is_not_written(server, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="gjit.cache"), gjit.config.scope(remote_cache_max_bytes=100):
+        moved = compile_on_a_new_machine(tmp_path, "a", server.url())
+        flush(server.url())
+    assert moved["remote_cache_errors"] >= 1 and not stored_keys(server)
+    messages = warnings_about_the_remote(caplog)
+    assert len(messages) == 1 and "over the limit" in messages[0], messages
+
+
+def test_without_the_client_library_the_remote_is_skipped_with_a_warning(tmp_path, caplog, monkeypatch):
+    monkeypatch.setitem(sys.modules, "redis", None)  # `import redis` fails as if not installed
+    url = f"redis://127.0.0.1:{free_port()}/7"
+    with caplog.at_level(logging.WARNING, logger="gjit.cache"):
+        moved = compile_on_a_new_machine(tmp_path, "a", url)
+    assert moved["remote_cache_errors"] == 1
+    assert len(warnings_about_the_remote(caplog)) == 1 and "not used" in caplog.text
