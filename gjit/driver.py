@@ -172,6 +172,8 @@ def compile_program(
     decomposed, compiled and stored. A checked compile is fresh: the per-kernel checker needs the
     schedule, and a check tests what codegen emits now."""
     key = None
+    if not config.cache and config.remote_cache:
+        cache.remote_cache.note_disabled("GJIT_CACHE=0 turns the disk cache off, and the remote tier with it")
     if config.cache and not options.check:
         gm = exported.program.graph_module
         with timed("cache", timings):

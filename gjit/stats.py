@@ -12,8 +12,11 @@ STAGE_SECONDS: collections.Counter[str] = collections.Counter()
 
 
 def snapshot() -> dict:
-    out = {key: COUNTERS[key] for key in ("compiles", "recompiles", "cache_hits", "eager_runs", "kernels")}
-    out.update({k: v for k, v in COUNTERS.items() if k not in out})
+    counters = dict(COUNTERS)  # one C-level copy: the remote cache's writer thread adds keys
+    out = {
+        key: counters.get(key, 0) for key in ("compiles", "recompiles", "cache_hits", "eager_runs", "kernels")
+    }
+    out.update({k: v for k, v in counters.items() if k not in out})
     out["compile_seconds"] = dict(STAGE_SECONDS)
     return out
 

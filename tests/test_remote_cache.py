@@ -118,6 +118,7 @@ def test_a_second_machine_hits_the_remote_and_fills_its_disk(server, tmp_path):
     assert stored_keys(server)
     second = compile_on_a_new_machine(tmp_path, "b", server.url())
     assert second["remote_cache_hits"] >= 1 and second.get("decompositions", 0) == 0, second
+    assert second.get("disk_cache_hits", 0) == 0 and second["disk_cache_misses"] >= 1  # one lookup, one hit
     assert os.listdir(tmp_path / "b" / "graphs")  # written to the local disk
     third = compile_on_a_new_machine(tmp_path, "b", server.url())  # the same machine again: disk
     assert third.get("remote_cache_hits", 0) == 0 and third["disk_cache_hits"] >= 1
@@ -215,6 +216,9 @@ def test_a_damaged_value_is_refused(server, tmp_path, caplog, damage):
     assert moved["remote_cache_errors"] >= 1 and moved.get("remote_cache_hits", 0) == 0
     assert moved.get("decompositions", 0) >= 1  # compiled locally
     assert len(warnings_about_the_remote(caplog)) == 1, caplog.text
+    flush(server.url())  # its entry replaced the damaged value (not SET NX): the next machine hits
+    third = compile_on_a_new_machine(tmp_path, "c", server.url())
+    assert third["remote_cache_hits"] >= 1 and third.get("decompositions", 0) == 0, third
 
 
 def test_a_checksummed_value_for_another_key_is_refused(server, tmp_path):
@@ -312,3 +316,31 @@ def test_without_the_client_library_the_remote_is_skipped_with_a_warning(tmp_pat
         moved = compile_on_a_new_machine(tmp_path, "a", url)
     assert moved["remote_cache_errors"] == 1
     assert len(warnings_about_the_remote(caplog)) == 1 and "not used" in caplog.text
+
+
+def test_an_unwritable_disk_still_takes_remote_hits_and_fills_the_server(server, tmp_path, caplog):
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "graphs").write_text("not a folder")  # no entry can be written under it
+    with caplog.at_level(logging.WARNING, logger="gjit.cache"):
+        first = compile_on_a_new_machine(tmp_path, "a", server.url())
+        flush(server.url())
+        second = compile_on_a_new_machine(tmp_path, "b", server.url())
+    assert first["remote_cache_writes"] >= 1  # the server is filled without a local entry
+    assert second["remote_cache_hits"] >= 1 and second.get("decompositions", 0) == 0, second
+
+
+def test_passwords_never_reach_the_log(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="gjit.cache"):
+        for url in (
+            f"user:S3CRET@127.0.0.1:{free_port()}/0",
+            f"redis://127.0.0.1:{free_port()}/0?password=S3CRET",
+        ):
+            compile_on_a_new_machine(tmp_path, "a", url)
+    assert "remote cache" in caplog.text and "S3CRET" not in caplog.text
+
+
+def test_a_bad_timeout_setting_is_said_once_and_the_default_used(server, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="gjit.cache"), gjit.config.scope(remote_cache_timeout=0):
+        compile_on_a_new_machine(tmp_path, "a", server.url())
+    assert "timeout of 0" in caplog.text and gjit.stats().get("remote_cache_errors", 0) == 0

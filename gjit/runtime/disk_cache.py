@@ -310,19 +310,23 @@ def verified(text: str, key: str) -> dict:
     return record
 
 
-def from_remote(key: str, path: str) -> bool:
+_unwritable: set[str] = set()  # cache folders a remote entry could not be written to (warned once)
+
+
+def from_remote(key: str, path: str) -> str | None:
     """On a disk miss, the remote cache's entry (gjit/runtime/remote_cache.py), verified as a disk
-    entry is, written to `path`; False when there is none (or none that checks out)."""
+    entry is, and written to `path` for the next process (a disk that refuses it is warned about
+    once; the entry still serves this call); None when there is none that checks out."""
     remote = remote_cache.current()
     text = remote.get(key, lambda text: verified(text, key)) if remote is not None else None
-    if text is None:
-        return False
-    try:
-        atomic_write(path, text)
-    except OSError as e:
-        cache_log.warning("gjit: could not write the remote cache's entry to %s (%s)", path, e)
-        return False
-    return True
+    if text is not None:
+        try:
+            atomic_write(path, text)
+        except OSError as e:
+            if config.cache_dir not in _unwritable:
+                _unwritable.add(config.cache_dir)
+                cache_log.warning("gjit: could not write the remote cache's entries to %s (%s)", path, e)
+    return text
 
 
 def load(key: str, build: Callable[[dict], T]) -> T | None:
@@ -330,20 +334,27 @@ def load(key: str, build: Callable[[dict], T]) -> T | None:
     remote cache; None on a miss or on an entry that cannot be trusted or does not build (logged,
     then recompiled and overwritten)."""
     path = entry_path(key)
-    if not os.path.exists(path) and not from_remote(key, path):
-        cache_log.info("on-disk miss: no compiled graph %s", path)
-        stats.COUNTERS["disk_cache_misses"] += 1
-        return None
+    where = "on-disk"
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
+    except (FileNotFoundError, NotADirectoryError):
+        cache_log.info("on-disk miss: no compiled graph %s", path)
+        stats.COUNTERS["disk_cache_misses"] += 1
+        text, where = from_remote(key, path), "remote"
+        if text is None:
+            return None
+    except (OSError, UnicodeDecodeError) as e:
+        text, where = f"unreadable: {e}", "on-disk"
+    try:
         result = build(verified(text, key))
     except Exception as e:  # any damage means recompile, never a crash or a wrong answer
-        cache_log.warning("gjit: ignoring the damaged cache entry %s (%s); recompiling", path, e)
-        stats.COUNTERS["disk_cache_errors"] += 1
+        cache_log.warning("gjit: ignoring the damaged cache entry %s (%s: %s); recompiling", path, where, e)
+        stats.COUNTERS["disk_cache_errors" if where == "on-disk" else "remote_cache_errors"] += 1
         return None
-    cache_log.info("on-disk hit: compiled graph %s", path)
-    stats.COUNTERS["disk_cache_hits"] += 1
+    if where == "on-disk":
+        cache_log.info("on-disk hit: compiled graph %s", path)
+        stats.COUNTERS["disk_cache_hits"] += 1
     return result
 
 
@@ -369,14 +380,18 @@ def store(key: str, graph: CompiledGraph, extra: dict | None = None) -> None:
         record |= {name: _encode(value) for name, value in (extra or {}).items()}
         body = json.dumps(record, sort_keys=True)
         text = hashlib.sha256(body.encode()).hexdigest() + "\n" + body
+    except (CacheError, OSError) as e:
+        cache_log.warning("gjit: could not store the cache entry %s (%s)", path, e)
+        return
+    remote = remote_cache.current()
+    if remote is not None:
+        remote.put(key, text)  # in the background, set if absent (or over a value that was damaged)
+    try:
         atomic_write(path, text)
-    except (OSError, CacheError) as e:
+    except OSError as e:
         cache_log.warning("gjit: could not write the cache entry %s (%s)", path, e)
         return
     cache_log.info("on-disk store: compiled graph written to %s", path)
-    remote = remote_cache.current()
-    if remote is not None:
-        remote.put(key, text)  # in the background, set if absent
 
 
 def decoded(record: dict, name: str) -> Any:

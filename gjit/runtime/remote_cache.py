@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import os
 import queue
+import re
 import threading
 import time
 import zlib
@@ -68,6 +70,9 @@ class RemoteCache:
         self.pending: queue.Queue = queue.Queue(QUEUE_SIZE)
         self.writer: threading.Thread | None = None
         self.lock = threading.Lock()
+        # keys whose value here failed verification: the next write replaces it (not SET NX), or
+        # one damaged write would turn the tier off for that graph across the fleet
+        self.damaged: set[str] = set()
 
     # -- faults ------------------------------------------------------------------------------------
 
@@ -75,6 +80,7 @@ class RemoteCache:
         """Count a fault; log its kind once per process; after a connection failure, skip the
         server for RETRY_SECONDS."""
         stats.COUNTERS["remote_cache_errors"] += 1
+        message = _masked(message, self.url)
         if down:
             self.down_until = time.monotonic() + RETRY_SECONDS
         if kind not in self.logged:
@@ -101,7 +107,8 @@ class RemoteCache:
     def get(self, key: str, check: Callable[[str], object]) -> str | None:
         """The entry text stored under `key`, unpacked and accepted by `check` (which raises on an
         entry that is not gjit's); None on a miss or any fault."""
-        if time.monotonic() < self.down_until:
+        if time.monotonic() < self.down_until:  # left alone after a connection failure
+            stats.COUNTERS["remote_cache_misses"] += 1
             return None
         try:
             value = self.client.get(self.prefix + key)
@@ -117,6 +124,7 @@ class RemoteCache:
             text = self.unpack(value)
             check(text)
         except Exception as e:  # noqa: BLE001 - a value that is not a gjit entry is a miss
+            self.damaged.add(key)
             self.fault("damaged value", f"the value of {self.prefix + key} is not a gjit entry: {e}")
             return None
         stats.COUNTERS["remote_cache_hits"] += 1
@@ -175,10 +183,12 @@ class RemoteCache:
                 self.pending.task_done()
 
     def write(self, key: str, value: bytes) -> None:
-        if time.monotonic() < self.down_until:
+        if time.monotonic() < self.down_until:  # left alone after a connection failure
+            stats.COUNTERS["remote_cache_writes_dropped"] += 1
             return
         try:
-            written = self.client.set(self.prefix + key, value, nx=True)
+            written = self.client.set(self.prefix + key, value, nx=key not in self.damaged)
+            self.damaged.discard(key)
         except Exception as e:  # noqa: BLE001 - a failed write costs only another machine's compile
             kind, down = self.classify(e)
             self.fault(kind, f"{kind} ({e})", down)
@@ -195,38 +205,77 @@ class RemoteCache:
             time.sleep(0.01)
 
 
+def _masked(text: str, url: str) -> str:
+    """`text` (an error message) with the URL's password, wherever it appears, masked."""
+    found = re.search(r"(?i)password=([^&#]+)", url) or re.search(r"^(?:[^/]*//)?[^:@/]*:([^@]+)@", url)
+    return text.replace(found.group(1), "***") if found and found.group(1) else text
+
+
 def _safe_url(url: str) -> str:
-    """The URL without its password, for logs."""
-    scheme, sep, rest = url.partition("://")
-    if "@" in rest:
-        credentials, _, host = rest.rpartition("@")
-        user = credentials.split(":", 1)[0]
-        rest = f"{user}:***@{host}" if ":" in credentials else f"{user}@{host}"
-    return scheme + sep + rest
+    """The URL without its password, for logs: user info before an '@' (with or without a
+    scheme) keeps only the user name, and a `password=` query parameter is masked."""
+    url = re.sub(r"(?i)(password=)[^&#]*", r"\1***", str(url))
+    head, at, host = url.rpartition("@")
+    if not at:
+        return url
+    scheme, sep, credentials = head.rpartition("//") if "//" in head else ("", "", head)
+    user = credentials.split(":", 1)[0]
+    return f"{scheme}{sep}{user}{':***' if ':' in credentials else ''}@{host}"
 
 
 _REMOTES: dict[tuple, RemoteCache | None] = {}
+_NOTED: set[str] = set()
+
+
+def note_disabled(why: str) -> None:
+    """Say once why a configured remote cache is not used."""
+    if why not in _NOTED:
+        _NOTED.add(why)
+        cache_log.warning("gjit: the remote cache is not used: %s", why)
+
+
+def _settings() -> tuple:
+    """(url, prefix, timeout, max bytes) from the config; a bad value is said once, then the default."""
+    try:
+        timeout = float(config.remote_cache_timeout)
+    except ValueError as e:
+        note_disabled(f"GJIT_REMOTE_CACHE_TIMEOUT is not a number of seconds ({e}); using 0.5")
+        timeout = 0.5
+    if not timeout > 0:  # 0 would make the socket non-blocking, None would wait forever
+        note_disabled(f"a remote cache timeout of {timeout} s is not used; using 0.5")
+        timeout = 0.5
+    try:
+        max_bytes = int(config.remote_cache_max_bytes)
+    except ValueError as e:
+        note_disabled(f"GJIT_REMOTE_CACHE_MAX_BYTES is not a number ({e}); using 32 MB")
+        max_bytes = 32 * 2**20
+    return str(config.remote_cache), str(config.remote_cache_prefix), timeout, max_bytes
 
 
 def current() -> RemoteCache | None:
     """The remote cache the config names (one client per URL and settings), or None."""
-    url = config.remote_cache
-    if not url:
+    if not config.remote_cache:
         return None
-    settings = (
-        url,
-        config.remote_cache_prefix,
-        float(config.remote_cache_timeout),
-        int(config.remote_cache_max_bytes),
-    )
+    settings = _settings()
+    url = settings[0]
     if settings not in _REMOTES:
         try:
             _REMOTES[settings] = RemoteCache(*settings)
         except Exception as e:  # noqa: BLE001 - no client library, a malformed URL: no remote tier
             stats.COUNTERS["remote_cache_errors"] += 1
-            cache_log.warning("gjit: remote cache %s not used: %s: %s", _safe_url(url), type(e).__name__, e)
+            reason = _masked(f"{type(e).__name__}: {e}", url)
+            cache_log.warning("gjit: remote cache %s not used: %s", _safe_url(url), reason)
             _REMOTES[settings] = None
     return _REMOTES[settings]
+
+
+def _forget_after_fork() -> None:
+    """A forked child starts with no clients: the parent's queue, writer thread and sockets are not
+    its own (a queued item no thread will finish would hold its exit for the flush timeout)."""
+    _REMOTES.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 @atexit.register
