@@ -5,7 +5,8 @@
 
 Every process is fresh, with an empty local disk cache of its own (a new machine, as far as the
 cache goes), and compiles the same model: first, 8 processes one after another, then 4 at once;
-each with a shared redis-server (GJIT_REMOTE_CACHE) and without it. A process reports the time
+each with a shared redis-server (GJIT_REMOTE_CACHE) and without it; with it, the 4 at once run
+twice: on the server the 8 filled, then on an emptied one. A process reports the time
 from the start of its compile to its first output (CPU: the eager fallback runs the graph) and
 whether it compiled (decomposed) or was served by the remote.
 """
@@ -71,12 +72,23 @@ def result(proc: subprocess.Popen) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def fleet(model: str, processes: int, at_once: int, url: str | None, root: str) -> list[dict]:
+def at_once(model: str, count: int, url: str | None, root: str, phase: str) -> list[dict]:
+    procs = [launch(model, os.path.join(root, f"{phase}{k}"), url) for k in range(count)]
+    return [result(p) | {"phase": phase} for p in procs]
+
+
+def fleet(model: str, processes: int, count: int, url: str | None, root: str) -> list[dict]:
+    """`processes` one after another, then `count` at once (with a server: on the server the first
+    phase filled, then again on an emptied one)."""
     runs = []
-    for k in range(processes):  # one after another
+    for k in range(processes):
         runs.append(result(launch(model, os.path.join(root, f"seq{k}"), url)) | {"phase": "sequential"})
-    procs = [launch(model, os.path.join(root, f"par{k}"), url) for k in range(at_once)]
-    runs += [result(p) | {"phase": "at once"} for p in procs]
+    runs += at_once(model, count, url, root, "at once")
+    if url:
+        import redis
+
+        redis.Redis.from_url(url).flushall()
+        runs += at_once(model, count, url, root, "at once, empty server")
     return runs
 
 
@@ -108,8 +120,10 @@ def main() -> None:
     print("| cache | phase | first output s (each process) | median | compiled |")
     print("|---|---|---|---:|---:|")
     for label, runs in table.items():
-        for phase in ("sequential", "at once"):
+        for phase in ("sequential", "at once", "at once, empty server"):
             rs = [r for r in runs if r["phase"] == phase]
+            if not rs:
+                continue
             times = ", ".join(f"{r['first']:.2f}" for r in rs)
             median = statistics.median(r["first"] for r in rs)
             compiled = sum(r["compiled"] for r in rs)
