@@ -124,10 +124,7 @@ def test_a_second_machine_hits_the_remote_and_fills_its_disk(server, tmp_path):
     assert third.get("remote_cache_hits", 0) == 0 and third["disk_cache_hits"] >= 1
 
 
-def test_a_fleet_of_processes(server, tmp_path):
-    """Fresh processes, each with its own disk cache: the first compiles, the others hit the
-    remote; every output matches eager."""
-    script = f"""
+FLEET_PROCESS = f"""
 import json, sys, torch, gjit
 sys.path.insert(0, {os.path.dirname(__file__)!r})
 from test_remote_cache import model, args
@@ -135,38 +132,35 @@ out = gjit.compile(model)(*args())
 torch.testing.assert_close(out, model(*args()))
 print(json.dumps({{k: v for k, v in gjit.stats().items() if isinstance(v, int)}}))
 """
-    results = []
-    for k in range(3):
-        env = dict(os.environ, GJIT_CACHE="1", GJIT_CACHE_DIR=str(tmp_path / f"m{k}"),
-                   GJIT_REMOTE_CACHE=server.url(), GJIT_INTERPRET="1")  # fmt: skip
-        proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def start_process(cache_dir, url: str) -> subprocess.Popen:
+    """A fresh process with a disk cache of its own that compiles `model` (kernels interpreted)."""
+    env = dict(
+        os.environ, GJIT_CACHE="1", GJIT_CACHE_DIR=str(cache_dir), GJIT_REMOTE_CACHE=url, GJIT_INTERPRET="1"
+    )
+    command = [sys.executable, "-c", FLEET_PROCESS]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def counters_of(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_a_fleet_of_processes(server, tmp_path):
+    """Fresh processes, each with its own disk cache: the first compiles, the others hit the
+    remote; every output matches eager."""
+    results = [counters_of(start_process(tmp_path / f"m{k}", server.url())) for k in range(3)]
     assert results[0].get("remote_cache_writes", 0) >= 1 and results[0].get("decompositions", 0) >= 1
     for r in results[1:]:
         assert r.get("remote_cache_hits", 0) >= 1 and r.get("decompositions", 0) == 0, r
 
 
 def test_two_processes_at_once_both_succeed_and_the_value_is_written_once(server, tmp_path):
-    script = f"""
-import json, sys, torch, gjit
-sys.path.insert(0, {os.path.dirname(__file__)!r})
-from test_remote_cache import model, args
-out = gjit.compile(model)(*args())
-torch.testing.assert_close(out, model(*args()))
-print(json.dumps({{k: v for k, v in gjit.stats().items() if isinstance(v, int)}}))
-"""
-    procs = []
-    for k in range(2):
-        env = dict(os.environ, GJIT_CACHE="1", GJIT_CACHE_DIR=str(tmp_path / f"p{k}"),
-                   GJIT_REMOTE_CACHE=server.url(), GJIT_INTERPRET="1")  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
-    results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err[-3000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    procs = [start_process(tmp_path / f"p{k}", server.url()) for k in range(2)]
+    results = [counters_of(proc) for proc in procs]
     keys = stored_keys(server)
     assert sum(r.get("remote_cache_writes", 0) for r in results) == len(keys) >= 1
 

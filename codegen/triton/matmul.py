@@ -65,6 +65,11 @@ class MatmulWriter(KernelWriter):
         self.vars = [self.m_var, self.n_var, self.k_var]  # the tiles' lanes; batch indices are scalars
         self.subst = lambda e: e
 
+    BLOCK = ("[BLOCK_M, BLOCK_N]", "out_mask")
+
+    def lanes_indexed(self, offset_expr: sympy.Expr) -> bool:
+        return {self.m_var, self.n_var} <= offset_expr.free_symbols  # else a size-1 dim of the tile
+
     def kernel_size_symbols(self) -> list[sympy.Symbol]:
         return [s for s in super().kernel_size_symbols() if s not in self.batch_vars]
 
@@ -140,14 +145,11 @@ class MatmulWriter(KernelWriter):
         epilogue = [f"{mv} = rm[:, None]", f"{nv} = rn[None, :]", f"out_mask = ({mv} < M) & ({nv} < N)"]
         for node in self.region.stores:
             out_index = self.space.value_index(self.nodes[node])
-            value = self.node_value(node)
-            if not self.depends_on_index(self.bodies[node]) and node != self.matmul.name:
-                value = f"tl.where(out_mask, {value}, {value})"
             arg = self.out_args.setdefault(node, f"out_ptr{len(self.out_args)}")
             offset_expr = self.layout(node).offset_of(out_index)
-            offset = self.index(offset_expr)
-            if not {self.m_var, self.n_var} <= offset_expr.free_symbols:  # a size-1 dim of the tile
-                offset += ") + (tl.zeros([BLOCK_M, BLOCK_N], tl.int32)"
+            offset, value = self.block_store(
+                offset_expr, self.index(offset_expr), self.node_value(node), self.bodies[node]
+            )
             self.lines.append(f"tl.store({arg} + ({offset}), {value}, out_mask)")
         epilogue += self.lines
 

@@ -329,13 +329,21 @@ class KernelWriter(RegionPlan):
             helpers=[HELPERS[h] for h in sorted(self.helpers)],
         )
 
+    BLOCK = ("[XBLOCK]", "xmask")  # a store's block shape and mask
+
+    def lanes_indexed(self, offset_expr: sympy.Expr) -> bool:
+        """Does a store's offset vary across the whole block (else it is broadcast)?"""
+        return bool(offset_expr.free_symbols & set(self.vars))
+
     def block_store(self, offset_expr: sympy.Expr, offset: str, value: str, body: Expr) -> tuple[str, str]:
-        """A store's offset and value as blocks of XBLOCK: an offset the lanes do not index (a 0-d
-        store, one loaded index) and a value that does not depend on the index are broadcast."""
-        if not offset_expr.free_symbols & set(self.vars):
-            offset += ") + (tl.zeros([XBLOCK], tl.int32)"
+        """A store's offset and value as blocks of the kernel's shape: an offset the lanes do not
+        index (a 0-d store, one loaded index, a size-1 dim of a tile) and a value that does not
+        depend on the index are broadcast."""
+        shape, mask = self.BLOCK
+        if not self.lanes_indexed(offset_expr):
+            offset += f") + (tl.zeros({shape}, tl.int32)"
         if not self.depends_on_index(body):
-            value = f"tl.where(xmask, {value}, {value})"
+            value = f"tl.where({mask}, {value}, {value})"
         return offset, value
 
     def kernel_source(
