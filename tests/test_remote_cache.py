@@ -97,6 +97,7 @@ def compile_on_a_new_machine(tmp_path, name: str, url: str, fn=model):
         out = gjit.compile(fn)(*args())
     torch.testing.assert_close(out, fn(*args()))
     after = gjit.stats()
+    assert after["eager_runs"] == before["eager_runs"], "the call ran eagerly, not compiled"
     return {k: after.get(k, 0) - before.get(k, 0) for k in after if isinstance(after.get(k), int)}
 
 
@@ -130,6 +131,7 @@ sys.path.insert(0, {os.path.dirname(__file__)!r})
 from test_remote_cache import model, args
 out = gjit.compile(model)(*args())
 torch.testing.assert_close(out, model(*args()))
+assert gjit.stats()["eager_runs"] == 0, "the call ran eagerly, not compiled"
 print(json.dumps({{k: v for k, v in gjit.stats().items() if isinstance(v, int)}}))
 """
 
