@@ -63,6 +63,7 @@ class KernelSource:
     # float atomics (a scatter's sums): the order of additions, so the last bits, vary between
     # runs; the entry is guarded on torch's deterministic-algorithms setting being off
     nondeterministic: bool = False
+    num_warps: int = 4  # Triton's default; a template whose tiles need more threads asks for more
 
     @property
     def cache_key(self) -> str:
@@ -92,7 +93,9 @@ def source_line(node: torch.fx.Node) -> str | None:
 
 def kernel_name(region: Region, index: int) -> str:
     ops = "_".join(region.aten_ops()[:6]) or "copy"
-    kind = "scatter" if region.scatter else "scan" if region.scan else "mm" if region.matmul else None
+    kind = "scatter" if region.scatter else "scan" if region.scan else None
+    if region.matmul:
+        kind = "attn" if region.attention else "mm"
     kind = kind or ("red" if region.reduction else "poi")
     return f"gjit_{kind}_fused_{ops}_{index}"
 

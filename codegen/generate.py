@@ -10,6 +10,7 @@ from gjit.codegen.cuda.pointwise import CudaKernelWriter
 from gjit.codegen.cuda.reduction import CudaReductionWriter
 from gjit.codegen.cuda.scan import CudaScanWriter
 from gjit.codegen.cuda.scatter import CudaScatterWriter
+from gjit.codegen.triton.attention import AttentionWriter
 from gjit.codegen.triton.matmul import MatmulWriter
 from gjit.codegen.triton.pointwise import KernelWriter
 from gjit.codegen.triton.reduction import ReductionWriter
@@ -24,6 +25,7 @@ WRITERS = {  # (backend, region kind) -> writer class
     ("triton", "scan"): ScanWriter,
     ("triton", "scatter"): ScatterWriter,
     ("triton", "matmul"): MatmulWriter,
+    ("triton", "attention"): AttentionWriter,
     ("cupy", "pointwise"): CudaKernelWriter,
     ("cupy", "reduction"): CudaReductionWriter,
     ("cupy", "scan"): CudaScanWriter,
@@ -39,7 +41,7 @@ def generate_kernel(
     if region.scatter or region.scan:
         kind = "scatter" if region.scatter else "scan"
     elif region.matmul:
-        kind = "matmul"
+        kind = "attention" if region.attention else "matmul"
     else:
         kind = "reduction" if region.reduction is not None else "pointwise"
     writer = WRITERS[options.backend, kind]

@@ -170,7 +170,7 @@ class RegionPlan:
         **extra,
     ) -> KernelSource:
         """An assembled kernel (of either language) with what it fuses, takes, moves and assumes."""
-        nodes = self.region.inlined + self.region.nodes
+        nodes = self.region.fused_nodes()
         read, written = self.traffic(sympy.Mul(*sizes.values()), sizes["xnumel"])
         return KernelSource(
             name=name,
@@ -234,18 +234,21 @@ class RegionPlan:
             self.assumptions.append((sympy.Lt(span, 2**31), f"int32 offsets: {span} < 2**31"))
         return "int32"
 
-    def key_line(self, signature: dict[str, str], blocks: dict[str, int], launch_blocks: dict) -> str:
+    def key_line(
+        self, signature: dict[str, str], blocks: dict[str, int], launch_blocks: dict, num_warps: int = 4
+    ) -> str:
         """The last header line: what a compiled binary of this kernel is keyed on, its parameter
-        types and block sizes (Triton adds the 16-divisibility of pointers and ints at launch)."""
+        types, block sizes and warps (Triton adds the 16-divisibility of pointers and ints at launch)."""
         params = ", ".join(f"{p}: {t}" for p, t in signature.items() if t != "constexpr")
         sizes = ", ".join(f"{b}={'at launch' if b in launch_blocks else v}" for b, v in blocks.items())
-        return f"cache key: ({params}; {sizes})"
+        warps = f", num_warps={num_warps}" if num_warps != 4 else ""
+        return f"cache key: ({params}; {sizes}{warps})"
 
     def header(self, name: str, numel: sympy.Expr, extra: list[str] = ()) -> list[str]:
         """The kernel's header as plain lines (each printer puts its comment marker in front):
         name, fused ATen nodes, user source lines, iteration space, what it assumes, `extra`
         (the reduction's shape), what it stores."""
-        nodes = self.region.inlined + self.region.nodes
+        nodes = self.region.fused_nodes()
         out = [f"kernel: {name}", "fused ATen nodes:"]
         out += [f"  {n.name} = {n.fx_node.target}  {ir.dtype_str(n.dtype)}{list(n.size)}" for n in nodes]
         lines = unique(source_line(n.fx_node) for n in nodes)

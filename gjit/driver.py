@@ -29,6 +29,7 @@ from gjit.decompose import decompose
 from gjit.fusion import Region, Step, fuse, verify_schedule
 from gjit.guards.builder import input_symbols
 from gjit.ir import LoopGraph
+from gjit.lowering.attention_pattern import match_attention
 from gjit.lowering.graph import lower_graph
 from gjit.lowering.registry import EXTERN_REASONS, LOWERINGS, size_reason
 from gjit.runtime import disk_cache as cache
@@ -84,7 +85,8 @@ class CompiledProgram:
             settings = [(d, t) for t in (template, not template) for d in (current, not current)]
             for deterministic, matmul_template in settings:
                 with _deterministic_algorithms(deterministic):
-                    loop_graph = lower_graph(self.captured.full_graph_module, matmul_template)
+                    gm = self.captured.full_graph_module
+                    loop_graph = match_attention(lower_graph(gm, matmul_template), size_hints(gm))
                     steps = fuse(loop_graph)
                 regions = [s for s in steps if isinstance(s, Region)]
                 for index, region in enumerate(regions):
@@ -143,6 +145,7 @@ DUMPED: dict[str, Callable[[Any], dict[str, str]]] = {
 # Under GJIT_DEBUG, what each pass's result must satisfy before the next pass reads it.
 VERIFIED: dict[str, Callable[..., None]] = {
     "lower": lambda loop_graph, *_: ir.verify(loop_graph),
+    "attention": lambda loop_graph, *_: ir.verify(loop_graph),
     "fuse": lambda steps, loop_graph: verify_schedule(steps, loop_graph),
 }
 
@@ -229,6 +232,8 @@ def compile_graph(
     options = run.options
     # lower: ATen FX graph -> loop IR (views become index expressions, unsupported ops externs)
     loop_graph = run("lower", lower_graph, gm, options.matmul_template)
+    # attention: written-out attention (bmm, scale, mask, softmax, bmm) -> one attention node
+    loop_graph = run("attention", match_attention, loop_graph, size_hints(gm))
     # fuse: loop IR -> regions (one kernel each) and externs, in execution order
     steps = run("fuse", fuse, loop_graph)
     # codegen: each region -> one Triton (or CUDA C) kernel, sizes as arguments

@@ -126,6 +126,23 @@ class Masked(Expr):
 
 
 @dataclasses.dataclass(frozen=True)
+class Score(Expr):
+    """In an `Attention`'s score: the product q . k of the current query and key (float32)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Attention(Expr):
+    """The body of an `AttentionNode`, over its full index (batch..., i, e, j, d): the query's
+    element at (batch..., i, d), the key's at (batch..., j, d), the value's at (batch..., j, e)
+    and the score at (batch..., i, j) as a function of `Score()` (scaling, masks, biases)."""
+
+    query: Expr
+    key: Expr
+    value: Expr
+    score: Expr
+
+
+@dataclasses.dataclass(frozen=True)
 class WriteAt(Expr):
     """The body of a `ScatterNode`: `value` written at element `index` of the node, whose index
     expressions may use symbols bound to data (`indirect`, as in `Read`: the scatter's index)."""
@@ -150,7 +167,7 @@ def free_symbols(expr: Expr) -> set[sympy.Symbol]:
 
     for e in walk(expr):
         for field in dataclasses.fields(e):
-            if field.name in ("args", "body") or (isinstance(e, WriteAt) and field.name == "value"):
+            if isinstance(getattr(e, field.name), Expr):
                 continue  # sub-expressions: walk visits them
             collect(getattr(e, field.name))
     return out
@@ -182,6 +199,8 @@ def children(e: Expr) -> tuple[Expr, ...]:
         return (e.body,)
     if isinstance(e, WriteAt):
         return (e.value, *(value for _, value, _ in e.indirect))
+    if isinstance(e, Attention):
+        return (e.query, e.key, e.value, e.score)
     return ()
 
 
@@ -210,6 +229,8 @@ def substitute(
         elif isinstance(e, WriteAt):
             indirect = tuple((sym, go(value), size) for sym, value, size in e.indirect)
             out = WriteAt(e.dtype, go(e.value), tuple(on_index(i) for i in e.index), indirect)
+        elif isinstance(e, Attention):
+            out = Attention(e.dtype, go(e.query), go(e.key), go(e.value), go(e.score))
         else:
             out = e
         memo[id(e)] = out
@@ -255,6 +276,11 @@ def format_expr(expr: Expr) -> str:
     if isinstance(expr, WriteAt):
         bound = "".join(f", {sym}={format_expr(value)}" for sym, value, _ in expr.indirect)
         return f"at[{', '.join(map(str, expr.index))}{bound}] {format_expr(expr.value)}"
+    if isinstance(expr, Score):
+        return "score"
+    if isinstance(expr, Attention):
+        parts = ("query", "key", "value", "score")
+        return "attention(" + ", ".join(f"{p}={format_expr(getattr(expr, p))}" for p in parts) + ")"
     raise TypeError(type(expr))
 
 
@@ -328,6 +354,22 @@ class MatmulNode(ReduceNode):
     accumulated with tensor-core dots over k, the operands read through their views and cheap
     producers (the prologue), the pointwise nodes that consume the product applied to the tile
     before its store (the epilogue)."""
+
+
+@dataclasses.dataclass
+class AttentionNode(MatmulNode):
+    """softmax(score(Q @ K^T)) @ V without the score matrix in memory: `full_size` is
+    (batch..., L, Ev, S, D), the key (S) and head (D) dims reduced, and `body` an `Attention` with
+    the query, key, value and score expressions over that index. Its region is the attention
+    template (kernels/attention.py): a tile of queries against blocks of keys with an online
+    softmax, the operands read through their views (a grouped-query head through index math),
+    the score's masks and biases on the score tile, the consumers of the output as epilogue.
+    `empty_rows`: what a row whose scores are all -inf gives: "nan" (softmax's 0/0) or "zero"
+    (scaled_dot_product_attention's). `absorbed`: the nodes of a written-out attention it replaces
+    (lowering/attention_pattern.py), named in its kernel's header."""
+
+    empty_rows: str = "nan"
+    absorbed: tuple[ComputeNode, ...] = ()
 
 
 @dataclasses.dataclass

@@ -165,6 +165,8 @@ class WrapperWriter:
             self.lines.append(f"{k} = {expr}")
             blocks[k] = k
         grid = f"(triton.cdiv(xnumel, {blocks['XBLOCK']}),)"
+        if kernel.num_warps != 4:
+            blocks["num_warps"] = str(kernel.num_warps)
         launch = ", ".join(f"{k}={v}" for k, v in blocks.items())
         self.lines.append("if xnumel > 0:")
         self.lines.append(f"    {kernel.name}[{grid}]({', '.join(args + sizes)}, {launch})")

@@ -23,6 +23,7 @@ class MatmulBlocks:
     n: int
     k: int
     group_m: int = 8
+    warps: int = 4
 
     def as_constexprs(self) -> dict[str, int]:
         return {"BLOCK_M": self.m, "BLOCK_N": self.n, "BLOCK_K": self.k, "GROUP_M": self.group_m}
@@ -35,14 +36,14 @@ def _power_of_2(n: int) -> int:
 def matmul_blocks(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulBlocks:
     """Tile sizes for a product of (example) sizes [m x k] @ [k x n] in `dtype`, from a small table
     by shape class: a tile no larger than the product (at least 16, tl.dot's smallest), at most
-    64 x 64 x 16 for float32 and 64 x 128 x 32 for 16-bit operands: at Triton's default 4 warps,
-    those build for sm_90 without spills even when every stride is a size argument
-    (tests/test_aot.py checks it)."""
+    64 x 64 x 16 for float32 (8 warps: float32 dots run on the FMA units, a thread holds more of
+    each tile) and 64 x 128 x 32 for 16-bit operands (Triton's default 4 warps): those build for
+    sm_90 without spills even when every stride is a size argument (tests/test_aot.py checks it)."""
     wide = dtype in (torch.float16, torch.bfloat16)
     block_m = min(64, max(16, _power_of_2(m)))
     block_n = min(128 if wide else 64, max(16, _power_of_2(n)))
     block_k = min(32 if wide else 16, max(16, _power_of_2(k)))
-    return MatmulBlocks(block_m, block_n, block_k)
+    return MatmulBlocks(block_m, block_n, block_k, warps=4 if wide else 8)
 
 
 def tile_order(index_dtype: str, has_batch: bool) -> list[str]:

@@ -602,6 +602,10 @@ class Generator:
                 f"{a}.transpose(-1, -2) @ {a}",
                 f"torch.matmul({a} * 0.5, {a}.mT) + {a}.sum(-1, keepdim=True)",
                 f"torch.relu({a}.mT.contiguous() @ ({a} - 1))",
+                # attention templates: sdpa (causal, a mask), and written out (bmm, softmax, bmm)
+                f"F.scaled_dot_product_attention({a}, {a} * 0.5, {a} + 1, is_causal=True)",
+                f"F.scaled_dot_product_attention({a}, {a}.flip(-2), {a}, attn_mask={a} @ {a}.mT > 0)",
+                f"torch.matmul(torch.softmax(torch.matmul({a}, {a}.mT) * 0.3 - {a}[..., :1], -1), {a}.exp())",
             ]
             return rng.choice(products), (a,), False, False
         r = rng.random()

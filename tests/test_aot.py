@@ -38,7 +38,7 @@ def test_matmul_templates_use_tensor_cores_and_do_not_spill(tmp_path, dtype):
 
     def f(a, b, c, q, k):
         p = (q @ k.transpose(-1, -2)).softmax(-1)
-        return torch.nn.functional.gelu(a @ b + c), p @ k
+        return torch.nn.functional.gelu(a @ b + c), p @ k, p  # p returned: two products, no attention
 
     args = [torch.randn(s, dtype=dtype) for s in ((300, 256), (256, 384), (384,), (2, 40, 64), (2, 40, 64))]
     report = gjit.aot(f, *args, out_dir=str(tmp_path), workers=1)
@@ -49,6 +49,30 @@ def test_matmul_templates_use_tensor_cores_and_do_not_spill(tmp_path, dtype):
         ptx = open(kernel.ptx_path).read()
         tensor_cores = "wgmma.mma_async" in ptx or "mma.sync" in ptx
         assert tensor_cores == (dtype != torch.float32), kernel.name
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_attention_template_uses_tensor_cores_and_does_not_spill(tmp_path, dtype, dim):
+    """The attention template (kernels/attention.py), sdpa with a causal mask and written out with
+    an additive mask: both dots on tensor cores for 16-bit operands, no spills at head dims 64
+    and 128 (Llama's)."""
+
+    def f(q, k, v, mask):
+        written = torch.matmul(q, k.transpose(-1, -2)) * 0.125 + mask
+        written = torch.matmul(written.softmax(-1).to(q.dtype), v)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), written
+
+    q, k, v = (torch.randn(2, 4, 200, dim, dtype=dtype) for _ in range(3))
+    mask = torch.randn(2, 1, 200, 200, dtype=dtype)
+    report = gjit.aot(f, q, k, v, mask, out_dir=str(tmp_path), workers=1)
+    attention = [k for k in report.kernels if k.name.startswith("gjit_attn_")]
+    assert len(attention) == 2, report
+    for kernel in attention:
+        assert not kernel.spills and 0 < kernel.registers <= 255, report
+        ptx = open(kernel.ptx_path).read()
+        tensor_cores = ptx.count("wgmma.mma_async") + ptx.count("mma.sync")
+        assert (tensor_cores >= 2) == (dtype != torch.float32), kernel.name
 
 
 def test_torch_cond_branch_kernels_are_built_too(tmp_path):

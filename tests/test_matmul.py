@@ -139,13 +139,14 @@ def test_epilogue_with_several_outputs_and_the_product_unstored():
 
 
 def test_attention_written_out_reads_the_transposes_in_place():
-    """Eager attention as HF models write it: no clone kernel hands bmm a contiguous copy."""
+    """Eager attention as HF models write it, returning its probabilities (so it stays two
+    products, not an attention kernel): no clone kernel hands bmm a contiguous copy."""
 
     def attention(q, k, v):
         b, s, h, d = q.shape
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        scores = torch.matmul(q, k.transpose(-1, -2)) * 0.25
-        return torch.matmul(scores.softmax(-1), v).transpose(1, 2).reshape(b, s, h * d)
+        probs = (torch.matmul(q, k.transpose(-1, -2)) * 0.25).softmax(-1)
+        return torch.matmul(probs, v).transpose(1, 2).reshape(b, s, h * d), probs
 
     q, k, v = (torch.randn(2, 9, 3, 16) for _ in range(3))
     cm, report = check_matmul(attention, q, k, v)
@@ -192,8 +193,9 @@ def test_a_size_one_row_or_column_read_through_a_view():
     check_matmul(lambda x, w: F.linear(x, w) * 2, torch.randn(1, 1, 8), w)
     check_matmul(lambda x, w: F.linear(x, w[:1]).squeeze(-1) + 1, torch.randn(2, 5, 8), w)
 
-    def attention(q, k, v):
-        return torch.matmul(torch.matmul(q, k.transpose(-1, -2)).mul(0.25).softmax(-1), v)
+    def attention(q, k, v):  # the probabilities returned: two products, not an attention kernel
+        probs = torch.matmul(q, k.transpose(-1, -2)).mul(0.25).softmax(-1)
+        return torch.matmul(probs, v), probs
 
     check_matmul(attention, torch.randn(2, 3, 1, 16), torch.randn(2, 3, 7, 16), torch.randn(2, 3, 7, 16))
 

@@ -25,30 +25,48 @@ TOLERANCE = 1e-4
 
 # Every matmul is a template kernel (kernels/matmul.py), its neighbours fused in: gpt2: 4 Conv1D
 # (addmm) per layer + lm_head (mm); bert: 6 linears per layer + pooler; llama: 7 bias-free linears
-# per layer + lm_head; eager attention adds 2 bmm per layer. nn.TransformerEncoderLayer's
-# in-projection folds the batch dims into one mm, as eager does without autograd. What stays an
-# ATen extern: sdpa (one per layer) and convolution.
+# per layer + lm_head. nn.TransformerEncoderLayer's in-projection folds the batch dims into one mm,
+# as eager does without autograd. Attention is one attention kernel (kernels/attention.py) per
+# layer, written out (eager: bmm, softmax, bmm) or sdpa. What stays an ATen extern: convolution;
+# with the CUDA C backend, every matmul and sdpa too.
 HEAVY_OPS = {"mm", "addmm", "bmm", "convolution", "scaled_dot_product_attention"}
 EXPECTED_HEAVY_EXTERNS = {
     "gpt2-eager": {},
-    "gpt2-sdpa": {"scaled_dot_product_attention": 2},
+    "gpt2-sdpa": {},
     "bert-eager": {},
-    "bert-sdpa": {"scaled_dot_product_attention": 2},
+    "bert-sdpa": {},
     "llama-eager": {},
-    "llama-sdpa": {"scaled_dot_product_attention": 2},
-    "transformer_encoder_layer": {"scaled_dot_product_attention": 1},
+    "llama-sdpa": {},
+    "transformer_encoder_layer": {},
     "conv_bn_relu": {"convolution": 1},
 }
-MATMULS = {  # the matmul ops each model has: template kernels (Triton), externs (CUDA C)
-    "gpt2-eager": {"addmm": 8, "mm": 1, "bmm": 4},
+MATMULS = {  # the matmul ops outside attention: template kernels (Triton), externs (CUDA C)
+    "gpt2-eager": {"addmm": 8, "mm": 1},
     "gpt2-sdpa": {"addmm": 8, "mm": 1},
-    "bert-eager": {"addmm": 13, "bmm": 4},
+    "bert-eager": {"addmm": 13},
     "bert-sdpa": {"addmm": 13},
-    "llama-eager": {"mm": 15, "bmm": 4},
+    "llama-eager": {"mm": 15},
     "llama-sdpa": {"mm": 15},
     "transformer_encoder_layer": {"addmm": 3, "mm": 1},
     "conv_bn_relu": {},
 }
+ATTENTION = {  # attention kernels (Triton); with CUDA C: 2 bmm externs (eager) or an sdpa extern each
+    "gpt2-eager": ("bmm", 2),
+    "gpt2-sdpa": ("scaled_dot_product_attention", 2),
+    "bert-eager": ("bmm", 2),
+    "bert-sdpa": ("scaled_dot_product_attention", 2),
+    "llama-eager": ("bmm", 2),
+    "llama-sdpa": ("scaled_dot_product_attention", 2),
+    "transformer_encoder_layer": ("scaled_dot_product_attention", 1),
+    "conv_bn_relu": ("", 0),
+}
+
+
+def extern_attention(name: str) -> dict[str, int]:
+    """The externs a model's attention is without templates."""
+    op, count = ATTENTION[name]
+    return {op: count * (2 if op == "bmm" else 1)} if count else {}
+
 
 # Ops without a lowering yet that may still run as externs; anything else (softmax, layer_norm,
 # mean, pointwise math, ...) must be inside a generated kernel.
@@ -129,12 +147,15 @@ def check_model(name: str, record_property) -> tuple[gjit.CompiledFunction, tupl
     extern_ops = collections.Counter(short(e.op) for e in report.externs)
     heavy = {op: n for op, n in extern_ops.items() if op in HEAVY_OPS}
     templates = gjit.config.matmul == "template" and gjit.config.backend == "triton"
-    expected = EXPECTED_HEAVY_EXTERNS[name] | ({} if templates else MATMULS[name])
+    expected = EXPECTED_HEAVY_EXTERNS[name] | ({} if templates else MATMULS[name] | extern_attention(name))
     assert heavy == expected, report
     unexpected = set(extern_ops) - HEAVY_OPS - TOLERATED_EXTERNS
     assert not unexpected, f"ops that should be lowered ran as externs: {unexpected}\n{report}"
     matmuls = [k for k in cm.entries[0].program.kernels if k.name.startswith("gjit_mm_")]
     assert len(matmuls) == (sum(MATMULS[name].values()) if templates else 0), report
+    attention = [k for k in report.kernels if k.name.startswith("gjit_attn_")]
+    assert len(attention) == (ATTENTION[name][1] if templates else 0), report
+    matmuls += [k for k in cm.entries[0].program.kernels if k.name.startswith("gjit_attn_")]
     # no kernel only copies a tensor for a matmul: the template reads the operand's view itself
     operands = {a for k in matmuls for a in k.in_args}
     copies = [k.name for k in report.kernels if k.name.startswith("gjit_poi_fused_clone_")]
@@ -158,7 +179,7 @@ def test_gpt2_loss_gathers_from_the_logits_and_never_writes_log_softmax():
     fn = lambda ids, labels: model(ids, labels=labels).loss
     cm, report, errors = compile_against_eager("gpt2-loss", fn, (ids, labels))
     assert max(errors) < TOLERANCE, f"max |gjit - eager| / max |eager| = {max(errors):.2e}"
-    assert {short(e.op) for e in report.externs} == {"scaled_dot_product_attention"}
+    assert not report.externs, report  # attention is a kernel too
     stores = [set(k.source.split("# stores: ")[1].split("\n")[0].split(", ")) for k in report.kernels]
     assert {"_log_softmax_max", "_log_softmax_sum"} in stores
     assert not any("_log_softmax" in s for s in stores)

@@ -29,7 +29,8 @@ def compile_kernel(kernel: KernelSource, path: str, arch: int = 90, aligned: boo
     source = triton.compiler.ASTSource(
         fn=fn, signature=dict(kernel.signature), constexprs=dict(kernel.blocks), attrs=attrs
     )
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32))
+    options = {"num_warps": kernel.num_warps} if kernel.num_warps != 4 else None
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 _warm_up: threading.Thread | None = None

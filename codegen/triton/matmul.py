@@ -173,4 +173,5 @@ class MatmulWriter(KernelWriter):
             blocks={"XBLOCK": 1, **blocks.as_constexprs()},
             index_dtype=index_dtype,
             helpers=[HELPERS[h] for h in sorted(self.helpers)],
+            num_warps=blocks.warps,
         )

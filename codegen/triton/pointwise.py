@@ -368,7 +368,9 @@ class KernelWriter(RegionPlan):
         signature |= {p: int_type for p in params[len(signature) :]}
         signature |= {b: "constexpr" for b in blocks}
         constexprs = [f"{b}: tl.constexpr" for b in blocks]
-        key = comment([self.key_line(signature, blocks, extra.get("launch_blocks", {}))])
+        key = comment(
+            [self.key_line(signature, blocks, extra.get("launch_blocks", {}), extra.get("num_warps", 4))]
+        )
         source = "\n".join(
             [*header, *key, *helpers]
             + [self.decorator, f"def {name}({', '.join(params + constexprs)}):"]

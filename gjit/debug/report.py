@@ -16,7 +16,7 @@ from gjit.capture import size_hints
 from gjit.debug.byte_model import Traffic, traffic
 from gjit.decompose import DECOMPOSED_FROM
 from gjit.fusion import Region
-from gjit.ir import ExternNode, MatmulNode
+from gjit.ir import AttentionNode, ExternNode, MatmulNode
 
 if TYPE_CHECKING:  # the driver makes the program a report describes
     from gjit.driver import CompiledProgram
@@ -132,7 +132,10 @@ def build_report(entry: Any, sizes: tuple = ()) -> Report:
     )
 
 
-MATMUL_OPS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default")
+MATMUL_OPS = (
+    *("aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default"),
+    "aten.scaled_dot_product_attention.default",
+)
 
 
 def matmul_lines(steps: list) -> list[str]:
@@ -146,7 +149,12 @@ def matmul_lines(steps: list) -> list[str]:
             node = next(n for n in step.nodes if isinstance(n, MatmulNode))
             others = [n.name for n in step.inlined + step.nodes if n is not node]
             fused = f", with {', '.join(others)} fused in" if others else ""
-            out.append(f"{node.name} ({node.fx_node.target}): template kernel {step.name}{fused}")
+            kind = "template kernel"
+            if isinstance(node, AttentionNode):
+                kind = "attention kernel"
+                if node.absorbed:  # written out: name what the one node stands for
+                    kind += f" (written out: {', '.join(n.name for n in node.absorbed)} and {node.name})"
+            out.append(f"{node.name} ({node.fx_node.target}): {kind} {step.name}{fused}")
     return out
 
 

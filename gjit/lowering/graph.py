@@ -22,6 +22,7 @@ from gjit.ir import Expr, Index
 
 # the lowering modules register their functions on import
 from gjit.lowering import (  # noqa: F401 - each registers its lowerings
+    attention,
     copies,
     indexing,
     matmul,
@@ -150,6 +151,18 @@ class Lowering:
         )
         self.nodes.append(node)
         return TensorValue(name, layout.size, layout.dtype)
+
+    def attention(
+        self, body: ir.Attention, full_size: Index, layout: ir.Layout, empty_rows: str
+    ) -> TensorValue:
+        """Make an AttentionNode over (batch..., L, Ev, S, D): `body` over `index_vars` of that."""
+        reduced = (len(full_size) - 2, len(full_size) - 1)
+        node = ir.AttentionNode(
+            self.node.name, layout, body, self.node, self.aten_name, tuple(full_size), reduced, "sum", False,
+            empty_rows,
+        )  # fmt: skip
+        self.nodes.append(node)
+        return TensorValue(node.name, layout.size, layout.dtype)
 
     def scan(
         self, body_fn: Callable[[Index], Expr], dim: int, scan_type: str, layout: ir.Layout, suffix: str = ""

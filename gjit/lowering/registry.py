@@ -41,7 +41,6 @@ LOWERINGS: dict[torch._ops.OpOverload, Callable] = {}
 # Ops that are always externs, with the reason shown in `gjit.explain(...).externs`.
 EXTERN_REASONS: dict[torch._ops.OpOverload, str] = {
     aten.convolution.default: "convolution runs as an ATen extern",
-    aten.scaled_dot_product_attention.default: "attention runs as an ATen extern",
 }
 
 # Ops that only check metadata in the graph: guards already cover what they assert.

@@ -1,0 +1,174 @@
+"""Triton codegen of an attention region: the template of kernels/attention.py filled with it.
+
+The region (fusion) is one `AttentionNode` over (batch..., L, Ev, S, D) and the pointwise nodes
+over its output (batch..., L, Ev) that consume it. Its `Attention` body gives four expressions,
+each printed with the index variables of its tile: the query with i and d as [BLOCK_M, 1] and
+[1, BLOCK_D], the key with d and j as [BLOCK_D, 1] and [1, BLOCK_N], the score with i and j as
+the score block's rows and columns (`Score()` is the dot `qk`), the value with j and e as
+[BLOCK_N, 1] and [1, BLOCK_E]. Views and inlined producers (a rotary embedding, the copy that
+repeats grouped key/value heads) become the loads' index math and the work on the loaded tile.
+The epilogue is printed with i and e as the output tile's rows and columns.
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+
+from gjit import ir
+from gjit.codegen.common import KernelSource, hint
+from gjit.codegen.triton.matmul import MatmulWriter
+from gjit.codegen.triton.pointwise import TL_DTYPES, comment
+from gjit.ir import Expr, Op, Score
+from gjit.kernels.attention import attention_blocks, template, tile_order
+from gjit.kernels.triton_helpers import HELPERS
+
+
+def dot_operands(*operands: Expr) -> tuple[torch.dtype, tuple[Expr, ...]]:
+    """The dtype a dot multiplies `operands` in, and the operands to load: 16-bit when each is
+    that dtype or a float32 cast of it (the cast is left to the dot: tensor cores multiply 16-bit
+    values exactly into the float32 accumulator), else float32."""
+    inner = [e.args[0] if isinstance(e, Op) and e.name == "to_dtype" else e for e in operands]
+    dtypes = {e.dtype for e in inner}
+    if len(dtypes) == 1 and dtypes <= {torch.float16, torch.bfloat16}:
+        return dtypes.pop(), tuple(inner)
+    return torch.float32, operands
+
+
+class AttentionWriter(MatmulWriter):
+    """Prints an attention region's kernel from the template."""
+
+    def __init__(self, region, graph, hints, options):
+        super().__init__(region, graph, hints, options)
+        c = self.space.vars
+        self.batch_vars = list(c[:-4])
+        self.i_var, self.e_var, self.j_var, self.d_var = c[-4:]
+        self.vars = [self.i_var, self.e_var, self.j_var, self.d_var]
+        self.tile_vars: set[sympy.Symbol] = set()  # every tile's index variables (see `tile`)
+
+    def kernel_size_symbols(self) -> list[sympy.Symbol]:
+        return [s for s in super().kernel_size_symbols() if s not in self.tile_vars]
+
+    BLOCK = ("[BLOCK_M, BLOCK_E]", "out_mask")
+
+    def lanes_indexed(self, offset_expr: sympy.Expr) -> bool:
+        return set(self.vars) <= offset_expr.free_symbols  # the output tile's; else a size-1 dim of it
+
+    def emit(self, e: Expr) -> str:
+        if isinstance(e, Score):
+            return "qk"
+        return super().emit(e)
+
+    def node_value(self, name: str) -> str:
+        if name == self.matmul.name and name not in self.values:
+            out = "out" if self.matmul.dtype == torch.float32 else f"out.to({TL_DTYPES[self.matmul.dtype]})"
+            self.values[name] = self.tmp(("out",), out)
+        return super().node_value(name)
+
+    def tile(
+        self, tag: str, shape: str, rows: tuple[sympy.Symbol, str, str], cols: tuple[sympy.Symbol, str, str]
+    ):
+        """A scope over a tile: `rows` and `cols` are (variable, its lanes, its bound). Its index
+        variables get the tile's tag (c4_k, c4_v): Triton wants a name to keep its shape through
+        the loop, and the key dim is a column of the key tile but a row of the value tile."""
+        mask = f"{tag}_mask"
+        self.scope(mask, shape)
+        (rv, rl, rb), (cv, cl, cb) = rows, cols
+        names = {v: sympy.Symbol(f"{v.name}_{tag}", integer=True, nonnegative=True) for v in (rv, cv)}
+        self.subst = lambda e: sympy.sympify(e).xreplace(names)
+        self.vars = [*names.values()]
+        self.tile_vars |= set(self.vars)
+        r, c = names[rv].name, names[cv].name
+        return [f"{r} = {rl}[:, None]", f"{c} = {cl}[None, :]", f"{mask} = ({r} < {rb}) & ({c} < {cb})"]
+
+    def generate(self, name: str) -> KernelSource:
+        full = self.space.full
+        batch, (length, dim_v, keys, dim) = full[:-4], full[-4:]
+        out_numel = sympy.Mul(*batch, length, dim_v)
+        index_dtype = self.pick_index_dtype(sympy.Mul(*batch, sympy.Max(length, keys), sympy.Max(dim, dim_v)))
+        body: ir.Attention = self.bodies[self.matmul.name]
+        dtype, (query_value, key_value) = dot_operands(body.query, body.key)
+        value_dtype, (value_value,) = dot_operands(body.value)
+        blocks = attention_blocks(
+            hint(length, self.hints),
+            hint(keys, self.hints),
+            hint(dim, self.hints),
+            hint(dim_v, self.hints),
+            dtype,
+        )
+        for size, block in ((dim, blocks.d), (dim_v, blocks.e)):
+            fits = (sympy.Le(size, block), f"the head dim {size} <= {block} (one tile)")
+            if not sympy.sympify(size).is_number and fits not in self.assumptions:  # a dynamic head dim
+                self.assumptions.append(fits)
+        wide = ".to(tl.int64)" if index_dtype == "int64" else ""
+        lanes_d, lanes_e = f"tl.arange(0, BLOCK_D){wide}", f"tl.arange(0, BLOCK_E){wide}"
+        i, e, j, d = self.i_var, self.e_var, self.j_var, self.d_var
+
+        head = [f"L = {self.index(length)}", f"S = {self.index(keys)}", f"D = {self.index(dim)}"]
+        head += [f"EV = {self.index(dim_v)}", *tile_order(index_dtype)]
+        if index_dtype == "int64":
+            head.append("rm = rm.to(tl.int64)")
+        for k, var in enumerate(self.batch_vars):
+            inner = sympy.Mul(*batch[k + 1 :]) if k + 1 < len(batch) else sympy.Integer(1)
+            expr = f"batch // ({self.index(inner)})" if inner != 1 else "batch"
+            head.append(f"{var} = ({expr}) % ({self.index(batch[k])})" if k > 0 else f"{var} = {expr}")
+
+        query = self.tile("q", "[BLOCK_M, BLOCK_D]", (i, "rm", "L"), (d, lanes_d, "D"))
+        value = self.emit(query_value)
+        query += [*self.lines, f"q = tl.where(q_mask, {value}, 0.0).to({TL_DTYPES[dtype]})"]
+
+        key = self.tile("k", "[BLOCK_D, BLOCK_N]", (d, lanes_d, "D"), (j, f"rn{wide}", "S"))
+        value = self.emit(key_value)
+        key += [*self.lines, f"k = tl.where(k_mask, {value}, 0.0).to({TL_DTYPES[dtype]})"]
+
+        score = self.tile("s", "[BLOCK_M, BLOCK_N]", (i, "rm", "L"), (j, f"rn{wide}", "S"))
+        value = self.emit(body.score)
+        # keys past the end take no part; a query row past the end is finite garbage, not stored
+        score += [*self.lines, f"s = tl.where({j.name}_s < S, {value}, float('-inf'))"]
+
+        vals = self.tile("v", "[BLOCK_N, BLOCK_E]", (j, f"rn{wide}", "S"), (e, lanes_e, "EV"))
+        value = self.emit(value_value)
+        vals += [*self.lines, f"v = tl.where(v_mask, {value}, 0.0).to({TL_DTYPES[value_dtype]})"]
+
+        epilogue = self.tile("out", "[BLOCK_M, BLOCK_E]", (i, "rm", "L"), (e, lanes_e, "EV"))
+        for node in self.region.stores:
+            out_index = self.space.value_index(self.nodes[node])
+            arg = self.out_args.setdefault(node, f"out_ptr{len(self.out_args)}")
+            offset_expr = self.subst(self.layout(node).offset_of(out_index))
+            offset, stored = self.block_store(
+                offset_expr, self.index(offset_expr), self.node_value(node), self.bodies[node]
+            )
+            self.lines.append(f"tl.store({arg} + ({offset}), {stored}, out_mask)")
+        epilogue += self.lines
+
+        ieee = ', input_precision="ieee"'
+        lines = template(
+            head, query, key, score, vals,
+            (ieee if dtype == torch.float32 else "", ieee if value_dtype == torch.float32 else ""),
+            TL_DTYPES[value_dtype], self.matmul.empty_rows, epilogue,
+        )  # fmt: skip
+        programs = sympy.Mul(*batch, (length + blocks.m - 1) // blocks.m)  # sympy floor: integer math
+        dims = f"[{', '.join(map(str, batch))}{', ' if batch else ''}{length} x {dim}]"
+        extra = [
+            f"attention template (kernels/attention.py): queries {dims} against {keys} keys "
+            f"(value head dim {dim_v}), {blocks.m} queries per program ({blocks.warps} warps), keys in steps "
+            f"of {blocks.n}, "
+            f"online softmax in float32, tl.dot on {ir.dtype_str(dtype)} tiles"
+            + (" (IEEE float32, no TF32)" if dtype == torch.float32 else ""),
+            "a row with every score masked gives "
+            + (
+                "zeros (as scaled_dot_product_attention)"
+                if self.matmul.empty_rows == "zero"
+                else "NaN (as softmax)"
+            ),
+        ]
+        return self.kernel_source(
+            name,
+            header=comment(self.header(name, out_numel, extra)),
+            body=lines,
+            sizes={"xnumel": programs},
+            blocks={"XBLOCK": 1, **blocks.as_constexprs()},
+            index_dtype=index_dtype,
+            helpers=[HELPERS[h] for h in sorted(self.helpers)],
+            num_warps=blocks.warps,
+        )
