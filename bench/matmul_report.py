@@ -40,7 +40,10 @@ def measure(name: str, setting: str) -> dict:
 
 
 def main() -> None:
-    head = "| model | kernels + externs (aten -> template) | matmul / attention kernels | copy kernels | bytes / ideal |"
+    head = (
+        "| model | kernels + externs (aten -> template) | matmul / attention kernels | copy kernels "
+        "| bytes / ideal |"
+    )
     print(head)
     print("|---|---|---:|---|---|")
     for name in MODELS:

@@ -172,8 +172,8 @@ class Config:
     matmul = _Knob(
         "GJIT_MATMUL",
         _env_str("GJIT_MATMUL", lambda: "template"),
-        "matmuls: template (a generated tensor-core kernel with operand views and the consuming "
-        "pointwise work fused in; the Triton backend) | aten (ATen externs)",
+        "matmuls and attention: template (generated tensor-core kernels with operand views and the "
+        "consuming pointwise work fused in; the Triton backend) | aten (ATen externs)",
     )
     persistent_max = _Knob(
         "GJIT_PERSISTENT_MAX",

@@ -35,6 +35,7 @@ from gjit.lowering.registry import EXTERN_REASONS, LOWERINGS, size_reason
 from gjit.runtime import disk_cache as cache
 from gjit.runtime import program_store
 from gjit.runtime.graph import CompiledGraph
+from gjit.statistics import absorb_row_statistics
 from gjit.stats import timed
 from gjit.wrapper import WrapperWriter
 
@@ -87,7 +88,7 @@ class CompiledProgram:
                 with _deterministic_algorithms(deterministic):
                     gm = self.captured.full_graph_module
                     loop_graph = match_attention(lower_graph(gm, matmul_template), size_hints(gm))
-                    steps = fuse(loop_graph)
+                    steps = absorb_row_statistics(fuse(loop_graph), loop_graph)
                 regions = [s for s in steps if isinstance(s, Region)]
                 for index, region in enumerate(regions):
                     region.name = kernel_name(region, index)  # as codegen named it
@@ -147,6 +148,7 @@ VERIFIED: dict[str, Callable[..., None]] = {
     "lower": lambda loop_graph, *_: ir.verify(loop_graph),
     "attention": lambda loop_graph, *_: ir.verify(loop_graph),
     "fuse": lambda steps, loop_graph: verify_schedule(steps, loop_graph),
+    "statistics": lambda steps, _, loop_graph: verify_schedule(steps, loop_graph),
 }
 
 
@@ -236,6 +238,8 @@ def compile_graph(
     loop_graph = run("attention", match_attention, loop_graph, size_hints(gm))
     # fuse: loop IR -> regions (one kernel each) and externs, in execution order
     steps = run("fuse", fuse, loop_graph)
+    # statistics: a norm's per-row sums into the prologues of the matmuls that alone read them
+    steps = run("statistics", absorb_row_statistics, steps, loop_graph)
     # codegen: each region -> one Triton (or CUDA C) kernel, sizes as arguments
     kernels = run("codegen", generate_kernels, steps, loop_graph, size_hints(gm), options)
     # wrapper: the schedule -> one Python call function

@@ -60,6 +60,8 @@ class Region:
     inlined: list[ComputeNode]  # nodes recomputed inside this region
     name: str = ""  # the kernel name, given by codegen
     reduction: ReductionSpace | None = None  # None: a pointwise region
+    # a matmul's: the region of per-row statistics its prologue computes (gjit/statistics.py)
+    row_statistics: Region | None = None
 
     @property
     def size(self) -> ir.Index:
@@ -89,7 +91,8 @@ class Region:
     def fused_nodes(self) -> list[ComputeNode]:
         """Every node the kernel computes: inlined, absorbed into an attention node, its own."""
         absorbed = [a for n in self.nodes for a in getattr(n, "absorbed", ())]
-        return self.inlined + absorbed + self.nodes
+        statistics = self.row_statistics.fused_nodes() if self.row_statistics else []
+        return statistics + self.inlined + absorbed + self.nodes
 
     def aten_ops(self) -> list[str]:
         seen: list[str] = []
@@ -486,7 +489,11 @@ def verify_schedule(steps: list[Step], graph: LoopGraph) -> None:
         if not set(step.stores) <= members:
             fail(f"{step.name} stores {step.stores}: not its own")
         inlined = {n.name for n in step.inlined}
-        for body in step.bodies.values():
+        bodies = list(step.bodies.values())
+        if step.row_statistics is not None:  # computed in the prologue from what it reads
+            inlined |= {n.name for n in step.row_statistics.fused_nodes()}
+            bodies += list(step.row_statistics.bodies.values())
+        for body in bodies:
             for r in ir.reads(body):
                 if not (ir.resolve(graph, r.name) in available or r.name in members or r.name in inlined):
                     fail(f"{step.name or 'a region'} reads {r.name} before any step stores it")

@@ -134,3 +134,19 @@ def test_a_daemonic_process_builds_in_process(tmp_path):
     result = queue.get(timeout=300)
     child.join(timeout=60)
     assert result == 2, result
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_norm_statistics_in_a_matmul_prologue_do_not_spill(tmp_path, dtype):
+    """A layer norm's statistics computed in the next linear's prologue (gjit/statistics.py), at a
+    GPT-2-small width: no spills, and the 16-bit product still on tensor cores."""
+    from test_matmul import NormLinear
+
+    model = NormLinear(768, 2304, "layer").eval().to(dtype)
+    with torch.no_grad():
+        report = gjit.aot(model, torch.randn(4, 100, 768, dtype=dtype), out_dir=str(tmp_path), workers=1)
+    assert len(report.kernels) == 2, report  # the residual's matmul, the linear with the statistics
+    for kernel in report.kernels:
+        assert not kernel.spills and 0 < kernel.registers <= 255, report
+        ptx = open(kernel.ptx_path).read()
+        assert ("wgmma.mma_async" in ptx or "mma.sync" in ptx) == (dtype != torch.float32), kernel.name

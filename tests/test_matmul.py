@@ -233,3 +233,43 @@ def test_int64_offsets_reach_the_k_index():
     out, cm = run_compiled(torch.mm, lhs, rhs)
     assert torch.equal(out, lhs @ rhs)
     assert cm.entries[0].program.kernels[0].index_dtype == "int64"
+
+
+class NormLinear(torch.nn.Module):
+    """A residual from a matmul's epilogue, a norm, a linear: the norm's statistics are computed in
+    the linear's prologue (gjit/statistics.py), so there is no statistics kernel."""
+
+    def __init__(self, hidden, out, norm):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(hidden, hidden), torch.nn.Linear(hidden, out)
+        self.norm = torch.nn.LayerNorm(hidden) if norm == "layer" else torch.nn.RMSNorm(hidden, eps=1e-6)
+        with torch.no_grad():  # weights that are not the identity
+            for p in self.norm.parameters():
+                p.uniform_(0.5, 1.5)
+
+    def forward(self, x):
+        h = self.a(x) + x
+        return self.b(self.norm(h)), h
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("rows,hidden", [(1, 8), (7, 40), (33, 64)])
+def test_norm_statistics_in_the_matmul_prologue(dtype, norm, rows, hidden):
+    model = NormLinear(hidden, 24, norm).eval().to(dtype)
+    x = torch.randn(1, rows, hidden, dtype=dtype)
+    with torch.no_grad():
+        cm, report = check_matmul(model, x, kernels=2, reference_fn=copy.deepcopy(model).double())
+    (kernel,) = [k for k in report.kernels if "row statistics" in k.source]
+    assert any("norm" in n or "mean" in n for n in kernel.aten_nodes), kernel.aten_nodes
+
+
+def test_statistics_read_elsewhere_keep_their_kernel():
+    """The mean is also returned: the statistics kernel stays (and stores it)."""
+
+    def fn(h, w):
+        mean = h.mean(-1, keepdim=True)
+        return F.linear(h - mean, w), mean
+
+    _, report = check_matmul(fn, torch.randn(5, 16), torch.randn(8, 16), kernels=2)
+    assert not any("row statistics" in k.source for k in report.kernels)

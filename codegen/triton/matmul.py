@@ -20,9 +20,10 @@ from gjit.codegen.common import KernelSource, hint
 from gjit.codegen.triton.pointwise import TL_DTYPES, KernelWriter, comment
 from gjit.config import CompileOptions
 from gjit.fusion import Region
-from gjit.ir import Expr, MatmulNode, Op, Read
+from gjit.ir import Expr, MatmulNode, Op, Read, ReduceNode
 from gjit.kernels.matmul import matmul_blocks, template, tile_order
 from gjit.kernels.triton_helpers import HELPERS
+from gjit.statistics import row_index
 
 
 def operands(body: Expr) -> tuple[Expr, Expr]:
@@ -64,6 +65,8 @@ class MatmulWriter(KernelWriter):
         self.m_var, self.n_var, self.k_var = c[-3:]
         self.vars = [self.m_var, self.n_var, self.k_var]  # the tiles' lanes; batch indices are scalars
         self.subst = lambda e: e
+        self.row_values: dict[str, str] = {}  # row statistics computed before the k loop
+        self.row: tuple = ()
 
     BLOCK = ("[BLOCK_M, BLOCK_N]", "out_mask")
 
@@ -74,6 +77,62 @@ class MatmulWriter(KernelWriter):
         return [s for s in super().kernel_size_symbols() if s not in self.batch_vars]
 
     # -- values -----------------------------------------------------------------------------------
+
+    def read(self, r: Read) -> str:
+        stats = self.region.row_statistics
+        if r.name in self.row_values:
+            node = next(n for n in stats.nodes if n.name == r.name)
+            assert row_index(node, r.index, stats.reduction.reduced[0]) == self.row, r
+            return self.row_values[r.name]
+        return super().read(r)
+
+    def statistics(self, index_dtype: str) -> list[str]:
+        """The row statistics the left operand reads (gjit/statistics.py), before the k loop: a
+        loop over each row's elements per sum, then the per-row nodes, each [BLOCK_M, 1]."""
+        stats = self.region.row_statistics
+        if stats is None:
+            return []
+        (reduced,) = stats.reduction.reduced
+        members = {n.name: n for n in stats.nodes}
+        lhs = operands(self.bodies[self.matmul.name])[0]
+        rows = {row_index(members[r.name], r.index, reduced) for r in ir.reads(lhs) if r.name in members}
+        (self.row,) = rows
+        r_var = sympy.Symbol("r_stat", integer=True, nonnegative=True)
+        self.vars.append(r_var)
+        mv = self.m_var.name
+        lines = ["# row statistics (prologue): " + ", ".join(members) + ", per row of the left operand"]
+        lines += [f"{mv} = rm[:, None]", f"row_mask = {mv} < M"]
+        wide = ".to(tl.int64)" if index_dtype == "int64" else ""
+        for node in stats.nodes:
+            iv = ir.index_vars(len(node.full_size if isinstance(node, ReduceNode) else node.size))
+            kept = [v for k, v in enumerate(iv) if k != reduced]
+            keep = len(iv) > len(self.row)
+            mapping = dict(zip(kept if keep else iv, self.row))
+            if keep:
+                mapping[iv[reduced]] = r_var if isinstance(node, ReduceNode) else sympy.Integer(0)
+            body = ir.substitute(
+                stats.bodies[node.name], lambda r: r, lambda e, m=mapping: sympy.sympify(e).xreplace(m)
+            )
+            var = f"row{len(self.row_values)}"
+            if isinstance(node, ReduceNode):
+                self.scope("stat_mask", "[BLOCK_M, BLOCK_K]")
+                value = self.emit(body)
+                lines += [
+                    f"{var}_acc = tl.zeros([BLOCK_M, BLOCK_K], {TL_DTYPES[node.dtype]})",
+                    f"for r0 in range(0, {self.index(node.full_size[reduced])}, BLOCK_K):",
+                    f"    {mv} = rm[:, None]",
+                    f"    r_stat = (r0 + tl.arange(0, BLOCK_K)){wide}[None, :]",
+                    f"    stat_mask = ({mv} < M) & (r_stat < {self.index(node.full_size[reduced])})",
+                    *(f"    {ln}" for ln in self.lines),
+                    f"    {var}_acc += tl.where(stat_mask, {value}, 0.0)",
+                    f"{var} = tl.sum({var}_acc, 1)[:, None]  # {node.name}",
+                ]
+            else:
+                self.scope("row_mask", "[BLOCK_M, 1]")
+                value = self.emit(body)
+                lines += [*self.lines, f"{var} = {value}  # {node.name}"]
+            self.row_values[node.name] = var
+        return lines
 
     def in_registers(self, r: Read) -> bool:
         return r.name in self.bodies and r.index == self.space.value_index(self.nodes[r.name])
@@ -126,6 +185,7 @@ class MatmulWriter(KernelWriter):
             inner = sympy.Mul(*batch[j + 1 :]) if j + 1 < len(batch) else sympy.Integer(1)
             expr = f"batch // ({self.index(inner)})" if inner != 1 else "batch"
             head.append(f"{var} = ({expr}) % ({self.index(batch[j])})" if j > 0 else f"{var} = {expr}")
+        head += self.statistics(index_dtype)
 
         mv, nv, kv = self.m_var.name, self.n_var.name, self.k_var.name
         self.scope("lhs_mask", "[BLOCK_M, BLOCK_K]")
