@@ -56,6 +56,8 @@ def attention_blocks(queries: int, keys: int, dim: int, dim_v: int, dtype: torch
     d, e = max(16, _power_of_2(dim)), max(16, _power_of_2(dim_v))
     wide = "16-bit" if dtype in (torch.float16, torch.bfloat16) else "float32"
     _, block_m, block_n, warps = next(t for t in TILES[wide] if max(d, e) <= t[0])
+    if queries <= 16 and wide == "16-bit":  # a decode step's few queries: fewer threads
+        warps = 4
     block_m = min(block_m, max(16, _power_of_2(queries)))
     block_n = min(block_n, max(16, _power_of_2(keys)))
     return AttentionBlocks(block_m, block_n, d, e, warps)
@@ -93,7 +95,8 @@ def template(
     taken against 0 instead (exp(-inf) = 0, never -inf - -inf = NaN), so it adds nothing. A row
     masked to the end has l_i = 0: 0/0 = NaN, as softmax gives, or zeros where `empty_rows` is
     "zero", as scaled_dot_product_attention gives. A NaN score makes its row NaN, as in eager."""
-    finish = "out = acc / tl.where(rm < L, l_i, 1.0)[:, None]"  # rows past the end are not stored
+    # rows past the end are not stored; with no keys at all the product is 0, as eager's
+    finish = "out = acc / tl.where((rm < L) & (S > 0), l_i, 1.0)[:, None]"
     if empty_rows == "zero":  # acc is 0 where l_i is
         finish = "out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]"
     return [

@@ -22,7 +22,8 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def check_attention(fn, *args, attention=1, kernels=None, externs=0):
-    """Run `fn` compiled, compare every output with eager and float64; `attention` kernels ran."""
+    """Run `fn` compiled, compare every output with eager and float64; `attention` kernels ran
+    (None: any number)."""
     expected = fn(*args)
     out, cm = run_compiled(fn, *args)
     reference = fn(*upcast(args))
@@ -33,7 +34,8 @@ def check_attention(fn, *args, attention=1, kernels=None, externs=0):
         assert_same(a, e, r)
     report = gjit.explain(cm, *args)
     names = [k.name for k in report.kernels]
-    assert sum(n.startswith("gjit_attn_") for n in names) == attention, report
+    if attention is not None:
+        assert sum(n.startswith("gjit_attn_") for n in names) == attention, report
     assert len(report.externs) == externs, report
     if kernels is not None:
         assert len(names) == kernels, report
@@ -280,3 +282,43 @@ def test_explain_names_the_absorbed_nodes():
     assert any("_softmax" in n for n in kernel.aten_nodes) and any("bmm" in n for n in kernel.aten_nodes)
     assert "attention template (kernels/attention.py)" in kernel.source
     assert any("attention" in line for line in report.matmuls), report.matmuls
+
+
+def test_not_attention_when_the_probabilities_are_sliced_or_rounded():
+    """A softmax over more keys than the product sums, or probabilities cast through bool, int or
+    a narrower float than the values: two matmuls and a softmax, exact as eager."""
+    mm = torch.matmul
+    q, k, v = qkv(1, 2, 5, 5, 16, torch.float32)
+    sliced = lambda q, k, v: mm(mm(q, k.transpose(-1, -2)).softmax(-1)[..., :3], v[:, :, :3])
+    check_attention(sliced, q, k, v, attention=0)
+    for cast in (
+        lambda p: p.to(torch.bool).to(p.dtype),
+        lambda p: p.to(torch.int32).to(p.dtype),
+        lambda p: p.half().to(p.dtype),
+    ):
+        fn = lambda q, k, v, cast=cast: mm(cast(mm(q, k.transpose(-1, -2)).softmax(-1)), v)
+        check_attention(fn, q, k, v, attention=0)
+
+
+def test_not_attention_when_the_product_reads_what_it_would_replace():
+    """The probabilities or the scores read again by the output product, the scores read at a
+    second index, a score term read twice: compiled (no crash), exact as eager."""
+    mm = torch.matmul
+    q, k = torch.randn(1, 2, 6, 6), torch.randn(1, 2, 6, 6)
+    check_attention(lambda q, k: (lambda p: mm(p, p))(mm(q, k.mT).softmax(-1)), q, k, attention=0)
+    check_attention(lambda q, k: (lambda s: mm(s.softmax(-1), s))(mm(q, k.mT)), q, k, attention=0)
+    check_attention(lambda q, k: mm((lambda s: s + s.mT)(mm(q, k.mT)).softmax(-1), k), q, k, attention=0)
+
+    def twice(q, k, v):
+        a = mm(q, k.mT) * 0.5
+        return mm((a + a * 2).softmax(-1), v)
+
+    check_attention(twice, q, k, torch.randn(1, 2, 6, 6), attention=None)
+
+
+def test_written_out_attention_over_no_keys_is_zero_as_eager():
+    q, k, v = qkv(1, 2, 4, 0, 16, torch.float32)
+    cm, _ = check_attention(
+        lambda q, k, v: torch.matmul(torch.matmul(q, k.mT).softmax(-1), v), q, k, v, attention=None
+    )
+    assert (cm(q, k, v) == 0).all()

@@ -30,7 +30,11 @@ from gjit.lowering.attention import head_dim_reason
 
 log = logging.getLogger("gjit.lowering")
 
-POINTWISE = ComputeNode  # exactly: a subclass computes something else (a reduction, a scan, a write)
+POINTWISE = ComputeNode
+WIDENS = (
+    torch.float16,
+    torch.bfloat16,
+)  # exact in float32  # exactly: a subclass computes something else (a reduction, a scan, a write)
 
 
 def fold_digits(expr: sympy.Expr) -> sympy.Expr:
@@ -95,12 +99,18 @@ class Match:
         mapping = dict(zip(ir.index_vars(len(node.size)), index))
         return ir.substitute(node.body, lambda r: r, lambda e: sympy.sympify(e).xreplace(mapping))
 
-    def probabilities(self, lhs: Expr) -> tuple[Expr, ir.Index] | None:
+    def probabilities(self, lhs: Expr, probs_dtype: torch.dtype) -> tuple[Expr, ir.Index] | None:
         """Follow casts and single-reader pointwise nodes from the output product's left operand to
-        the softmax: its body at the index the product reads it, and that index."""
+        the softmax: its body at the index the product reads it, and that index. The casts must be
+        exact (16-bit to float32), or round to `probs_dtype`, the dtype the template rounds the
+        probabilities to for the second dot (eager's `.to(query.dtype)`)."""
         e, index = lhs, None
         while True:
             if isinstance(e, Op) and e.name == "to_dtype":
+                source, target = e.args[0].dtype, e.params[0]
+                exact = source == target or (source in WIDENS and target == torch.float32)
+                if not (exact or target == probs_dtype and source.is_floating_point):
+                    return None  # a cast that changes values the template would not change
                 e = e.args[0]
             elif isinstance(e, Read) and self.absorbable(e.name, POINTWISE):
                 self.absorbed[e.name] = self.compute[e.name]
@@ -127,6 +137,8 @@ class Match:
                 return None
             if node.reduced != (len(index) - 1,) or not node.keepdim or tuple(read.index) != row:
                 return None
+            if sympy.simplify(node.full_size[-1] - self.out.full_size[-1]) != 0:
+                return None  # a softmax over more keys than the product sums (sliced probabilities)
             allowed = {*self.absorbed, peak.name, total.name}
             if read.name in self.needed or self.readers.get(read.name, set()) - allowed:
                 return None
@@ -175,7 +187,7 @@ class Match:
         # how the probabilities' and the scores' rows and columns are read: a dim of size 1 at 0
         rows = sympy.Integer(0) if length == 1 else i
         cols = sympy.Integer(0) if keys == 1 else j
-        found = self.probabilities(lhs)
+        found = self.probabilities(lhs, operand_dtype(value))
         if found is None or tuple(found[1][-2:]) != (rows, cols):
             return None
         x = self.softmax_input(*found)
@@ -184,9 +196,11 @@ class Match:
             return None
         score, scores, at = scored
         dim = scores.full_size[-1]
-        dtype = operand_dtype(scores.body.args[0])
+        dtypes = (operand_dtype(scores.body.args[0]), operand_dtype(value))
         hints = [sympy.sympify(sympy.sympify(n).xreplace(self.hints)) for n in (dim, dim_v)]
-        if not all(h.is_number for h in hints) or any(head_dim_reason(int(h), dtype, "") for h in hints):
+        if not all(h.is_number for h in hints) or any(
+            head_dim_reason(int(h), t, "") for h, t in zip(hints, dtypes)
+        ):
             return None  # the template holds whole rows of the head dims
         *sb, sm, sn, sk = ir.index_vars(len(scores.full_size))
         d = ir.index_vars(len(out.full_size) + 1)[-1]
@@ -199,6 +213,10 @@ class Match:
         full = (*batch, length, dim_v, keys, dim)
         reduced = (len(full) - 2, len(full) - 1)
         absorbed = tuple(self.absorbed[n] for n in self.compute if n in self.absorbed)
+        left = {r.name for r in ir.reads(body)} & set(self.absorbed)
+        if left:  # the new node would still read what it replaces (the scores at another index, ...)
+            log.debug("attention %s: not matched, it still reads %s", out.name, sorted(left))
+            return None
         return AttentionNode(
             out.name, out.layout, body, out.fx_node, out.aten, full, reduced, "sum", False, "nan", absorbed
         )
