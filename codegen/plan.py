@@ -222,7 +222,10 @@ class RegionPlan:
         call large enough to overflow recompiles (and gets int64 offsets) instead of wrapping.
         """
         spans = [numel]
-        reads = [r.name for b in self.region.bodies.values() for r in ir.reads(b)]
+        bodies = list(self.region.bodies.values())
+        if self.region.row_statistics is not None:  # a matmul's prologue statistics load too
+            bodies += list(self.region.row_statistics.bodies.values())
+        reads = [r.name for b in bodies for r in ir.reads(b)]
         for name in dict.fromkeys([*self.in_args, *self.region.stores, *reads]):  # in a fixed order
             lay = self.layout(name)
             spans.append(sum(((s - 1) * st for s, st in zip(lay.size, lay.stride)), sympy.Integer(1)))

@@ -53,14 +53,17 @@ def statistics_region(region: Region) -> int | None:
         if isinstance(node, ReduceNode):
             if type(node) is not ReduceNode or node.reduce_type != "sum":
                 return None
+            if not region.bodies[node.name].dtype.is_floating_point:
+                return None  # an integer count: its own kernel
         elif tuple(node.size) not in (kept, (*kept, 1)):
             return None  # a member over the full space: its values are stored for others
     return reduced
 
 
-def lhs_reads(region: Region) -> tuple[list[ir.Read], set[str]]:
-    """The reads in the left operand of a matmul region's product, and every name the rest of
-    the region (right operand, epilogue) reads."""
+def lhs_reads(region: Region) -> tuple[list[ir.Read], set[str], set[str]]:
+    """The reads in the left operand of a matmul region's product, every name the rest of the
+    region (right operand, epilogue) reads, and the names the left operand reads under a mask
+    (cat, pad: their rows may be past the ends where the mask is off)."""
     node = next(n for n in region.nodes if isinstance(n, MatmulNode))
     body = region.bodies[node.name]
     assert isinstance(body, Op) and body.name == "mul"
@@ -69,7 +72,8 @@ def lhs_reads(region: Region) -> tuple[list[ir.Read], set[str]]:
     for name, b in region.bodies.items():
         if name != node.name:
             others |= {r.name for r in ir.reads(b)}
-    return ir.reads(lhs), others
+    masked = {r.name for e in ir.walk(lhs) if isinstance(e, ir.Masked) for r in ir.reads(e.body)}
+    return ir.reads(lhs), others, masked
 
 
 def absorb_row_statistics(steps: list[Step], graph: ir.LoopGraph) -> list[Step]:
@@ -98,7 +102,13 @@ def absorb_row_statistics(steps: list[Step], graph: ir.LoopGraph) -> list[Step]:
             if not (isinstance(consumer, Region) and consumer.matmul and not consumer.attention):
                 ok = False
                 break
-            reads, others = lhs_reads(consumer)
+            if consumer.row_statistics is not None:  # one statistics region per matmul
+                ok = False
+                break
+            reads, others, masked = lhs_reads(consumer)
+            if any(r.indirect for r in reads if r.name in members) or masked & set(members):
+                ok = False  # rows at gathered indices, or under a mask (past the ends)
+                break
             k_var = ir.index_vars(len(consumer.reduction.full))[-1]  # the product's k, as its body names it
             rows = {row_index(members[r.name], r.index, reduced) for r in reads if r.name in members}
             row = next(iter(rows)) if len(rows) == 1 else None

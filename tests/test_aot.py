@@ -150,3 +150,16 @@ def test_norm_statistics_in_a_matmul_prologue_do_not_spill(tmp_path, dtype):
         assert not kernel.spills and 0 < kernel.registers <= 255, report
         ptx = open(kernel.ptx_path).read()
         assert ("wgmma.mma_async" in ptx or "mma.sync" in ptx) == (dtype != torch.float32), kernel.name
+
+
+def test_16_bit_and_counting_row_sums_build(tmp_path):
+    """A 16-bit row sum (accumulated in float32, rounded once) and an integer count before a
+    linear: each builds for sm_90 (Triton wants a loop's accumulator to keep its type)."""
+    x, w = torch.randn(8, 256, dtype=torch.float16), torch.randn(64, 256, dtype=torch.float16)
+
+    def f(x, w):
+        scaled = torch.nn.functional.linear(x * (1000 / x.sum(-1, keepdim=True)), w)
+        return scaled, torch.nn.functional.linear(x / (x > 0).sum(-1, keepdim=True), w)
+
+    report = gjit.aot(f, x, w, out_dir=str(tmp_path), workers=1)
+    assert report.kernels and all(not k.spills for k in report.kernels), report

@@ -273,3 +273,39 @@ def test_statistics_read_elsewhere_keep_their_kernel():
 
     _, report = check_matmul(fn, torch.randn(5, 16), torch.randn(8, 16), kernels=2)
     assert not any("row statistics" in k.source for k in report.kernels)
+
+
+def _ln(h):
+    mean = h.mean(-1, keepdim=True)
+    return (h - mean) * torch.rsqrt((h - mean).pow(2).mean(-1, keepdim=True) + 1e-5)
+
+
+def _rms(h):
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def test_row_statistics_edge_cases_compile_and_match():
+    """Two norms feeding one linear (one statistics region per matmul, the other keeps its kernel),
+    rows at gathered indices and rows under a pad/cat mask (not moved: the row loop would read
+    past the ends), a norm of another tensor than the operand (its loads are in the offset
+    guards)."""
+    x, y, w = torch.randn(2, 5, 12), torch.randn(2, 5, 12), torch.randn(7, 12)
+    idx = torch.tensor([4, 0, 2])
+    cases = [
+        (lambda x, y, w: F.linear(_ln(x) + _rms(y), w), (x, y, w)),
+        (lambda x, y, w: F.linear(torch.cat([_ln(x), _rms(y)], -1), torch.cat([w, w], -1)), (x, y, w)),
+        (lambda x, i, w: F.linear(_ln(x)[:, i], w), (x, idx, w)),
+        (lambda x, w: F.linear(F.pad(_ln(x), (0, 0, 2, 1)), w), (x, w)),
+        (lambda x, y, w: F.linear(torch.cat([_ln(x), y], 1), w), (x, y, w)),
+    ]
+    for fn, args in cases:
+        _, report = check_matmul(fn, *args)
+        masked = fn is cases[3][0] or fn is cases[4][0]
+        assert not (masked and any("row statistics" in k.source for k in report.kernels)), report
+    y = torch.randn(2, 5, 20)
+    cm, report = check_matmul(
+        lambda x, y, w: F.linear(x * torch.rsqrt(y.pow(2).mean(-1, keepdim=True)), w), x, y, w
+    )
+    (kernel,) = [k for k in cm.entries[0].program.kernels if "row statistics" in k.source]
+    (y_dim,) = [d.split(" = ")[1] for d in report.dynamic_dims if d.startswith("y.size(2)")]
+    assert any(y_dim in str(cond) for cond, _ in kernel.assumptions), kernel.assumptions

@@ -183,3 +183,18 @@ def test_gpt2_loss_gathers_from_the_logits_and_never_writes_log_softmax():
     stores = [set(k.source.split("# stores: ")[1].split("\n")[0].split(", ")) for k in report.kernels]
     assert {"_log_softmax_max", "_log_softmax_sum"} in stores
     assert not any("_log_softmax" in s for s in stores)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_gpt2_is_five_kernels_per_layer(attn):
+    """Issue 18's target: a GPT-2 layer is at most 5 kernels with its matmuls and attention counted
+    (qkv with LN1's statistics, attention, out-projection + residual, fc with LN2's statistics,
+    proj + gelu + residual). A layer's kernels run from the first that reads its weights to the
+    last that does."""
+    model, inputs = gpt2(attn)
+    with torch.no_grad():
+        _, cm = run_compiled(model, *inputs)
+    kernels = [k.in_args for k in cm.entries[0].program.kernels]
+    for layer in range(model.config.n_layer):
+        own = [i for i, args in enumerate(kernels) if any(f"_h_{layer}_" in a for a in args)]
+        assert own and own[-1] - own[0] + 1 <= 5, (layer, [k.name for k in cm.entries[0].program.kernels])

@@ -114,18 +114,19 @@ class MatmulWriter(KernelWriter):
                 stats.bodies[node.name], lambda r: r, lambda e, m=mapping: sympy.sympify(e).xreplace(m)
             )
             var = f"row{len(self.row_values)}"
-            if isinstance(node, ReduceNode):
+            if isinstance(node, ReduceNode):  # accumulated in the body's dtype, stored as the node's
+                cast = f".to({TL_DTYPES[node.dtype]})" if node.dtype != body.dtype else ""
                 self.scope("stat_mask", "[BLOCK_M, BLOCK_K]")
                 value = self.emit(body)
                 lines += [
-                    f"{var}_acc = tl.zeros([BLOCK_M, BLOCK_K], {TL_DTYPES[node.dtype]})",
+                    f"{var}_acc = tl.zeros([BLOCK_M, BLOCK_K], {TL_DTYPES[body.dtype]})",
                     f"for r0 in range(0, {self.index(node.full_size[reduced])}, BLOCK_K):",
                     f"    {mv} = rm[:, None]",
                     f"    r_stat = (r0 + tl.arange(0, BLOCK_K)){wide}[None, :]",
                     f"    stat_mask = ({mv} < M) & (r_stat < {self.index(node.full_size[reduced])})",
                     *(f"    {ln}" for ln in self.lines),
                     f"    {var}_acc += tl.where(stat_mask, {value}, 0.0)",
-                    f"{var} = tl.sum({var}_acc, 1)[:, None]  # {node.name}",
+                    f"{var} = tl.sum({var}_acc, 1)[:, None]{cast}  # {node.name}",
                 ]
             else:
                 self.scope("row_mask", "[BLOCK_M, 1]")
