@@ -11,9 +11,11 @@ The pass runs on the loop IR after lowering, so views between the steps (the res
 decomposes to, head transposes, a repeated key/value head's expand) are already index math. It
 matches only when nothing else reads the scores, the probabilities or anything between them (a
 model that returns its attention probabilities keeps its two matmuls and its softmax kernel),
-and when the probabilities' and the scores' rows and columns are the output's query rows and
-key columns. The score matrix then never reaches memory; f becomes the score expression of the
-node with `Score()` for the product, rounded to the scores' dtype as eager rounds it.
+when the probabilities' and the scores' rows and columns are the output's query rows and key
+columns, the softmax runs over exactly the keys the product sums, and each cast of the
+probabilities is exact or rounds to the values' dtype (as the template does). The score matrix
+then never reaches memory; f becomes the score expression of the node with `Score()` for the
+product, rounded to the scores' dtype as eager rounds it.
 """
 
 from __future__ import annotations
@@ -30,11 +32,8 @@ from gjit.lowering.attention import head_dim_reason
 
 log = logging.getLogger("gjit.lowering")
 
-POINTWISE = ComputeNode
-WIDENS = (
-    torch.float16,
-    torch.bfloat16,
-)  # exact in float32  # exactly: a subclass computes something else (a reduction, a scan, a write)
+POINTWISE = ComputeNode  # exactly: a subclass computes something else (a reduction, a scan, a write)
+WIDENS = (torch.float16, torch.bfloat16)  # exact in float32
 
 
 def fold_digits(expr: sympy.Expr) -> sympy.Expr:
