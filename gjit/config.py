@@ -72,8 +72,10 @@ def _env_float(name: str, default: float) -> Callable[[], float]:
     return read
 
 
-def _env_str(name: str, default: Callable[[], str]) -> Callable[[], str]:
-    def read() -> str:
+def _env_str(name: str, default: Callable[[], str | None]) -> Callable[[], str | None]:
+    """The variable's text; unset or empty: `default()` (None for a knob that is off unless set)."""
+
+    def read() -> str | None:
         return os.environ.get(name) or default()
 
     return read
@@ -140,7 +142,7 @@ class Config:
     )
     remote_cache = _Knob(
         "GJIT_REMOTE_CACHE",
-        lambda: os.environ.get("GJIT_REMOTE_CACHE") or None,
+        _env_str("GJIT_REMOTE_CACHE", lambda: None),
         "redis:// (or rediss://) URL of a compile cache shared by a fleet, read after the disk cache",
     )
     remote_cache_prefix = _Knob(
@@ -204,7 +206,7 @@ class Config:
     )
     dump_dir = _Knob(
         "GJIT_DUMP_DIR",
-        lambda: os.environ.get("GJIT_DUMP_DIR") or None,
+        _env_str("GJIT_DUMP_DIR", lambda: None),
         "write every compile stage of each entry under this folder",
     )
 

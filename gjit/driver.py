@@ -86,9 +86,9 @@ class CompiledProgram:
             settings = [(d, t) for t in (template, not template) for d in (current, not current)]
             for deterministic, matmul_template in settings:
                 with _deterministic_algorithms(deterministic):
-                    gm = self.captured.full_graph_module
-                    loop_graph = match_attention(lower_graph(gm, matmul_template), size_hints(gm))
-                    steps = absorb_row_statistics(fuse(loop_graph), loop_graph)
+                    loop_graph, steps = schedule_graph(
+                        self.captured.full_graph_module, matmul_template, _untimed
+                    )
                 regions = [s for s in steps if isinstance(s, Region)]
                 for index, region in enumerate(regions):
                     region.name = kernel_name(region, index)  # as codegen named it
@@ -226,20 +226,34 @@ def _from_entry(record: dict, exported: Exported, timings: dict[str, float]) -> 
     return CompiledProgram(captured, graph, timings, shape_guards=shape_guards, symbols=symbols)
 
 
-def compile_graph(
-    gm: torch.fx.GraphModule, symbols: list[sympy.Symbol], run: Passes
-) -> tuple[LoopGraph, list[Step], CompiledGraph]:
-    """One FX graph -> kernels + wrapper; `symbols` are the sizes the caller passes in bound.
-    The branches of a torch.cond are compiled the same way (binding their sizes themselves)."""
-    options = run.options
+def schedule_graph(
+    gm: torch.fx.GraphModule, matmul_template: bool, run: Callable[..., Any]
+) -> tuple[LoopGraph, list[Step]]:
+    """The passes from the FX graph to the schedule, each through `run(name, fn, *args)`; the
+    compile and the re-analysis of a cached entry (`CompiledProgram._analyze`) both run these."""
     # lower: ATen FX graph -> loop IR (views become index expressions, unsupported ops externs)
-    loop_graph = run("lower", lower_graph, gm, options.matmul_template)
+    loop_graph = run("lower", lower_graph, gm, matmul_template)
     # attention: written-out attention (bmm, scale, mask, softmax, bmm) -> one attention node
     loop_graph = run("attention", match_attention, loop_graph, size_hints(gm))
     # fuse: loop IR -> regions (one kernel each) and externs, in execution order
     steps = run("fuse", fuse, loop_graph)
     # statistics: a norm's per-row sums into the prologues of the matmuls that alone read them
     steps = run("statistics", absorb_row_statistics, steps, loop_graph)
+    return loop_graph, steps
+
+
+def _untimed(name: str, fn: Callable, *args: Any) -> Any:
+    return fn(*args)
+
+
+def compile_graph(
+    gm: torch.fx.GraphModule, symbols: list[sympy.Symbol], run: Passes
+) -> tuple[LoopGraph, list[Step], CompiledGraph]:
+    """One FX graph -> kernels + wrapper; `symbols` are the sizes the caller passes in bound.
+    The branches of a torch.cond are compiled the same way (binding their sizes themselves)."""
+    options = run.options
+    # lower, attention, fuse, statistics: ATen FX graph -> loop IR -> the schedule
+    loop_graph, steps = schedule_graph(gm, options.matmul_template, run)
     # codegen: each region -> one Triton (or CUDA C) kernel, sizes as arguments
     kernels = run("codegen", generate_kernels, steps, loop_graph, size_hints(gm), options)
     # wrapper: the schedule -> one Python call function

@@ -60,20 +60,30 @@ def statistics_region(region: Region) -> int | None:
     return reduced
 
 
-def lhs_reads(region: Region) -> tuple[list[ir.Read], set[str], set[str]]:
-    """The reads in the left operand of a matmul region's product, every name the rest of the
-    region (right operand, epilogue) reads, and the names the left operand reads under a mask
-    (cat, pad: their rows may be past the ends where the mask is off)."""
-    node = next(n for n in region.nodes if isinstance(n, MatmulNode))
-    body = region.bodies[node.name]
+def statistics_row(consumer: Region, stats: Region) -> tuple | None:
+    """The row at which the left operand of matmul region `consumer` reads the values of `stats`
+    (the kept components of each read, in the product's index variables), or None when it does
+    not read them only there: the right operand or the epilogue reads them, a read depends on k,
+    reads name different rows, a row is gathered (indirect) or under a mask (cat, pad: the row
+    may be past the ends where the mask is off)."""
+    (reduced,) = stats.reduction.reduced
+    members = {n.name: n for n in stats.nodes}
+    node = next(n for n in consumer.nodes if isinstance(n, MatmulNode))
+    body = consumer.bodies[node.name]
     assert isinstance(body, Op) and body.name == "mul"
     lhs, rhs = body.args
-    others = {r.name for r in ir.reads(rhs)}
-    for name, b in region.bodies.items():
-        if name != node.name:
-            others |= {r.name for r in ir.reads(b)}
+    others = {r.name for name, b in consumer.bodies.items() if name != node.name for r in ir.reads(b)}
+    others |= {r.name for r in ir.reads(rhs)}
     masked = {r.name for e in ir.walk(lhs) if isinstance(e, ir.Masked) for r in ir.reads(e.body)}
-    return ir.reads(lhs), others, masked
+    reads = [r for r in ir.reads(lhs) if r.name in members]
+    if set(stats.stores) & others or masked & set(members) or any(r.indirect for r in reads):
+        return None
+    rows = {row_index(members[r.name], r.index, reduced) for r in reads}
+    row = next(iter(rows)) if len(rows) == 1 else None
+    k_var = ir.index_vars(len(node.full_size))[-1]  # the product's k, as its body names it
+    if row is None or any(k_var in sympy.sympify(i).free_symbols for i in row):
+        return None
+    return row
 
 
 def absorb_row_statistics(steps: list[Step], graph: ir.LoopGraph) -> list[Step]:
@@ -96,26 +106,14 @@ def absorb_row_statistics(steps: list[Step], graph: ir.LoopGraph) -> list[Step]:
         if reduced is None or set(stats.stores) & needed:
             continue
         consumers = {id(s): s for name in stats.stores for s in readers.get(name, []) if s is not stats}
-        members = {n.name: n for n in stats.nodes}
-        ok = bool(consumers)
-        for consumer in consumers.values():
-            if not (isinstance(consumer, Region) and consumer.matmul and not consumer.attention):
-                ok = False
-                break
-            if consumer.row_statistics is not None:  # one statistics region per matmul
-                ok = False
-                break
-            reads, others, masked = lhs_reads(consumer)
-            if any(r.indirect for r in reads if r.name in members) or masked & set(members):
-                ok = False  # rows at gathered indices, or under a mask (past the ends)
-                break
-            k_var = ir.index_vars(len(consumer.reduction.full))[-1]  # the product's k, as its body names it
-            rows = {row_index(members[r.name], r.index, reduced) for r in reads if r.name in members}
-            row = next(iter(rows)) if len(rows) == 1 else None
-            per_row = row is not None and not any(k_var in sympy.sympify(i).free_symbols for i in row)
-            if set(stats.stores) & others or not per_row:
-                ok = False
-                break
+        ok = bool(consumers) and all(
+            isinstance(c, Region)
+            and c.matmul
+            and not c.attention
+            and c.row_statistics is None  # one statistics region per matmul
+            and statistics_row(c, stats) is not None
+            for c in consumers.values()
+        )
         if not ok:
             continue
         for consumer in consumers.values():

@@ -21,6 +21,8 @@ import dataclasses
 
 import torch
 
+from gjit.kernels.matmul import power_of_2
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionBlocks:
@@ -37,10 +39,6 @@ class AttentionBlocks:
         return {"BLOCK_M": self.m, "BLOCK_N": self.n, "BLOCK_D": self.d, "BLOCK_E": self.e}
 
 
-def _power_of_2(n: int) -> int:
-    return 1 if n <= 1 else 2 ** (n - 1).bit_length()
-
-
 # (widest head dim, queries per tile, keys per step, warps), by operand width: the largest tiles
 # that build for sm_90 without spills even with every stride a size argument (tests/test_aot.py);
 # 16-bit tiles of 64 queries use Hopper's wgmma, float32 (IEEE, no TF32) has no tensor-core dot.
@@ -53,13 +51,13 @@ TILES = {
 def attention_blocks(queries: int, keys: int, dim: int, dim_v: int, dtype: torch.dtype) -> AttentionBlocks:
     """Tile sizes for (example) sizes: `queries` x `keys` scores over head dims `dim` (query/key)
     and `dim_v` (value), from TILES; no larger than the problem (at least 16, tl.dot's smallest)."""
-    d, e = max(16, _power_of_2(dim)), max(16, _power_of_2(dim_v))
+    d, e = max(16, power_of_2(dim)), max(16, power_of_2(dim_v))
     wide = "16-bit" if dtype in (torch.float16, torch.bfloat16) else "float32"
     _, block_m, block_n, warps = next(t for t in TILES[wide] if max(d, e) <= t[0])
     if queries <= 16 and wide == "16-bit":  # a decode step's few queries: fewer threads
         warps = 4
-    block_m = min(block_m, max(16, _power_of_2(queries)))
-    block_n = min(block_n, max(16, _power_of_2(keys)))
+    block_m = min(block_m, max(16, power_of_2(queries)))
+    block_n = min(block_n, max(16, power_of_2(keys)))
     return AttentionBlocks(block_m, block_n, d, e, warps)
 
 

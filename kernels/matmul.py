@@ -29,7 +29,8 @@ class MatmulBlocks:
         return {"BLOCK_M": self.m, "BLOCK_N": self.n, "BLOCK_K": self.k, "GROUP_M": self.group_m}
 
 
-def _power_of_2(n: int) -> int:
+def power_of_2(n: int) -> int:
+    """The smallest power of 2 >= n (1 for n <= 1)."""
     return 1 if n <= 1 else 2 ** (n - 1).bit_length()
 
 
@@ -40,9 +41,9 @@ def matmul_blocks(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulBlocks:
     each tile) and 64 x 128 x 32 for 16-bit operands (Triton's default 4 warps): those build for
     sm_90 without spills even when every stride is a size argument (tests/test_aot.py checks it)."""
     wide = dtype in (torch.float16, torch.bfloat16)
-    block_m = min(64, max(16, _power_of_2(m)))
-    block_n = min(128 if wide else 64, max(16, _power_of_2(n)))
-    block_k = min(32 if wide else 16, max(16, _power_of_2(k)))
+    block_m = min(64, max(16, power_of_2(m)))
+    block_n = min(128 if wide else 64, max(16, power_of_2(n)))
+    block_k = min(32 if wide else 16, max(16, power_of_2(k)))
     return MatmulBlocks(block_m, block_n, block_k, warps=4 if wide else 8)
 
 

@@ -106,5 +106,20 @@ def check(
     return cm
 
 
+def check_against_float64(fn: Any, *args: Any, reference_fn: Any = None) -> tuple[gjit.CompiledFunction, Any]:
+    """Run `fn` compiled (it must run compiled), compare each output with eager and with `fn` (or
+    `reference_fn`, for a module: it in float64) on the arguments in float64; the compiled
+    function and its explain report."""
+    expected = fn(*args)
+    out, cm = run_compiled(fn, *args)
+    reference = (reference_fn or fn)(*upcast(args))
+    outs = out if isinstance(out, tuple) else (out,)
+    exps = expected if isinstance(expected, tuple) else (expected,)
+    refs = reference if isinstance(reference, tuple) else (reference,)
+    for a, e, r in zip(outs, exps, refs):
+        assert_same(a, e, r)
+    return cm, gjit.explain(cm, *args)
+
+
 def kernel_count(cm: gjit.CompiledFunction, *args: Any, **kwargs: Any) -> int:
     return len(gjit.explain(cm, *args, **kwargs).kernels)

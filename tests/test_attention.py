@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import gjit
-from helpers import assert_same, run_compiled, upcast
+from helpers import assert_same, check_against_float64, run_compiled, upcast
 
 pytestmark = [pytest.mark.cpu]
 
@@ -24,15 +24,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def check_attention(fn, *args, attention=1, kernels=None, externs=0):
     """Run `fn` compiled, compare every output with eager and float64; `attention` kernels ran
     (None: any number)."""
-    expected = fn(*args)
-    out, cm = run_compiled(fn, *args)
-    reference = fn(*upcast(args))
-    outs = out if isinstance(out, tuple) else (out,)
-    exps = expected if isinstance(expected, tuple) else (expected,)
-    refs = reference if isinstance(reference, tuple) else (reference,)
-    for a, e, r in zip(outs, exps, refs):
-        assert_same(a, e, r)
-    report = gjit.explain(cm, *args)
+    cm, report = check_against_float64(fn, *args)
     names = [k.name for k in report.kernels]
     if attention is not None:
         assert sum(n.startswith("gjit_attn_") for n in names) == attention, report

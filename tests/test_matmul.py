@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import gjit
-from helpers import assert_same, run_compiled, upcast
+from helpers import assert_same, check_against_float64, run_compiled
 
 pytestmark = [pytest.mark.cpu]
 
@@ -22,15 +22,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def check_matmul(fn, *args, kernels=None, externs=0, reference_fn=None):
     """Run `fn` compiled (every product in a template kernel), compare with eager and float64
     (`reference_fn`: `fn` in float64, for a module)."""
-    expected = fn(*args)
-    out, cm = run_compiled(fn, *args)
-    reference = (reference_fn or fn)(*upcast(args))
-    outs = out if isinstance(out, tuple) else (out,)
-    exps = expected if isinstance(expected, tuple) else (expected,)
-    refs = reference if isinstance(reference, tuple) else (reference,)
-    for a, e, r in zip(outs, exps, refs):
-        assert_same(a, e, r)
-    report = gjit.explain(cm, *args)
+    cm, report = check_against_float64(fn, *args, reference_fn=reference_fn)
     assert len(report.externs) == externs, report
     assert any(k.name.startswith("gjit_mm_") for k in report.kernels) or externs, report
     if kernels is not None:

@@ -17,22 +17,11 @@ import torch
 
 from gjit import ir
 from gjit.codegen.common import KernelSource, hint
-from gjit.codegen.triton.matmul import MatmulWriter
+from gjit.codegen.triton.matmul import MatmulWriter, dot_operands
 from gjit.codegen.triton.pointwise import TL_DTYPES, comment
-from gjit.ir import Expr, Op, Score
+from gjit.ir import Expr, Score
 from gjit.kernels.attention import attention_blocks, template, tile_order
 from gjit.kernels.triton_helpers import HELPERS
-
-
-def dot_operands(*operands: Expr) -> tuple[torch.dtype, tuple[Expr, ...]]:
-    """The dtype a dot multiplies `operands` in, and the operands to load: 16-bit when each is
-    that dtype or a float32 cast of it (the cast is left to the dot: tensor cores multiply 16-bit
-    values exactly into the float32 accumulator), else float32."""
-    inner = [e.args[0] if isinstance(e, Op) and e.name == "to_dtype" else e for e in operands]
-    dtypes = {e.dtype for e in inner}
-    if len(dtypes) == 1 and dtypes <= {torch.float16, torch.bfloat16}:
-        return dtypes.pop(), tuple(inner)
-    return torch.float32, operands
 
 
 class AttentionWriter(MatmulWriter):
@@ -108,10 +97,7 @@ class AttentionWriter(MatmulWriter):
         head += [f"EV = {self.index(dim_v)}", *tile_order(index_dtype)]
         if index_dtype == "int64":
             head.append("rm = rm.to(tl.int64)")
-        for k, var in enumerate(self.batch_vars):
-            inner = sympy.Mul(*batch[k + 1 :]) if k + 1 < len(batch) else sympy.Integer(1)
-            expr = f"batch // ({self.index(inner)})" if inner != 1 else "batch"
-            head.append(f"{var} = ({expr}) % ({self.index(batch[k])})" if k > 0 else f"{var} = {expr}")
+        head += self.batch_lines(batch)
 
         query = self.tile("q", "[BLOCK_M, BLOCK_D]", (i, "rm", "L"), (d, lanes_d, "D"))
         value = self.emit(query_value)
@@ -131,14 +117,7 @@ class AttentionWriter(MatmulWriter):
         vals += [*self.lines, f"v = tl.where(v_mask, {value}, 0.0).to({TL_DTYPES[value_dtype]})"]
 
         epilogue = self.tile("out", "[BLOCK_M, BLOCK_E]", (i, "rm", "L"), (e, lanes_e, "EV"))
-        for node in self.region.stores:
-            out_index = self.space.value_index(self.nodes[node])
-            arg = self.out_args.setdefault(node, f"out_ptr{len(self.out_args)}")
-            offset_expr = self.subst(self.layout(node).offset_of(out_index))
-            offset, stored = self.block_store(
-                offset_expr, self.index(offset_expr), self.node_value(node), self.bodies[node]
-            )
-            self.lines.append(f"tl.store({arg} + ({offset}), {stored}, out_mask)")
+        self.store_outputs()
         epilogue += self.lines
 
         ieee = ', input_precision="ieee"'

@@ -23,24 +23,24 @@ from gjit.fusion import Region
 from gjit.ir import Expr, MatmulNode, Op, Read, ReduceNode
 from gjit.kernels.matmul import matmul_blocks, template, tile_order
 from gjit.kernels.triton_helpers import HELPERS
-from gjit.statistics import row_index
+from gjit.statistics import row_index, statistics_row
+
+
+def dot_operands(*operands: Expr) -> tuple[torch.dtype, tuple[Expr, ...]]:
+    """The dtype a dot multiplies `operands` in, and the operands to load: 16-bit when each is
+    that dtype or a float32 cast of it (the cast is left to the dot: tensor cores multiply 16-bit
+    values exactly into the float32 accumulator), else float32."""
+    inner = [e.args[0] if isinstance(e, Op) and e.name == "to_dtype" else e for e in operands]
+    dtypes = {e.dtype for e in inner}
+    if len(dtypes) == 1 and dtypes <= {torch.float16, torch.bfloat16}:
+        return dtypes.pop(), tuple(inner)
+    return torch.float32, operands
 
 
 def operands(body: Expr) -> tuple[Expr, Expr]:
-    """The two factors of a MatmulNode's body; a float32 cast of 16-bit operands of one dtype is
-    dropped (the dot takes them as they are)."""
+    """The two factors of a MatmulNode's body, as the dot loads them (`dot_operands`)."""
     assert isinstance(body, Op) and body.name == "mul", body
-    lhs, rhs = body.args
-
-    def inner(e: Expr) -> Expr | None:
-        if isinstance(e, Op) and e.name == "to_dtype" and e.args[0].dtype in (torch.float16, torch.bfloat16):
-            return e.args[0]
-        return None
-
-    a, b = inner(lhs), inner(rhs)
-    if a is not None and b is not None and a.dtype == b.dtype:
-        return a, b
-    return lhs, rhs
+    return dot_operands(*body.args)[1]
 
 
 class MatmulWriter(KernelWriter):
@@ -94,9 +94,8 @@ class MatmulWriter(KernelWriter):
             return []
         (reduced,) = stats.reduction.reduced
         members = {n.name: n for n in stats.nodes}
-        lhs = operands(self.bodies[self.matmul.name])[0]
-        rows = {row_index(members[r.name], r.index, reduced) for r in ir.reads(lhs) if r.name in members}
-        (self.row,) = rows
+        placed = self.space.placement(self.matmul)  # the product's index variables -> the tiles'
+        self.row = tuple(sympy.sympify(i).xreplace(placed) for i in statistics_row(self.region, stats))
         r_var = sympy.Symbol("r_stat", integer=True, nonnegative=True)
         self.vars.append(r_var)
         mv = self.m_var.name
@@ -134,6 +133,26 @@ class MatmulWriter(KernelWriter):
                 lines += [*self.lines, f"{var} = {value}  # {node.name}"]
             self.row_values[node.name] = var
         return lines
+
+    def batch_lines(self, batch: ir.Index) -> list[str]:
+        """The batch index of this program split into the batch dims' variables."""
+        lines = []
+        for j, var in enumerate(self.batch_vars):
+            inner = sympy.Mul(*batch[j + 1 :]) if j + 1 < len(batch) else sympy.Integer(1)
+            expr = f"batch // ({self.index(inner)})" if inner != 1 else "batch"
+            lines.append(f"{var} = ({expr}) % ({self.index(batch[j])})" if j > 0 else f"{var} = {expr}")
+        return lines
+
+    def store_outputs(self) -> None:
+        """The epilogue's stores: each value the region stores, on the output tile (`out_mask`)."""
+        for node in self.region.stores:
+            out_index = self.space.value_index(self.nodes[node])
+            arg = self.out_args.setdefault(node, f"out_ptr{len(self.out_args)}")
+            offset_expr = self.subst(self.layout(node).offset_of(out_index))
+            offset, value = self.block_store(
+                offset_expr, self.index(offset_expr), self.node_value(node), self.bodies[node]
+            )
+            self.lines.append(f"tl.store({arg} + ({offset}), {value}, out_mask)")
 
     def in_registers(self, r: Read) -> bool:
         return r.name in self.bodies and r.index == self.space.value_index(self.nodes[r.name])
@@ -182,10 +201,7 @@ class MatmulWriter(KernelWriter):
 
         head = [f"M = {self.index(m)}", f"N = {self.index(n)}", f"K = {self.index(k)}"]
         head += tile_order(index_dtype, bool(batch))
-        for j, var in enumerate(self.batch_vars):
-            inner = sympy.Mul(*batch[j + 1 :]) if j + 1 < len(batch) else sympy.Integer(1)
-            expr = f"batch // ({self.index(inner)})" if inner != 1 else "batch"
-            head.append(f"{var} = ({expr}) % ({self.index(batch[j])})" if j > 0 else f"{var} = {expr}")
+        head += self.batch_lines(batch)
         head += self.statistics(index_dtype)
 
         mv, nv, kv = self.m_var.name, self.n_var.name, self.k_var.name
@@ -204,14 +220,7 @@ class MatmulWriter(KernelWriter):
 
         self.scope("out_mask", "[BLOCK_M, BLOCK_N]")
         epilogue = [f"{mv} = rm[:, None]", f"{nv} = rn[None, :]", f"out_mask = ({mv} < M) & ({nv} < N)"]
-        for node in self.region.stores:
-            out_index = self.space.value_index(self.nodes[node])
-            arg = self.out_args.setdefault(node, f"out_ptr{len(self.out_args)}")
-            offset_expr = self.layout(node).offset_of(out_index)
-            offset, value = self.block_store(
-                offset_expr, self.index(offset_expr), self.node_value(node), self.bodies[node]
-            )
-            self.lines.append(f"tl.store({arg} + ({offset}), {value}, out_mask)")
+        self.store_outputs()
         epilogue += self.lines
 
         precision = "" if lhs.dtype != torch.float32 else ', input_precision="ieee"'

@@ -94,8 +94,8 @@ class Match:
         return self.readers.get(name, set()) <= {*self.absorbed, self.out.name}
 
     def at(self, node: ComputeNode, index: ir.Index) -> Expr:
-        """`node`'s body with its index variables set to `index`."""
-        mapping = dict(zip(ir.index_vars(len(node.size)), index))
+        """`node`'s body with its index variables set to `index` (a reduction's: its full index)."""
+        mapping = dict(zip(ir.index_vars(len(index)), index))
         return ir.substitute(node.body, lambda r: r, lambda e: sympy.sympify(e).xreplace(mapping))
 
     def probabilities(self, lhs: Expr, probs_dtype: torch.dtype) -> tuple[Expr, ir.Index] | None:
@@ -142,14 +142,10 @@ class Match:
             if read.name in self.needed or self.readers.get(read.name, set()) - allowed:
                 return None
         max_node, sum_node = self.compute[peak.name], self.compute[total.name]
-        if self.at_full(max_node, index) != x or self.at_full(sum_node, index) != numerator:
+        if self.at(max_node, index) != x or self.at(sum_node, index) != numerator:
             return None
         self.absorbed[max_node.name], self.absorbed[sum_node.name] = max_node, sum_node
         return x
-
-    def at_full(self, node: ReduceNode, index: ir.Index) -> Expr:
-        mapping = dict(zip(ir.index_vars(len(node.full_size)), index))
-        return ir.substitute(node.body, lambda r: r, lambda e: sympy.sympify(e).xreplace(mapping))
 
     def score(
         self, x: Expr, rows: sympy.Symbol, cols: sympy.Symbol
