@@ -153,13 +153,15 @@ def test_norm_statistics_in_a_matmul_prologue_do_not_spill(tmp_path, dtype):
 
 
 def test_16_bit_and_counting_row_sums_build(tmp_path):
-    """A 16-bit row sum (accumulated in float32, rounded once) and an integer count before a
-    linear: each builds for sm_90 (Triton wants a loop's accumulator to keep its type)."""
+    """A 16-bit row sum before a linear, computed in the linear's prologue (accumulated in
+    float32, rounded once), builds for sm_90 (Triton wants a loop's accumulator to keep its type);
+    an integer count keeps its own kernel and builds too."""
     x, w = torch.randn(8, 256, dtype=torch.float16), torch.randn(64, 256, dtype=torch.float16)
-
-    def f(x, w):
-        scaled = torch.nn.functional.linear(x * (1000 / x.sum(-1, keepdim=True)), w)
-        return scaled, torch.nn.functional.linear(x / (x > 0).sum(-1, keepdim=True), w)
-
-    report = gjit.aot(f, x, w, out_dir=str(tmp_path), workers=1)
-    assert report.kernels and all(not k.spills for k in report.kernels), report
+    cases = {
+        "sum": (lambda x, w: torch.nn.functional.linear(x * (1000 / x.sum(-1, keepdim=True)), w), 0),
+        "count": (lambda x, w: torch.nn.functional.linear(x / (x > 0).sum(-1, keepdim=True), w), 1),
+    }
+    for name, (f, reductions) in cases.items():
+        report = gjit.aot(f, x, w, out_dir=str(tmp_path / name), workers=1)
+        assert sum(k.name.startswith("gjit_red_") for k in report.kernels) == reductions, report
+        assert len(report.kernels) == 1 + reductions and all(not k.spills for k in report.kernels), report
