@@ -379,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         for size in sizes:
             print(f"measuring {case.name} [{size}] ...", file=sys.stderr, flush=True)
             rows.append(measure(case, size, gpu))
+            print(json.dumps(rows[-1], default=str), file=sys.stderr, flush=True)  # a cut-off run keeps it
     device = torch.cuda.get_device_name() if gpu else "CPU (kernels built for sm_90; no kernel times)"
     print(f"gjit.bench on {device}, torch {torch.__version__}")
     print(format_table(rows))

@@ -7,6 +7,12 @@ import gjit
 
 TIERS = ("cpu", "compile_only", "gpu")  # pyproject.toml's markers: every test is in at least one
 
+# GJIT_TEST_DEVICE=cuda: the tests' tensors and modules are made on the GPU (torch's default device),
+# so the `cpu` tier's checks run gjit's kernels compiled for the device instead of interpreted.
+TEST_DEVICE = os.environ.get("GJIT_TEST_DEVICE")
+if TEST_DEVICE:
+    torch.set_default_device(TEST_DEVICE)
+
 
 def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()

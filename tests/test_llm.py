@@ -77,7 +77,10 @@ def build(name: str) -> torch.nn.Module:
 
 
 def prompt(batch: int, length: int, seed: int) -> torch.Tensor:
-    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(
+        3, VOCAB, (batch, length), generator=torch.Generator("cpu").manual_seed(seed), device="cpu"
+    )
+    return ids.to(torch.get_default_device())  # GJIT_TEST_DEVICE=cuda: the same prompts on the GPU
 
 
 def generate(model: torch.nn.Module, ids: torch.Tensor, tokens: int, **kwargs) -> torch.Tensor:

@@ -174,7 +174,8 @@ def test_aten_setting_and_float64_stay_externs():
     a64, b64 = a.double(), b.double()
     _, report = check_matmul(torch.mm, a64, b64, externs=1)
     assert "float16, bfloat16 or float32" in report.externs[0].reason
-    ints = torch.randint(-5, 5, (4, 6)), torch.randint(-5, 5, (6, 2))
+    # on the CPU: CUDA has no integer matmul (GJIT_TEST_DEVICE=cuda runs this test on a GPU)
+    ints = torch.randint(-5, 5, (4, 6), device="cpu"), torch.randint(-5, 5, (6, 2), device="cpu")
     _, report = check_matmul(torch.mm, *ints, externs=1)
 
 
