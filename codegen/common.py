@@ -64,6 +64,8 @@ class KernelSource:
     # runs; the entry is guarded on torch's deterministic-algorithms setting being off
     nondeterministic: bool = False
     num_warps: int = 4  # Triton's default; a template whose tiles need more threads asks for more
+    num_stages: int | None = None  # a template's pipelined loop steps (None: Triton's default)
+    configs: int = 1  # a template's tile configurations (kernels/): gjit/tuning.py measures them on a GPU
 
     @property
     def cache_key(self) -> str:

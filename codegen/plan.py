@@ -238,13 +238,19 @@ class RegionPlan:
         return "int32"
 
     def key_line(
-        self, signature: dict[str, str], blocks: dict[str, int], launch_blocks: dict, num_warps: int = 4
+        self,
+        signature: dict[str, str],
+        blocks: dict[str, int],
+        launch_blocks: dict,
+        num_warps: int = 4,
+        num_stages: int | None = None,
     ) -> str:
         """The last header line: what a compiled binary of this kernel is keyed on, its parameter
         types, block sizes and warps (Triton adds the 16-divisibility of pointers and ints at launch)."""
         params = ", ".join(f"{p}: {t}" for p, t in signature.items() if t != "constexpr")
         sizes = ", ".join(f"{b}={'at launch' if b in launch_blocks else v}" for b, v in blocks.items())
         warps = f", num_warps={num_warps}" if num_warps != 4 else ""
+        warps += f", num_stages={num_stages}" if num_stages is not None else ""
         return f"cache key: ({params}; {sizes}{warps})"
 
     def header(self, name: str, numel: sympy.Expr, extra: list[str] = ()) -> list[str]:

@@ -389,14 +389,14 @@ class CompiledFunction:
         try:
             try:
                 exported = capture(self.model, args, kwargs, dims, timings, frozenset(from_one))
-                program = compile_program(exported, timings, options)
+                program = compile_program(exported, timings, options, example=flat)
             except DecompositionError as e:
                 if not dims:
                     raise
                 # decomposition can fail with dynamic dims where static shapes work
                 log.info("%s; retrying with static shapes", str(e).splitlines()[0])
                 exported = capture(self.model, args, kwargs, {}, timings)
-                program = compile_program(exported, timings, options)
+                program = compile_program(exported, timings, options, example=flat)
         except CaptureError as e:  # warned about in _run_eager, once the model ran fine eagerly
             self._capture_failed = str(e)
             return None

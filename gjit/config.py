@@ -22,6 +22,10 @@
     gjit.config.matmul                GJIT_MATMUL        template (default) | aten: matmuls as generated
                                                          Triton kernels with their neighbours fused in,
                                                          or as ATen externs
+    gjit.config.tune                  GJIT_TUNE=0        on a GPU (default on): time each template
+                                                         kernel's tile configurations and the templates
+                                                         against ATen matmuls at compile time; keep the
+                                                         fastest (gjit/tuning.py)
     gjit.config.rblock                GJIT_RBLOCK        chunk size of looped reductions
     gjit.config.recompile_limit       GJIT_RECOMPILE_LIMIT  entries per compiled callable; calls that
                                                          miss past it run eagerly (one warning)
@@ -176,6 +180,12 @@ class Config:
         _env_str("GJIT_MATMUL", lambda: "template"),
         "matmuls and attention: template (generated tensor-core kernels with operand views and the "
         "consuming pointwise work fused in; the Triton backend) | aten (ATen externs)",
+    )
+    tune = _Knob(
+        "GJIT_TUNE",
+        _env_bool("GJIT_TUNE", True),
+        "on a GPU, measure each template kernel's tile configurations and the templates against "
+        "ATen matmuls at compile time, and keep the fastest (gjit/tuning.py; cached with the kernels)",
     )
     persistent_max = _Knob(
         "GJIT_PERSISTENT_MAX",

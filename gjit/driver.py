@@ -12,7 +12,7 @@ from typing import Any
 import sympy
 import torch
 
-from gjit import ir, logs, stats
+from gjit import ir, logs, stats, tuning
 from gjit.capture import (
     CapturedProgram,
     Exported,
@@ -170,12 +170,13 @@ class Passes:
 
 
 def compile_program(
-    exported: Exported, timings: dict[str, float], options: CompileOptions
+    exported: Exported, timings: dict[str, float], options: CompileOptions, example: list | None = None
 ) -> CompiledProgram:
     """Decomposed program, kernels and wrapper for an exported call: from the on-disk cache when an
     entry with the same key is there (gjit/runtime/disk_cache.py; no decomposition then), else
-    decomposed, compiled and stored. A checked compile is fresh: the per-kernel checker needs the
-    schedule, and a check tests what codegen emits now."""
+    decomposed, compiled (on a GPU, tuned on the call's flat inputs `example`: gjit/tuning.py)
+    and stored. A checked compile is fresh: the per-kernel checker needs the schedule, and a check
+    tests what codegen emits now."""
     key = None
     if not config.cache and config.remote_cache:
         cache.remote_cache.note_disabled("GJIT_CACHE=0 turns the disk cache off, and the remote tier with it")
@@ -201,7 +202,14 @@ def compile_program(
     captured = captured_program(exported, decomposed)
     gm = captured.graph_module
     symbols = input_symbols(captured.user_vals)  # after decomposition's replacements
-    loop_graph, steps, graph = compile_graph(gm, symbols, Passes(options, timings))
+    passes = Passes(options, timings)
+    loop_graph, steps, graph = compile_graph(gm, symbols, passes)
+    hints = size_hints(gm)
+    if example is not None and wants_tuning(graph, options) and all(s in hints for s in symbols):
+        sizes = tuple(hints[s] for s in symbols)
+        analysis = (loop_graph, steps, graph)
+        inputs = captured.graph_inputs(example)
+        loop_graph, steps, graph = passes("tune", tune_graph, gm, symbols, analysis, passes, inputs, sizes)
     if key is not None:
         with timed("cache_store", timings):
             extra = {"program": stored, "shape_guards": shape_guards, "symbols": symbols}
@@ -266,6 +274,52 @@ def compile_graph(
         if node.op == "get_attr" and is_cond_branch(gm, node):
             graph.subgraphs[node.target] = compile_graph(getattr(gm, node.target), [], run)[2]
     return loop_graph, steps, graph
+
+
+def wants_tuning(graph: CompiledGraph, options: CompileOptions) -> bool:
+    """Measure the template kernels' configurations (gjit/tuning.py): on a GPU, asked for, not
+    under GJIT_CHECK, and some kernel has a choice."""
+    return (
+        config.tune
+        and options.backend == "triton"
+        and not options.check
+        and graph.on_cuda
+        and any(k.configs > 1 for k in graph.kernels)
+    )
+
+
+def tune_graph(
+    gm: torch.fx.GraphModule,
+    symbols: list[sympy.Symbol],
+    analysis: tuple[LoopGraph, list[Step], CompiledGraph],
+    run: Passes,
+    graph_inputs: list,
+    sizes: tuple,
+) -> tuple[LoopGraph, list[Step], CompiledGraph]:
+    """The program with each template kernel in its fastest configuration, or the same graph with
+    every matmul an ATen extern where that runs faster (gjit/tuning.py)."""
+    loop_graph, steps, graph = analysis
+    hints, options = size_hints(gm), run.options
+    regions = [s for s in steps if isinstance(s, Region)]
+    index = {r.name: k for k, r in enumerate(regions)}
+
+    def emit(region: Region, choice: int) -> KernelSource:
+        region.config = choice
+        return generate_kernel(region, loop_graph, hints, index[region.name], options)
+
+    def rebuild() -> CompiledGraph:
+        kernels = generate_kernels(steps, loop_graph, hints, options)
+        rebuilt = write_graph(gm, kernels, write_wrapper(loop_graph, steps, kernels, symbols, options))
+        rebuilt.subgraphs = graph.subgraphs
+        return rebuilt
+
+    def aten() -> tuple[LoopGraph, list[Step], CompiledGraph]:
+        return compile_graph(gm, symbols, Passes(dataclasses.replace(options, matmul="aten"), {}))
+
+    alternative = aten if options.matmul_template else None
+    tuned = tuning.tune(graph, steps, emit, rebuild, alternative, graph_inputs, sizes)
+    tuned.graph.tuning = tuned.lines
+    return (*(tuned.analysis or (loop_graph, steps)), tuned.graph)
 
 
 def has_lowering(node: torch.fx.Node) -> bool:

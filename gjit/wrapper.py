@@ -167,6 +167,8 @@ class WrapperWriter:
         grid = f"(triton.cdiv(xnumel, {blocks['XBLOCK']}),)"
         if kernel.num_warps != 4:
             blocks["num_warps"] = str(kernel.num_warps)
+        if kernel.num_stages is not None:
+            blocks["num_stages"] = str(kernel.num_stages)
         launch = ", ".join(f"{k}={v}" for k, v in blocks.items())
         self.lines.append("if xnumel > 0:")
         self.lines.append(f"    {kernel.name}[{grid}]({', '.join(args + sizes)}, {launch})")

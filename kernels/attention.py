@@ -34,6 +34,7 @@ class AttentionBlocks:
     d: int
     e: int
     warps: int = 4
+    stages: int | None = None  # key steps in flight (None: Triton's default)
 
     def as_constexprs(self) -> dict[str, int]:
         return {"BLOCK_M": self.m, "BLOCK_N": self.n, "BLOCK_D": self.d, "BLOCK_E": self.e}
@@ -59,6 +60,37 @@ def attention_blocks(queries: int, keys: int, dim: int, dim_v: int, dtype: torch
     block_m = min(block_m, max(16, power_of_2(queries)))
     block_n = min(block_n, max(16, power_of_2(keys)))
     return AttentionBlocks(block_m, block_n, d, e, warps)
+
+
+# Configurations a GPU measures besides the table's (gjit/tuning.py), by operand width: (queries
+# per tile, keys per step, warps, stages), clipped to the problem. Flash-attention kernels on
+# Hopper take 128 queries and 64 or 128 keys per step; a decode step's one query wants few warps.
+CANDIDATES = {
+    "16-bit": ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)),
+    "float32": ((64, 32, 4, 2), (32, 32, 4, 3)),
+}
+
+
+def attention_configs(
+    queries: int, keys: int, dim: int, dim_v: int, dtype: torch.dtype
+) -> list[AttentionBlocks]:
+    """The table's tiles (attention_blocks) first, then the CANDIDATES a GPU measures, clipped to
+    the problem; no duplicates."""
+    first = attention_blocks(queries, keys, dim, dim_v, dtype)
+    out = [first]
+    wide = "16-bit" if dtype in (torch.float16, torch.bfloat16) else "float32"
+    for block_m, block_n, warps, stages in CANDIDATES[wide]:
+        blocks = AttentionBlocks(
+            min(block_m, max(16, power_of_2(queries))),
+            min(block_n, max(16, power_of_2(keys))),
+            first.d,
+            first.e,
+            warps,
+            stages,
+        )
+        if all((b.m, b.n, b.warps) != (blocks.m, blocks.n, blocks.warps) for b in out):
+            out.append(blocks)
+    return out
 
 
 def tile_order(index_dtype: str) -> list[str]:

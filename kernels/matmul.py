@@ -24,6 +24,7 @@ class MatmulBlocks:
     k: int
     group_m: int = 8
     warps: int = 4
+    stages: int | None = None  # software-pipelined k steps in flight (None: Triton's default)
 
     def as_constexprs(self) -> dict[str, int]:
         return {"BLOCK_M": self.m, "BLOCK_N": self.n, "BLOCK_K": self.k, "GROUP_M": self.group_m}
@@ -45,6 +46,36 @@ def matmul_blocks(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulBlocks:
     block_n = min(128 if wide else 64, max(16, power_of_2(n)))
     block_k = min(32 if wide else 16, max(16, power_of_2(k)))
     return MatmulBlocks(block_m, block_n, block_k, warps=4 if wide else 8)
+
+
+# Configurations a GPU measures besides the table's (gjit/tuning.py), by operand width: (m, n, k,
+# warps, stages), clipped to the problem. Large 16-bit products want 128-row tiles, k steps of 64
+# and three or four tiles in flight (Hopper's tensor cores); few rows (a decode step) want narrow
+# m and long k steps; float32 (IEEE) dots run on the FMA units and want smaller k steps.
+CANDIDATES = {
+    "16-bit": ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 32, 4, 4), (64, 128, 64, 4, 4)),
+    "16-bit few rows": ((16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (16, 256, 64, 4, 3)),
+    "float32": ((128, 64, 32, 8, 3), (64, 128, 32, 8, 3), (64, 64, 32, 4, 4)),
+}
+
+
+def matmul_configs(m: int, n: int, k: int, dtype: torch.dtype) -> list[MatmulBlocks]:
+    """The table's tiles (matmul_blocks) first, then the CANDIDATES a GPU measures, each clipped to
+    the problem (no tile past the next power of 2 of its size, at least 16); no duplicates."""
+    wide = dtype in (torch.float16, torch.bfloat16)
+    shape = "float32" if not wide else "16-bit few rows" if m <= 32 else "16-bit"
+    out = [matmul_blocks(m, n, k, dtype)]
+    for bm, bn, bk, warps, stages in CANDIDATES[shape]:
+        blocks = MatmulBlocks(
+            min(bm, max(16, power_of_2(m))),
+            min(bn, max(16, power_of_2(n))),
+            min(bk, max(16, power_of_2(k))),
+            warps=warps,
+            stages=stages,
+        )
+        if all((b.m, b.n, b.k) != (blocks.m, blocks.n, blocks.k) for b in out):
+            out.append(blocks)
+    return out
 
 
 def tile_order(index_dtype: str, has_batch: bool) -> list[str]:

@@ -44,7 +44,7 @@ LAYERS = [
     ("runtime", ["gjit.runtime"]),
     ("guards", ["gjit.guards"]),
     ("debug", ["gjit.debug"]),
-    ("driver", ["gjit.driver"]),
+    ("driver", ["gjit.tuning", "gjit.driver"]),
     ("api", ["gjit.api", "gjit.backend", "gjit.aot", "gjit.packaging", "gjit="]),
     ("tools", ["gjit.demo", "gjit.demo_llm", "gjit.bench"]),
 ]

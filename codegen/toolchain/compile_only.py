@@ -29,7 +29,10 @@ def compile_kernel(kernel: KernelSource, path: str, arch: int = 90, aligned: boo
     source = triton.compiler.ASTSource(
         fn=fn, signature=dict(kernel.signature), constexprs=dict(kernel.blocks), attrs=attrs
     )
-    options = {"num_warps": kernel.num_warps} if kernel.num_warps != 4 else None
+    options = {"num_warps": kernel.num_warps} if kernel.num_warps != 4 else {}
+    if kernel.num_stages is not None:
+        options["num_stages"] = kernel.num_stages
+    options = options or None
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 

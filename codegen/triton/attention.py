@@ -20,7 +20,7 @@ from gjit.codegen.common import KernelSource, hint
 from gjit.codegen.triton.matmul import MatmulWriter, dot_operands
 from gjit.codegen.triton.pointwise import TL_DTYPES, comment
 from gjit.ir import Expr, Score
-from gjit.kernels.attention import attention_blocks, template, tile_order
+from gjit.kernels.attention import attention_configs, template, tile_order
 from gjit.kernels.triton_helpers import HELPERS
 
 
@@ -78,13 +78,14 @@ class AttentionWriter(MatmulWriter):
         body: ir.Attention = self.bodies[self.matmul.name]
         dtype, (query_value, key_value) = dot_operands(body.query, body.key)
         value_dtype, (value_value,) = dot_operands(body.value)
-        blocks = attention_blocks(
+        configs = attention_configs(
             hint(length, self.hints),
             hint(keys, self.hints),
             hint(dim, self.hints),
             hint(dim_v, self.hints),
             dtype,
         )
+        blocks = configs[min(self.region.config, len(configs) - 1)]  # gjit/tuning.py measures them
         for size, block in ((dim, blocks.d), (dim_v, blocks.e)):
             fits = (sympy.Le(size, block), f"the head dim {size} <= {block} (one tile)")
             if not sympy.sympify(size).is_number and fits not in self.assumptions:  # a dynamic head dim
@@ -150,4 +151,6 @@ class AttentionWriter(MatmulWriter):
             index_dtype=index_dtype,
             helpers=[HELPERS[h] for h in sorted(self.helpers)],
             num_warps=blocks.warps,
+            num_stages=blocks.stages,
+            configs=len(configs),
         )

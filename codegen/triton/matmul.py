@@ -21,7 +21,7 @@ from gjit.codegen.triton.pointwise import TL_DTYPES, KernelWriter, comment
 from gjit.config import CompileOptions
 from gjit.fusion import Region
 from gjit.ir import Expr, MatmulNode, Op, Read, ReduceNode
-from gjit.kernels.matmul import matmul_blocks, template, tile_order
+from gjit.kernels.matmul import matmul_configs, template, tile_order
 from gjit.kernels.triton_helpers import HELPERS
 from gjit.statistics import row_index, statistics_row
 
@@ -197,7 +197,8 @@ class MatmulWriter(KernelWriter):
         index_dtype = self.pick_index_dtype(out_numel)
         body = self.bodies[self.matmul.name]
         lhs, rhs = operands(body)
-        blocks = matmul_blocks(hint(m, self.hints), hint(n, self.hints), hint(k, self.hints), lhs.dtype)
+        configs = matmul_configs(hint(m, self.hints), hint(n, self.hints), hint(k, self.hints), lhs.dtype)
+        blocks = configs[min(self.region.config, len(configs) - 1)]  # gjit/tuning.py measures them
 
         head = [f"M = {self.index(m)}", f"N = {self.index(n)}", f"K = {self.index(k)}"]
         head += tile_order(index_dtype, bool(batch))
@@ -244,4 +245,6 @@ class MatmulWriter(KernelWriter):
             index_dtype=index_dtype,
             helpers=[HELPERS[h] for h in sorted(self.helpers)],
             num_warps=blocks.warps,
+            num_stages=blocks.stages,
+            configs=len(configs),
         )

@@ -369,7 +369,15 @@ class KernelWriter(RegionPlan):
         signature |= {b: "constexpr" for b in blocks}
         constexprs = [f"{b}: tl.constexpr" for b in blocks]
         key = comment(
-            [self.key_line(signature, blocks, extra.get("launch_blocks", {}), extra.get("num_warps", 4))]
+            [
+                self.key_line(
+                    signature,
+                    blocks,
+                    extra.get("launch_blocks", {}),
+                    extra.get("num_warps", 4),
+                    extra.get("num_stages"),
+                )
+            ]
         )
         source = "\n".join(
             [*header, *key, *helpers]

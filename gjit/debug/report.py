@@ -128,7 +128,7 @@ def build_report(entry: Any, sizes: tuple = ()) -> Report:
         list(entry.specialized),
         perf_hints(program, entry.specialized),
         decomposed_ops(program.captured.full_graph_module),
-        matmul_lines(program.steps),
+        matmul_lines(program.steps) + [f"tuned on the GPU: {line}" for line in program.graph.tuning],
     )
 
 

@@ -155,6 +155,8 @@ def graph_key(
         # lowering keeps float atomics out when torch asks for deterministic algorithms
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "versions": versions(),
+        # on a GPU the kernels' configurations and templates-or-ATen were measured there (gjit/tuning.py)
+        "tuned_on": torch.cuda.get_device_name() if config.tune and torch.cuda.is_available() else "",
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
@@ -269,7 +271,12 @@ def _decode(value: Any) -> Any:
 def graph_record(graph: CompiledGraph) -> dict:
     kernels = [{f.name: _encode(getattr(k, f.name)) for f in dataclasses.fields(k)} for k in graph.kernels]
     subgraphs = {name: graph_record(sub) for name, sub in graph.subgraphs.items()}
-    return {"wrapper": graph.wrapper_source, "kernels": kernels, "subgraphs": subgraphs}
+    return {
+        "wrapper": graph.wrapper_source,
+        "kernels": kernels,
+        "subgraphs": subgraphs,
+        "tuning": graph.tuning,
+    }
 
 
 def graph_from_record(record: dict, gm: torch.fx.GraphModule) -> CompiledGraph:
@@ -278,7 +285,7 @@ def graph_from_record(record: dict, gm: torch.fx.GraphModule) -> CompiledGraph:
         values = {k: _decode(v) for k, v in fields.items()}
         values["assumptions"] = [tuple(a) for a in values.get("assumptions", [])]
         kernels.append(KernelSource(**values))
-    graph = CompiledGraph(gm, kernels, str(record["wrapper"]))
+    graph = CompiledGraph(gm, kernels, str(record["wrapper"]), tuning=list(record.get("tuning", [])))
     for name, sub in record["subgraphs"].items():
         branch = graph_from_record(sub, getattr(gm, name))
         # a branch's placeholders may carry no values (a served program): it runs where its parent does

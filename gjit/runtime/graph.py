@@ -87,6 +87,7 @@ class FallbackInterpreter(torch.fx.Interpreter):
 
 
 def _interpreted(call: Callable) -> Callable:
+    @functools.wraps(call)
     def run(args: list[Any], sizes: tuple) -> Any:
         with interpret_libdevice.stdlib_interpreted():
             return call(args, sizes)
@@ -123,6 +124,7 @@ class CompiledGraph:
     subgraphs: dict[str, CompiledGraph] = dataclasses.field(default_factory=dict)  # torch.cond branches
     checker: Any = None  # GJIT_CHECK: a gjit.debug.check.RegionChecker the wrapper reports to
     last_check: list = dataclasses.field(default_factory=list)  # its rows for the latest call
+    tuning: list[str] = dataclasses.field(default_factory=list)  # gjit/tuning.py's decisions, on a GPU
     _calls: dict[str, Callable] = dataclasses.field(default_factory=dict)
 
     def write(self) -> None:

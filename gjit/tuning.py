@@ -1,0 +1,250 @@
+"""On a GPU, a measured choice at compile time: each template kernel's tile configuration, then the
+template program against the same graph with every matmul an ATen extern.
+
+Codegen emits a template kernel (kernels/matmul.py, kernels/attention.py) in the first of its
+configurations: the table's pick for the example sizes. With CUDA example inputs and
+`gjit.config.tune` on, the compile then
+
+1. runs the program once on the example inputs, keeping a copy of each template kernel's
+   arguments and of what it wrote;
+2. per distinct kernel (the layers of a model share theirs), times the first configuration on the
+   kept arguments; one that runs for at least MIN_KERNEL_MS is emitted in each other configuration,
+   launched on the same arguments, rejected where its output differs from the first's beyond
+   rounding (or it does not build), else timed; the fastest is kept;
+3. rebuilds the program with each kernel's fastest configuration and, where its template kernels
+   run for at least MIN_KERNEL_MS together, times it end to end against the program compiled
+   with every matmul an ATen extern, keeping the faster.
+
+The figures go to GJIT_LOGS=tuning and to `explain`'s matmul lines; the on-disk cache stores the
+tuned program (its key names the device), so a warm start measures nothing. Kernel times are
+medians of triton.testing.do_bench; on the CPU nothing is measured (kernel times there would be
+the interpreter's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import math
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import sympy
+import torch
+
+from gjit import logs
+from gjit.codegen.common import KernelSource
+from gjit.fusion import Region, Step
+from gjit.runtime import interpret as interpret_libdevice
+from gjit.runtime.graph import KERNEL_PRELUDE, CompiledGraph, load_kernel, write_source
+
+log = logs.logger("tuning")
+
+MIN_KERNEL_MS = 0.02  # below this a kernel is launch-bound: its tiles hardly matter
+
+
+def bench(fn: Callable[[], Any]) -> float:
+    """Median milliseconds of `fn` on the GPU (tests replace this)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=5, rep=25, return_mode="median"))
+
+
+@dataclasses.dataclass
+class Launch:
+    """One launch of a kernel, kept: its tensors copied (inputs, then outputs), sizes, and what the
+    outputs held after it (the reference a configuration's result is compared with)."""
+
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    sizes: list[int]
+    written: list[torch.Tensor]
+
+
+@dataclasses.dataclass
+class Tuned:
+    """The outcome: the graph to run, the schedule it came from, and one line per decision."""
+
+    graph: CompiledGraph
+    analysis: tuple[Any, list[Step]] | None  # (loop graph, schedule) of the ATen program; None: the given
+    lines: list[str]
+
+
+def tune(
+    graph: CompiledGraph,
+    steps: list[Step],
+    emit: Callable[[Region, int], KernelSource],
+    rebuild: Callable[[], CompiledGraph],
+    aten: Callable[[], tuple[Any, list[Step], CompiledGraph]] | None,
+    graph_inputs: list[Any],
+    sizes: tuple,
+) -> Tuned:
+    """The measured choice for `graph` (its template regions in `steps`): `emit(region, index)` is
+    the region's kernel in configuration `config`, `rebuild()` the program over the regions'
+    chosen configurations, `aten()` the graph compiled with matmuls as externs (None: no such
+    alternative)."""
+    regions = [s for s in steps if isinstance(s, Region) and s.matmul]
+    by_name = {k.name: k for k in graph.kernels}
+    launches = record(graph, {r.name for r in regions}, graph_inputs, sizes)
+    lines: list[str] = []
+    timed: dict[str, float] = {}  # kernel code and sizes -> ms of its chosen configuration
+    chosen: dict[str, int] = {}  # kernel code and sizes -> its chosen configuration
+    for region in regions:
+        kernel, launch = by_name[region.name], launches.get(region.name)
+        if launch is None:
+            continue
+        body = same_kernel_key(kernel, launch)
+        if body in chosen:  # another layer's kernel
+            region.config = chosen[body]
+            continue
+        config, ms, line = choose(region, kernel, launch, emit)
+        chosen[body], timed[body], region.config = config, ms, config
+        lines.append(line)
+        log.info("%s", line)
+    if any(r.config for r in regions):
+        graph = rebuild()
+    if aten is None or sum(timed.values()) < MIN_KERNEL_MS:
+        return Tuned(graph, None, lines)
+    aten_loop_graph, aten_steps, aten_graph = aten()
+    copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in graph_inputs]
+    t_template = bench(lambda: graph.run(copies, sizes))
+    t_aten = bench(lambda: aten_graph.run(copies, sizes))
+    keep = t_template <= t_aten
+    line = f"program: templates {t_template:.3f} ms, every matmul an ATen extern {t_aten:.3f} ms: " + (
+        "kept the templates" if keep else "ATen is faster, it runs the matmuls"
+    )
+    log.info("%s", line)
+    lines.append(line)
+    return Tuned(graph, None, lines) if keep else Tuned(aten_graph, (aten_loop_graph, aten_steps), lines)
+
+
+def same_kernel_key(kernel: KernelSource, launch: Launch) -> str:
+    """What two kernels that compute alike at these sizes share: the code (not the header, which
+    names the nodes) with the kernel and size-symbol names replaced by positions, and the sizes."""
+    values = dict(zip(map(str, kernel.size_args), launch.sizes))
+    lines = [ln for ln in kernel.source.splitlines() if not ln.startswith(("#", "def "))]
+    order = list(dict.fromkeys(t for t in re.findall(r"\w+", "\n".join(lines)) if t in values))
+    names = {s: f"size{i}" for i, s in enumerate(order)}
+    code = re.sub(r"\w+", lambda m: names.get(m.group(0), m.group(0)), "\n".join(lines))
+    return code + str([values[s] for s in order])
+
+
+def choose(region: Region, kernel: KernelSource, launch: Launch, emit: Callable) -> tuple[int, float, str]:
+    """(configuration, ms, the decision's line) of one template kernel on its kept launch."""
+    fn = loaded(kernel, launch)
+    first = bench(lambda: run_kernel(kernel, launch, fn))
+    if kernel.configs <= 1 or first < MIN_KERNEL_MS:
+        return 0, first, f"{kernel.name}: {describe(kernel)} {first:.3f} ms (too short to tune)"
+    best, best_ms, notes = 0, first, [f"{describe(kernel)} {first:.3f}"]
+    for index in range(1, kernel.configs):
+        candidate = emit(region, index)
+        try:
+            fn = loaded(candidate, launch)
+            for out in launch.outputs:  # what a configuration leaves unwritten shows
+                out.fill_(math.nan if out.dtype.is_floating_point else -1)
+            run_kernel(candidate, launch, fn)
+            differs = mismatch(launch)
+            ms = math.inf if differs else bench(functools.partial(run_kernel, candidate, launch, fn))
+        except Exception as e:  # a configuration that does not build (shared memory, registers)
+            differs, ms = f"does not build: {str(e).splitlines()[0][:80]}", math.inf
+        notes.append(f"{describe(candidate)} " + (differs or f"{ms:.3f}"))
+        if differs:
+            log.warning("gjit: %s %s %s; not used", kernel.name, describe(candidate), differs)
+        if ms < best_ms:
+            best, best_ms = index, ms
+    region.config = 0
+    return best, best_ms, f"{kernel.name}: ms by tiles: {', '.join(notes)}; chose configuration {best}"
+
+
+def describe(kernel: KernelSource) -> str:
+    """A configuration in a few characters: the tile sizes, warps and stages."""
+    tiles = "x".join(str(v) for b, v in kernel.blocks.items() if b in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+    stages = f"/s{kernel.num_stages}" if kernel.num_stages is not None else ""
+    return f"[{tiles} w{kernel.num_warps}{stages}]"
+
+
+def loaded(kernel: KernelSource, launch: Launch) -> Any:
+    """The kernel's @triton.jit function: compiled for the launch's device, else interpreted."""
+    path = write_source("kernels", kernel.name, KERNEL_PRELUDE + kernel.source)
+    return load_kernel(path, kernel.name, interpret=not launch.inputs[0].is_cuda)
+
+
+def run_kernel(kernel: KernelSource, launch: Launch, fn: Any) -> None:
+    """Launch `fn` (`kernel`, in some configuration) on the kept arguments; its output tensors
+    are fresh each time: the kept inputs never change."""
+    values = dict(zip(kernel.size_args, launch.sizes))
+    xnumel = int(sympy.sympify(kernel.numel).subs(values))
+    options = dict(kernel.blocks, num_warps=kernel.num_warps)
+    if kernel.num_stages is not None:
+        options["num_stages"] = kernel.num_stages
+    grid = (math.ceil(xnumel / kernel.blocks.get("XBLOCK", 1)),)
+    on_device = launch.inputs[0].is_cuda
+    with contextlib.nullcontext() if on_device else interpret_libdevice.stdlib_interpreted():
+        fn[grid](*launch.inputs, *launch.outputs, *launch.sizes, xnumel, **options)
+
+
+def mismatch(launch: Launch) -> str:
+    """'' when the outputs hold what the first configuration wrote, up to rounding."""
+    for out, ref in zip(launch.outputs, launch.written):
+        if not ref.dtype.is_floating_point:
+            same = torch.equal(out, ref)
+        else:
+            tol = 1e-4 if ref.dtype in (torch.float32, torch.float64) else 3e-2
+            scale = ref.double().nan_to_num(0, 0, 0).abs().amax().item() if ref.numel() else 0.0
+            diff = (out.double() - ref.double()).nan_to_num(0, 0, 0).abs() if ref.numel() else ref.double()
+            same = torch.equal(out.isnan(), ref.isnan()) and bool((diff <= tol * max(scale, 1.0)).all())
+        if not same:
+            return "computes something else"
+    return ""
+
+
+def record(graph: CompiledGraph, names: set[str], graph_inputs: list[Any], sizes: tuple) -> dict[str, Launch]:
+    """Run `graph` once on copies of its inputs, keeping the first launch of each kernel in
+    `names` whose outputs share no memory with its inputs."""
+    kept: dict[str, Launch] = {}
+    by_name = {k.name: k for k in graph.kernels}
+
+    def probe(name: str, kernel: Any) -> Any:
+        if name not in names:
+            return kernel
+        source = by_name[name]
+        ins, outs = len(source.in_args), len(source.out_args)
+
+        class Probe:
+            def __getitem__(self, grid: Any) -> Callable:
+                def launch(*args: Any, **kwargs: Any) -> Any:
+                    tensors = list(args[: ins + outs])
+                    copies = [t.clone() for t in tensors[:ins]]
+                    result = kernel[grid](*args, **kwargs)
+                    inputs = {t.untyped_storage().data_ptr() for t in tensors[:ins]}
+                    aliased = any(t.untyped_storage().data_ptr() in inputs for t in tensors[ins:])
+                    if name not in kept and not aliased:
+                        sizes = [int(a) for a in args[ins + outs : ins + outs + len(source.size_args)]]
+                        written = [t.clone() for t in tensors[ins:]]
+                        kept[name] = Launch(copies, [torch.empty_like(t) for t in written], sizes, written)
+                    return result
+
+                return launch
+
+        return Probe()
+
+    copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in graph_inputs]
+    with kernels_wrapped(graph, probe):
+        graph.run(copies, sizes)
+    return kept
+
+
+@contextlib.contextmanager
+def kernels_wrapped(graph: CompiledGraph, wrap: Callable[[str, Any], Any]) -> Iterator[None]:
+    """Within, the device wrapper of `graph` launches `wrap(name, kernel)` for each Triton kernel."""
+    call = graph.call_fn(interpret=not graph.on_cuda)
+    namespace = inspect.unwrap(call).__globals__
+    saved = {k.name: namespace[k.name] for k in graph.kernels if k.backend != "cuda"}
+    namespace.update({name: wrap(name, kernel) for name, kernel in saved.items()})
+    try:
+        yield
+    finally:
+        namespace.update(saved)

@@ -1,0 +1,139 @@
+"""The measured choice of gjit/tuning.py: each template kernel's tile configuration, then templates
+against ATen matmuls. On a GPU the times are triton.testing.do_bench's; here the kernels run in
+Triton's interpreter (every configuration is launched and its output compared with the first's)
+and the test says what each measurement returns, so the decisions are known."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gjit
+from gjit import driver, tuning
+from gjit.kernels.matmul import matmul_configs
+from helpers import assert_same, run_compiled
+
+pytestmark = [pytest.mark.cpu]
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """Tuning on for CPU graphs; `times` is what each measurement returns, in order (each
+    measured function still runs once, so every configuration really executes)."""
+    times: list[float] = []
+    calls: list[float] = []
+
+    def bench(fn):
+        fn()
+        calls.append(times.pop(0))
+        return calls[-1]
+
+    monkeypatch.setattr(tuning, "bench", bench)
+    monkeypatch.setattr(driver, "wants_tuning", lambda graph, options: gjit.config.tune)
+    return times, calls
+
+
+def linear_gelu(x, w, b):
+    return F.gelu(F.linear(x, w, b))
+
+
+def test_the_fastest_configuration_is_kept_and_computes_the_same(measured):
+    times, calls = measured
+    x, w, b = torch.randn(65, 40), torch.randn(130, 40), torch.randn(130)
+    configs = matmul_configs(65, 130, 40, torch.float32)
+    assert len(configs) > 2
+    # the table's pick, then each candidate; the second candidate is the fastest; then the
+    # program end to end (1.0) against the ATen one (2.0)
+    times += [1.0, 0.9, 0.5] + [0.7] * (len(configs) - 3) + [1.0, 2.0]
+    out, cm = run_compiled(linear_gelu, x, w, b)
+    assert not times and len(calls) == len(configs) + 2
+    assert_same(out, linear_gelu(x, w, b))
+    (kernel,) = cm.entries[0].program.kernels
+    assert kernel.name.startswith("gjit_mm_")
+    chosen = configs[2]
+    assert (kernel.blocks["BLOCK_M"], kernel.blocks["BLOCK_N"], kernel.blocks["BLOCK_K"]) == (
+        chosen.m,
+        chosen.n,
+        chosen.k,
+    )
+    assert kernel.num_stages == chosen.stages and kernel.num_warps == chosen.warps
+    report = gjit.explain(cm, x, w, b)
+    tuned = [m for m in report.matmuls if m.startswith("tuned on the GPU")]
+    assert len(tuned) == 2 and "chose configuration 2" in tuned[0] and "kept the templates" in tuned[1]
+
+
+def test_aten_wins_where_it_is_faster(measured):
+    times, _ = measured
+    x, w, b = torch.randn(65, 40), torch.randn(130, 40), torch.randn(130)
+    n = len(matmul_configs(65, 130, 40, torch.float32))
+    times += [1.0] * n + [2.0, 1.0]  # no configuration beats the first; the ATen program does
+    out, cm = run_compiled(linear_gelu, x, w, b)
+    assert_same(out, linear_gelu(x, w, b))
+    report = gjit.explain(cm, x, w, b)
+    assert [e.op for e in report.externs] == ["aten.addmm.default"]
+    assert not any(k.name.startswith("gjit_mm_") for k in report.kernels)
+    assert "ATen is faster" in report.matmuls[-1]
+    assert report.matmuls[0].startswith("addmm (aten.addmm.default): ATen extern")
+
+
+def test_layers_with_the_same_kernel_are_measured_once(measured):
+    times, calls = measured
+    x, w, v = torch.randn(20, 40), torch.randn(40, 70), torch.randn(40, 70)
+
+    def two_layers(x, w, v):  # two kernels that differ in their headers' node names only
+        return torch.relu(x @ w), torch.relu(x @ v)
+
+    n = len(matmul_configs(20, 70, 40, torch.float32))
+    times += [1.0] * (n - 1) + [0.5] + [1.0, 3.0]
+    out, cm = run_compiled(two_layers, x, w, v)
+    for a, e in zip(out, two_layers(x, w, v)):
+        assert_same(a, e)
+    kernels = [k for k in cm.entries[0].program.kernels if k.name.startswith("gjit_mm_")]
+    assert len(kernels) == 2 and len(calls) == n + 2, "the second layer's kernel is the first's, renamed"
+    assert kernels[0].blocks == kernels[1].blocks and kernels[0].num_stages is not None
+
+
+def test_a_configuration_that_computes_something_else_is_not_used(measured, monkeypatch):
+    times, _ = measured
+    x, w, b = torch.randn(65, 40), torch.randn(130, 40), torch.randn(130)
+    n = len(matmul_configs(65, 130, 40, torch.float32))
+    real = tuning.run_kernel
+    count = []
+
+    def broken_second(kernel, launch, fn):  # the candidate after the first writes garbage
+        real(kernel, launch, fn)
+        count.append(1)
+        if len(count) == 2:  # 1: the first configuration's measurement, 2: the second's check
+            launch.outputs[0].add_(1.0)
+
+    monkeypatch.setattr(tuning, "run_kernel", broken_second)
+    # the first configuration, then (the broken one is never timed) the rest, then end to end
+    times += [1.0] + [2.0] * (n - 2) + [1.0, 2.0]
+    out, cm = run_compiled(linear_gelu, x, w, b)
+    assert_same(out, linear_gelu(x, w, b))
+    tuned = gjit.explain(cm, x, w, b).matmuls
+    assert "computes something else" in tuned[1] and "chose configuration 0" in tuned[1]
+
+
+def test_tuning_off_measures_nothing(measured):
+    x, w, b = torch.randn(65, 40), torch.randn(130, 40), torch.randn(130)
+    with gjit.config.scope(tune=False):
+        out, cm = run_compiled(linear_gelu, x, w, b)
+    assert_same(out, linear_gelu(x, w, b))
+    assert cm.entries[0].program.kernels[0].num_stages is None
+    assert not any(m.startswith("tuned") for m in gjit.explain(cm, x, w, b).matmuls)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_on_a_gpu_the_choice_is_measured_and_exact(dtype):
+    """A product long enough to tune (about 0.1 ms): the configurations and ATen are timed for
+    real, and whichever runs computes what eager does."""
+    x = torch.randn(2048, 2048, device="cuda", dtype=dtype)
+    w = torch.randn(2048, 2048, device="cuda", dtype=dtype) / 45
+    b = torch.randn(2048, device="cuda", dtype=dtype)
+    cm = gjit.compile(linear_gelu)
+    out = cm(x, w, b)
+    expected, reference = linear_gelu(x, w, b), linear_gelu(x.double(), w.double(), b.double())
+    assert_same(out, expected, reference)
+    tuned = [m for m in gjit.explain(cm, x, w, b).matmuls if m.startswith("tuned on the GPU")]
+    assert len(tuned) == 2 and "ms by tiles" in tuned[0] and tuned[1].startswith("tuned on the GPU: program")
