@@ -209,7 +209,17 @@ def compile_program(
         sizes = tuple(hints[s] for s in symbols)
         analysis = (loop_graph, steps, graph)
         inputs = captured.graph_inputs(example)
-        loop_graph, steps, graph = passes("tune", tune_graph, gm, symbols, analysis, passes, inputs, sizes)
+        try:
+            loop_graph, steps, graph = passes(
+                "tune", tune_graph, gm, symbols, analysis, passes, inputs, sizes
+            )
+        except Exception as e:  # measuring is an optimization: never a reason not to run
+            tuning.log.warning(
+                "gjit: tuning failed (%s); the table's configurations run", str(e).splitlines()[0]
+            )
+            for step in steps:
+                if isinstance(step, Region):
+                    step.config = 0
     if key is not None:
         with timed("cache_store", timings):
             extra = {"program": stored, "shape_guards": shape_guards, "symbols": symbols}
