@@ -107,22 +107,22 @@ def template(
     lhs_value: str,
     rhs: list[str],
     rhs_value: str,
-    dot_type: str,
     dot_options: str,
     epilogue: list[str],
 ) -> list[str]:
     """The kernel body: `head` (tile order, batch dims), the k loop around the operand tiles'
-    lines, each tile zero outside its mask (what a masked-off lane computes never reaches the
-    sum) and in `dot_type`, the dot, then the epilogue on `acc`."""
+    lines and values (`lhs_value`, `rhs_value`: each zero outside its tile's mask, so what a
+    masked-off lane would compute never reaches the sum, and in the dot's dtype), the dot, then
+    the epilogue on `acc`."""
     loop = [
         "acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)",
         "for k0 in range(0, K, BLOCK_K):",
         "    # the left operand's tile [BLOCK_M, BLOCK_K] (prologue)",
         *(f"    {ln}" for ln in lhs),
-        f"    a = tl.where(lhs_mask, {lhs_value}, 0.0).to({dot_type})",
+        f"    a = {lhs_value}",
         "    # the right operand's tile [BLOCK_K, BLOCK_N] (prologue)",
         *(f"    {ln}" for ln in rhs),
-        f"    b = tl.where(rhs_mask, {rhs_value}, 0.0).to({dot_type})",
+        f"    b = {rhs_value}",
         f"    acc = tl.dot(a, b, acc{dot_options})",
         "# the epilogue, on the output tile",
     ]

@@ -96,3 +96,45 @@ def test_contiguous_fp32_kernel_uses_vector_loads():
     assert "ld.global.v4" in ptx, "expected 128-bit vector loads for contiguous fp32 data"
     scalar = compile_kernel(kernel, path, aligned=False).asm["ptx"]
     assert "ld.global.v4" not in scalar  # the 16-divisibility specialization is what enables them
+
+
+def test_a_size_argument_equal_to_1_compiles_for_sm90():
+    """On a GPU, Triton's launcher passes an integer argument equal to 1 as the constant 1 (a
+    Python int inside the kernel, which has no .to()): a mean over a dynamic row of length 1."""
+    fn = lambda x: x - x.mean(-1, keepdim=True)  # noqa: E731
+    x = torch.randn(6, 5)
+    cm = gjit.compile(fn, dynamic=True)
+    check(cm, x)
+    for kernel, path in kernels_of(cm, x):
+        sizes = tuple(str(s) for s in kernel.size_args)
+        assert sizes, kernel.name
+        assert compile_kernel(kernel, path, ones=sizes).asm["cubin"], kernel.name
+
+
+def _loop_ops(kernel, path, divisible):
+    """Op counts in the body of the kernel's (first) loop, in Triton's GPU IR for sm_90."""
+    ttgir = compile_kernel(kernel, path, divisible=divisible).asm["ttgir"]
+    loop = ttgir[ttgir.index("scf.for") :]
+    loop = loop[: loop.index("scf.yield")]
+    ops = ("ttg.local_load", "ttg.local_alloc", "async_copy_global_to_local", "warp_group_dot")
+    return {op: loop.count(op) for op in ops}
+
+
+@pytest.mark.parametrize("case", ["linear", "sdpa"])
+def test_template_operands_go_straight_from_async_copies_to_the_dot(case):
+    """A 16-bit operand tile that is a plain load takes zeros where it is masked (other=0.0):
+    Triton copies it into shared memory asynchronously, pipelined, and wgmma reads it there. A
+    tl.where on the loaded tile would cost a shared -> register -> shared round trip per step.
+    Sizes are multiples of 16 here, as Triton's launcher sees most model dims on a GPU."""
+    half = dict(dtype=torch.float16)
+    if case == "linear":
+        fn, args = F.linear, (torch.randn(64, 128, **half), torch.randn(256, 128, **half))
+    else:
+        fn = F.scaled_dot_product_attention
+        args = tuple(torch.randn(2, 2, 64, 64, **half) for _ in range(3))
+    cm = gjit.compile(fn)
+    check(cm, *args)
+    ((kernel, path),) = kernels_of(cm, *args)
+    ops = _loop_ops(kernel, path, divisible=tuple(str(s) for s in kernel.size_args))
+    assert ops["async_copy_global_to_local"] >= 2 and ops["warp_group_dot"] >= 1, ops
+    assert ops["ttg.local_load"] == 0 and ops["ttg.local_alloc"] == 0, ops

@@ -17,17 +17,27 @@ from gjit.codegen.common import KernelSource
 from gjit.codegen.toolchain.files import import_file
 
 
-def compile_kernel(kernel: KernelSource, path: str, arch: int = 90, aligned: bool = True):
-    """Compile `kernel` (its source file at `path`) for sm_<arch>; returns Triton's CompiledKernel."""
+def compile_kernel(
+    kernel: KernelSource,
+    path: str,
+    arch: int = 90,
+    aligned: bool = True,
+    ones: tuple[str, ...] = (),
+    divisible: tuple[str, ...] = (),
+):
+    """Compile `kernel` (its source file at `path`) for sm_<arch>; returns Triton's CompiledKernel.
+    As Triton's launcher specializes integer arguments on a GPU: `ones` are passed as the constant
+    1, `divisible` (sizes) are known multiples of 16."""
     fn = getattr(import_file(path), kernel.name)
     params = [p for p in kernel.signature if p not in kernel.blocks]
     attrs = {}
     if aligned:
         for k, p in enumerate(params):
-            if kernel.signature[p].startswith("*") or p in ("xnumel", "rnumel"):
+            if kernel.signature[p].startswith("*") or p in ("xnumel", "rnumel", *divisible):
                 attrs[(k,)] = [["tt.divisibility", 16]]
+    signature = dict(kernel.signature) | {p: "constexpr" for p in ones}
     source = triton.compiler.ASTSource(
-        fn=fn, signature=dict(kernel.signature), constexprs=dict(kernel.blocks), attrs=attrs
+        fn=fn, signature=signature, constexprs=dict(kernel.blocks) | {p: 1 for p in ones}, attrs=attrs
     )
     options = {"num_warps": kernel.num_warps} if kernel.num_warps != 4 else {}
     if kernel.num_stages is not None:

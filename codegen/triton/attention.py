@@ -102,11 +102,13 @@ class AttentionWriter(MatmulWriter):
 
         query = self.tile("q", "[BLOCK_M, BLOCK_D]", (i, "rm", "L"), (d, lanes_d, "D"))
         value = self.emit(query_value)
-        query += [*self.lines, f"q = tl.where(q_mask, {value}, 0.0).to({TL_DTYPES[dtype]})"]
+        query, value = self.zero_masked(query + self.lines, value, query_value, "q_mask", dtype)
+        query.append(f"q = {value}")
 
         key = self.tile("k", "[BLOCK_D, BLOCK_N]", (d, lanes_d, "D"), (j, f"rn{wide}", "S"))
         value = self.emit(key_value)
-        key += [*self.lines, f"k = tl.where(k_mask, {value}, 0.0).to({TL_DTYPES[dtype]})"]
+        key, value = self.zero_masked(key + self.lines, value, key_value, "k_mask", dtype)
+        key.append(f"k = {value}")
 
         score = self.tile("s", "[BLOCK_M, BLOCK_N]", (i, "rm", "L"), (j, f"rn{wide}", "S"))
         value = self.emit(body.score)
@@ -115,7 +117,8 @@ class AttentionWriter(MatmulWriter):
 
         vals = self.tile("v", "[BLOCK_N, BLOCK_E]", (j, f"rn{wide}", "S"), (e, lanes_e, "EV"))
         value = self.emit(value_value)
-        vals += [*self.lines, f"v = tl.where(v_mask, {value}, 0.0).to({TL_DTYPES[value_dtype]})"]
+        vals, value = self.zero_masked(vals + self.lines, value, value_value, "v_mask", value_dtype)
+        vals.append(f"v = {value}")
 
         epilogue = self.tile("out", "[BLOCK_M, BLOCK_E]", (i, "rm", "L"), (e, lanes_e, "EV"))
         self.store_outputs()

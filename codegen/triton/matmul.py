@@ -12,6 +12,8 @@ rows and columns; the product is the accumulator, rounded to the node's dtype as
 
 from __future__ import annotations
 
+import re
+
 import sympy
 import torch
 
@@ -188,6 +190,21 @@ class MatmulWriter(KernelWriter):
         )
         return read, sympy.sympify(written)
 
+    def zero_masked(
+        self, lines: list[str], value: str, operand: Expr, mask: str, dtype: torch.dtype
+    ) -> tuple[list[str], str]:
+        """An operand tile's lines and its value, zero where `mask` is off, in the dot's `dtype`.
+        A 16-bit tile that is one load under the mask in that dtype loads zeros there itself
+        (`other=0.0`): Triton then copies it from global memory straight into the shared memory
+        wgmma reads, pipelined. Anything else is zeroed in registers (tl.where), which on Hopper
+        costs a round trip through shared memory per k step for a tensor-core dot (float32
+        products are IEEE, on the FMA units: their operands go to registers anyway)."""
+        load = re.fullmatch(rf"{value} = tl\.load\((.*), {mask}\)", lines[-1]) if lines else None
+        plain = isinstance(operand, Read) and not operand.indirect and operand.dtype == dtype
+        if load and plain and dtype in (torch.float16, torch.bfloat16):
+            return [*lines[:-1], f"{value} = tl.load({load.group(1)}, {mask}, other=0.0)"], value
+        return lines, f"tl.where({mask}, {value}, 0.0).to({TL_DTYPES[dtype]})"
+
     # -- the kernel -----------------------------------------------------------------------------
 
     def generate(self, name: str) -> KernelSource:
@@ -211,13 +228,14 @@ class MatmulWriter(KernelWriter):
         lhs_lines = [f"{mv} = rm[:, None]", f"{kv} = {ks}[None, :]"]
         lhs_lines.append(f"lhs_mask = ({mv} < M) & ({kv} < K)")
         lhs_value = self.emit(lhs)
-        lhs_lines += self.lines
+        dtype = lhs.dtype  # of both tiles (a constant operand prints as a float32 tile: cast it too)
+        lhs_lines, lhs_value = self.zero_masked(lhs_lines + self.lines, lhs_value, lhs, "lhs_mask", dtype)
 
         self.scope("rhs_mask", "[BLOCK_K, BLOCK_N]")
         rhs_lines = [f"{kv} = {ks}[:, None]", f"{nv} = rn[None, :]"]
         rhs_lines.append(f"rhs_mask = ({kv} < K) & ({nv} < N)")
         rhs_value = self.emit(rhs)
-        rhs_lines += self.lines
+        rhs_lines, rhs_value = self.zero_masked(rhs_lines + self.lines, rhs_value, rhs, "rhs_mask", dtype)
 
         self.scope("out_mask", "[BLOCK_M, BLOCK_N]")
         epilogue = [f"{mv} = rm[:, None]", f"{nv} = rn[None, :]", f"out_mask = ({mv} < M) & ({nv} < N)"]
@@ -225,8 +243,7 @@ class MatmulWriter(KernelWriter):
         epilogue += self.lines
 
         precision = "" if lhs.dtype != torch.float32 else ', input_precision="ieee"'
-        dot_type = TL_DTYPES[lhs.dtype]  # a constant operand prints as a float32 tile: cast it too
-        lines = template(head, lhs_lines, lhs_value, rhs_lines, rhs_value, dot_type, precision, epilogue)
+        lines = template(head, lhs_lines, lhs_value, rhs_lines, rhs_value, precision, epilogue)
         tiles = sympy.Mul(
             *batch, (m + blocks.m - 1) // blocks.m, (n + blocks.n - 1) // blocks.n
         )  # sympy floor: printed as integer math

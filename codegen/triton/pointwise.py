@@ -238,6 +238,10 @@ class KernelWriter(RegionPlan):
         text = self.index(expr)
         if e.dtype == torch.bool:
             return self.tmp(("index", text, self.mask), f"{text}")
+        if not sympy.sympify(expr).free_symbols & set(self.vars):
+            # sizes only: Triton passes a size argument equal to 1 as the constant 1 (a Python
+            # int, no .to()) when it compiles for a GPU; tl.cast takes either
+            return self.tmp(("index", text, e.dtype), f"tl.cast({text}, {TL_DTYPES[e.dtype]})")
         return self.tmp(("index", text, e.dtype), f"({text}).to({TL_DTYPES[e.dtype]})")
 
     def op(self, e: Op, args: list[str]) -> str:
