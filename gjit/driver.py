@@ -327,7 +327,7 @@ def tune_graph(
         return compile_graph(gm, symbols, Passes(dataclasses.replace(options, matmul="aten"), {}))
 
     alternative = aten if options.matmul_template else None
-    tuned = tuning.tune(graph, steps, emit, rebuild, alternative, graph_inputs, sizes)
+    tuned = tuning.tune(graph, steps, emit, rebuild, alternative, graph_inputs, sizes, symbols)
     tuned.graph.tuning = tuned.lines
     return (*(tuned.analysis or (loop_graph, steps)), tuned.graph)
 

@@ -22,14 +22,15 @@ def measured(monkeypatch):
     times: list[float] = []
     calls: list[float] = []
 
-    def bench(fn):
+    def bench(fn, program=False):
         fn()
         calls.append(times.pop(0))
         return calls[-1]
 
     monkeypatch.setattr(tuning, "bench", bench)
     monkeypatch.setattr(driver, "wants_tuning", lambda graph, options: gjit.config.tune)
-    return times, calls
+    with gjit.config.scope(tune=True):
+        yield times, calls
 
 
 def linear_gelu(x, w, b):
@@ -118,6 +119,7 @@ def test_tuning_off_measures_nothing(measured):
     x, w, b = torch.randn(65, 40), torch.randn(130, 40), torch.randn(130)
     with gjit.config.scope(tune=False):
         out, cm = run_compiled(linear_gelu, x, w, b)
+    assert not measured[1]
     assert_same(out, linear_gelu(x, w, b))
     assert cm.entries[0].program.kernels[0].num_stages is None
     assert not any(m.startswith("tuned") for m in gjit.explain(cm, x, w, b).matmuls)
@@ -132,8 +134,38 @@ def test_on_a_gpu_the_choice_is_measured_and_exact(dtype):
     w = torch.randn(2048, 2048, device="cuda", dtype=dtype) / 45
     b = torch.randn(2048, device="cuda", dtype=dtype)
     cm = gjit.compile(linear_gelu)
-    out = cm(x, w, b)
+    with gjit.config.scope(tune=True):
+        out = cm(x, w, b)
     expected, reference = linear_gelu(x, w, b), linear_gelu(x.double(), w.double(), b.double())
     assert_same(out, expected, reference)
     tuned = [m for m in gjit.explain(cm, x, w, b).matmuls if m.startswith("tuned on the GPU")]
     assert len(tuned) == 2 and "ms by tiles" in tuned[0] and tuned[1].startswith("tuned on the GPU: program")
+
+
+def test_a_launch_bound_kernel_is_not_tuned_and_aten_not_tried(measured):
+    times, calls = measured
+    x, w, b = torch.randn(65, 40), torch.randn(130, 40), torch.randn(130)
+    times += [0.005]  # the first configuration: below tuning.MIN_KERNEL_MS
+    out, cm = run_compiled(linear_gelu, x, w, b)
+    assert_same(out, linear_gelu(x, w, b))
+    assert len(calls) == 1
+    (line,) = [m for m in gjit.explain(cm, x, w, b).matmuls if m.startswith("tuned")]
+    assert "too short to tune" in line
+    assert cm.entries[0].program.kernels[0].name.startswith("gjit_mm_")
+
+
+def test_attention_configurations_are_measured_too(measured):
+    """The attention template's grid counts batch and head programs the kernel takes no size
+    argument for: the launch is rebuilt from the call's sizes."""
+    times, calls = measured
+    q, k, v = (torch.randn(2, 3, 40, 16) for _ in range(3))
+    fn = F.scaled_dot_product_attention
+    cm = gjit.compile(fn, dynamic=True)
+    times += [1.0] * 8 + [1.0, 2.0]  # more than enough: each configuration, then end to end
+    out, _ = run_compiled(cm, q, k, v)
+    assert_same(out, fn(q, k, v))
+    (kernel,) = cm.entries[0].program.kernels
+    assert kernel.name.startswith("gjit_attn_") and kernel.configs > 1
+    assert len(calls) == kernel.configs + 2, calls
+    line = next(m for m in gjit.explain(cm, q, k, v).matmuls if "ms by tiles" in m)
+    assert "not tuned" not in line and "does not build" not in line, line
