@@ -128,18 +128,21 @@ def test_tuning_off_measures_nothing(measured):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_on_a_gpu_the_choice_is_measured_and_exact(dtype):
-    """A product long enough to tune (about 0.1 ms): the configurations and ATen are timed for
-    real, and whichever runs computes what eager does."""
-    x = torch.randn(2048, 2048, device="cuda", dtype=dtype)
-    w = torch.randn(2048, 2048, device="cuda", dtype=dtype) / 45
-    b = torch.randn(2048, device="cuda", dtype=dtype)
+    """A product long enough that both choices are measured (over tuning.MIN_PROGRAM_MS even at
+    cuBLAS's speed: 0.2 ms and more on an H100 or H200): the configurations and ATen are timed
+    for real, and whichever runs computes what eager does."""
+    n = 4096 if dtype == torch.float16 else 2048
+    x = torch.randn(n, n, device="cuda", dtype=dtype)
+    w = torch.randn(n, n, device="cuda", dtype=dtype) / n**0.5
+    b = torch.randn(n, device="cuda", dtype=dtype)
     cm = gjit.compile(linear_gelu)
     with gjit.config.scope(tune=True):
         out = cm(x, w, b)
     expected, reference = linear_gelu(x, w, b), linear_gelu(x.double(), w.double(), b.double())
     assert_same(out, expected, reference)
     tuned = [m for m in gjit.explain(cm, x, w, b).matmuls if m.startswith("tuned on the GPU")]
-    assert len(tuned) == 2 and "ms by tiles" in tuned[0] and tuned[1].startswith("tuned on the GPU: program")
+    assert len(tuned) == 2, tuned
+    assert "ms by tiles" in tuned[0] and tuned[1].startswith("tuned on the GPU: program"), tuned
 
 
 def test_a_launch_bound_kernel_is_not_tuned_and_aten_not_tried(measured):
