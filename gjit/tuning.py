@@ -5,20 +5,22 @@ Codegen emits a template kernel (kernels/matmul.py, kernels/attention.py) in the
 configurations: the table's pick for the example sizes. With CUDA example inputs and
 `gjit.config.tune` on, the compile then
 
-1. runs the program once on the example inputs, keeping a copy of each template kernel's
-   arguments and of what it wrote;
+1. runs the program once on the example inputs, keeping the arguments of the first launch of
+   each distinct template kernel and what it wrote (the tensors themselves: no copies);
 2. per distinct kernel (the layers of a model share theirs), times the first configuration on the
    kept arguments; one that runs for at least MIN_KERNEL_MS is emitted in each other configuration,
    launched on the same arguments, rejected where its output differs from the first's beyond
    rounding (or it does not build), else timed; the fastest is kept;
-3. rebuilds the program with each kernel's fastest configuration and, where its template kernels
-   run for at least MIN_KERNEL_MS together, times it end to end against the program compiled
-   with every matmul an ATen extern, keeping the faster.
+3. rebuilds the program with each kernel's fastest configuration and, where the kernels it tuned
+   run for at least MIN_PROGRAM_MS together, times it against the program compiled with every
+   matmul an ATen extern (each replayed from a CUDA graph where it can be captured: kernel time,
+   not launch overhead), keeping the faster.
 
 The figures go to GJIT_LOGS=tuning and to `explain`'s matmul lines; the on-disk cache stores the
 tuned program (its key names the device), so a warm start measures nothing. Kernel times are
 medians of triton.testing.do_bench; on the CPU nothing is measured (kernel times there would be
-the interpreter's).
+the interpreter's; tests/test_tuning.py runs the decisions there with given times). Figures from
+an H200: docs/bench.md.
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ def bench(fn: Callable[[], Any], program: bool = False) -> float:
 
 @dataclasses.dataclass
 class Launch:
-    """One launch of a kernel, kept: its tensors copied (inputs, then outputs), sizes, and what the
-    outputs held after it (the reference a configuration's result is compared with)."""
+    """One launch of a kernel, kept: the tensors it read, fresh tensors a configuration writes, its
+    size arguments, and what it wrote (the reference a configuration's result is compared with)."""
 
     inputs: list[torch.Tensor]
     outputs: list[torch.Tensor]
@@ -101,22 +103,22 @@ def tune(
     regions = [s for s in steps if isinstance(s, Region) and s.matmul]
     by_name = {k.name: k for k in graph.kernels}
     values = dict(zip(symbols, sizes))
-    launches = record(graph, {r.name for r in regions}, graph_inputs, sizes, values)
+    keys, launches = record(graph, {r.name for r in regions}, graph_inputs, sizes, values)
     lines: list[str] = []
     timed: dict[str, float] = {}  # kernel code and sizes -> ms of its chosen configuration
     chosen: dict[str, int] = {}  # kernel code and sizes -> its chosen configuration
     for region in regions:
-        kernel, launch = by_name[region.name], launches.get(region.name)
-        if launch is None:
+        key = keys.get(region.name)
+        if key in chosen:  # another layer's kernel
+            region.config = chosen[key]
             continue
-        body = same_kernel_key(kernel, launch)
-        if body in chosen:  # another layer's kernel
-            region.config = chosen[body]
+        launch = launches.pop(key, None)  # measured once: its tensors go when it has been
+        if launch is None:  # not launched (an empty tensor), or it writes what it reads
             continue
-        config, ms, line = choose(region, kernel, launch, emit)
-        chosen[body], region.config = config, config
+        config, ms, line = choose(region, by_name[region.name], launch, emit)
+        chosen[key], region.config = config, config
         if ms >= MIN_KERNEL_MS:
-            timed[body] = ms
+            timed[key] = ms
         lines.append(line)
         log.info("%s", line)
     if any(r.config for r in regions):
@@ -124,9 +126,10 @@ def tune(
     if aten is None or sum(timed.values()) < MIN_PROGRAM_MS:
         return Tuned(graph, None, lines)
     aten_loop_graph, aten_steps, aten_graph = aten()
-    copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in graph_inputs]
-    t_template = bench(lambda: graph.run(copies, sizes), program=True)
-    t_aten = bench(lambda: aten_graph.run(copies, sizes), program=True)
+    # on the call's own inputs: a program only reads them, but for the index writes gjit makes in
+    # place (a KV cache's), which write the same values each run (gjit/in_place.py)
+    t_template = bench(lambda: graph.run(graph_inputs, sizes), program=True)
+    t_aten = bench(lambda: aten_graph.run(graph_inputs, sizes), program=True)
     keep = t_template <= t_aten
     line = f"program: templates {t_template:.3f} ms, every matmul an ATen extern {t_aten:.3f} ms: " + (
         "kept the templates" if keep else "ATen is faster, it runs the matmuls"
@@ -136,10 +139,11 @@ def tune(
     return Tuned(graph, None, lines) if keep else Tuned(aten_graph, (aten_loop_graph, aten_steps), lines)
 
 
-def same_kernel_key(kernel: KernelSource, launch: Launch) -> str:
-    """What two kernels that compute alike at these sizes share: the code (not the header, which
-    names the nodes) with the kernel and size-symbol names replaced by positions, and the sizes."""
-    values = dict(zip(map(str, kernel.size_args), launch.sizes))
+def same_kernel_key(kernel: KernelSource, sizes: list[int]) -> str:
+    """What two kernels that compute alike at these sizes (of their size arguments) share: the
+    code (not the header, which names the nodes) with the kernel and size-symbol names replaced
+    by positions, and the sizes."""
+    values = dict(zip(map(str, kernel.size_args), sizes))
     lines = [ln for ln in kernel.source.splitlines() if not ln.startswith(("#", "def "))]
     order = list(dict.fromkeys(t for t in re.findall(r"\w+", "\n".join(lines)) if t in values))
     names = {s: f"size{i}" for i, s in enumerate(order)}
@@ -229,9 +233,13 @@ def mismatch(launch: Launch) -> str:
 
 def record(
     graph: CompiledGraph, names: set[str], graph_inputs: list[Any], sizes: tuple, values: dict
-) -> dict[str, Launch]:
-    """Run `graph` once on copies of its inputs, keeping the first launch of each kernel in
-    `names` whose outputs share no memory with its inputs."""
+) -> tuple[dict[str, str], dict[str, Launch]]:
+    """Run `graph` once; of the kernels in `names`, (each one's same_kernel_key, the first launch
+    per key whose outputs share no memory with its inputs). The launches keep the run's own
+    tensors, no copies (the model's weights are not duplicated): the program only reads its
+    inputs (but for gjit's in-place index writes, which write the same values each run), and its
+    outputs stay alive as the reference a configuration's result is compared with."""
+    keys: dict[str, str] = {}
     kept: dict[str, Launch] = {}
     by_name = {k.name: k for k in graph.kernels}
 
@@ -244,26 +252,24 @@ def record(
         class Probe:
             def __getitem__(self, grid: Any) -> Callable:
                 def launch(*args: Any, **kwargs: Any) -> Any:
-                    tensors = list(args[: ins + outs])
-                    copies = [t.clone() for t in tensors[:ins]]
                     result = kernel[grid](*args, **kwargs)
-                    inputs = {t.untyped_storage().data_ptr() for t in tensors[:ins]}
-                    aliased = any(t.untyped_storage().data_ptr() in inputs for t in tensors[ins:])
-                    if name not in kept and not aliased:
-                        size_args = [int(a) for a in args[ins + outs : ins + outs + len(source.size_args)]]
-                        written = [t.clone() for t in tensors[ins:]]
-                        fresh = [torch.empty_like(t) for t in written]
-                        kept[name] = Launch(copies, fresh, size_args, written, values)
+                    inputs, outputs = list(args[:ins]), list(args[ins : ins + outs])
+                    size_args = [int(a) for a in args[ins + outs : ins + outs + len(source.size_args)]]
+                    key = keys.setdefault(name, same_kernel_key(source, size_args))
+                    read = {t.untyped_storage().data_ptr() for t in inputs}
+                    aliased = any(t.untyped_storage().data_ptr() in read for t in outputs)
+                    if key not in kept and not aliased:
+                        fresh = [torch.empty_like(t) for t in outputs]
+                        kept[key] = Launch(inputs, fresh, size_args, outputs, values)
                     return result
 
                 return launch
 
         return Probe()
 
-    copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in graph_inputs]
     with kernels_wrapped(graph, probe):
-        graph.run(copies, sizes)
-    return kept
+        graph.run(graph_inputs, sizes)
+    return keys, kept
 
 
 @contextlib.contextmanager

@@ -172,3 +172,27 @@ def test_attention_configurations_are_measured_too(measured):
     assert len(calls) == kernel.configs + 2, calls
     line = next(m for m in gjit.explain(cm, q, k, v).matmuls if "ms by tiles" in m)
     assert "not tuned" not in line and "does not build" not in line, line
+
+
+def test_measuring_runs_leave_an_input_written_in_place_as_one_call_does(measured):
+    """Tuning runs the program on the call's own inputs (no copies of the weights): the index
+    writes gjit makes in place write the same values each run, so the cache after the call is
+    eager's, and so is a cache updated by adding to it (that write stays functional)."""
+    times, calls = measured
+    times += [1.0] * 16
+
+    def step(cache, total, pos, x, w):
+        cache.index_copy_(0, pos, torch.relu(x @ w))
+        total.add_(cache.sum(0))
+        return cache.sum()
+
+    x, w = torch.randn(3, 40), torch.randn(40, 70)
+    pos = torch.tensor([1, 4, 2])
+    cache, total = torch.randn(6, 70), torch.randn(70)
+    mine, theirs = (cache.clone(), total.clone()), (cache.clone(), total.clone())
+    expected = step(*theirs, pos, x, w)
+    out, cm = run_compiled(step, *mine, pos, x, w)
+    assert calls, "tuning ran"
+    assert_same(out, expected)
+    assert_same(mine[0], theirs[0])
+    assert_same(mine[1], theirs[1])
