@@ -65,6 +65,9 @@ class KernelSource:
     nondeterministic: bool = False
     num_warps: int = 4  # Triton's default; a template whose tiles need more threads asks for more
     num_stages: int | None = None  # a template's pipelined loop steps (None: Triton's default)
+    # a float32 product's precision depends on torch's TF32 setting: the value it was compiled
+    # under (guarded: gjit/guards/builder.py); None: no float32 product
+    tf32: bool | None = None
     configs: int = 1  # a template's tile configurations (kernels/): gjit/tuning.py measures them on a GPU
 
     @property

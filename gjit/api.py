@@ -19,6 +19,7 @@ from gjit.debug import dump
 from gjit.debug.report import Report, build_report
 from gjit.driver import CompiledProgram, compile_program, run_program
 from gjit.guards import GuardBuildError, GuardSet, MissHistory, build_guards, dynamic_dims
+from gjit.guards.builder import tf32_setting
 from gjit.guards.policy import MARKS, specialized_dims
 from gjit.stats import timed
 
@@ -149,6 +150,14 @@ def _fast_arity(signature) -> tuple[int, int]:
 
 
 LIVE: weakref.WeakSet = weakref.WeakSet()  # every CompiledFunction, so gjit.reset() reaches them
+
+
+def tf32_allowed(flat: list) -> bool | None:
+    """Whether float32 products may run on TF32 tensor cores, as eager's cuBLAS calls do, when
+    the call is on a GPU: torch.backends.cuda.matmul.allow_tf32. None: not on a GPU."""
+    if not any(isinstance(v, torch.Tensor) and v.is_cuda for v in flat):
+        return None
+    return bool(torch.backends.cuda.matmul.allow_tf32)
 
 
 class CompiledFunction:
@@ -383,7 +392,7 @@ class CompiledFunction:
                 dims[i] = {**dims.get(i, {}), **free}
                 from_one |= {(i, d) for d, (lo, _) in free.items() if lo == 1}
         cache_log.info("%s: no entry admits the call (in-memory cache miss); compiling", self._name())
-        options = CompileOptions.from_config(backend=self.backend, check=self.check)
+        options = CompileOptions.from_config(backend=self.backend, check=self.check, tf32=tf32_allowed(flat))
         if options.backend == "triton" and any(isinstance(v, torch.Tensor) and v.is_cuda for v in flat):
             start_warm_up()  # Triton's first build in this process pays it: run it beside capture
         try:
@@ -422,6 +431,7 @@ class CompiledFunction:
                     shape_guards=program.shape_guards,
                     returns=program.symbols,
                     nondeterministic=any(k.nondeterministic for k in program.graph.all_kernels()),
+                    tf32=tf32_setting(program.graph.all_kernels()),
                 )
         except GuardBuildError as e:
             self._capture_failed = f"cannot guard the exported program: {e}"

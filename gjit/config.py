@@ -265,6 +265,10 @@ class CompileOptions:
     persistent_max: int
     rblock: int  # (no defaults here: the knobs above hold them)
     matmul: str
+    # on a GPU, whether float32 products may run on TF32 tensor cores, as eager's cuBLAS calls do:
+    # torch.backends.cuda.matmul.allow_tf32 (torch.set_float32_matmul_precision("high") sets it);
+    # the entry is guarded on it. None: not on a GPU (IEEE, as eager there). Not a gjit knob.
+    tf32: bool | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -280,6 +284,6 @@ class CompileOptions:
     @classmethod
     def from_config(cls, **given: Any) -> CompileOptions:
         """The knobs' values, with what a caller gave (None: not given) on top."""
-        values = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls)}
+        values = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls) if hasattr(Config, f.name)}
         values.update({k: v for k, v in given.items() if v is not None})
         return cls(**values)

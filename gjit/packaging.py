@@ -26,7 +26,7 @@ from gjit.api import CompiledFunction, Entry, Package, RecompileError
 from gjit.capture import CapturedProgram, Exported, captured_program
 from gjit.driver import CompiledProgram
 from gjit.guards import build_guards
-from gjit.guards.builder import shape_env_of
+from gjit.guards.builder import shape_env_of, tf32_setting
 from gjit.in_place import as_functional
 from gjit.runtime import disk_cache, package, program_store
 from gjit.runtime.package import PackageError
@@ -221,6 +221,7 @@ def _entry_from_record(
             shape_guards=disk_cache._decode(record["shape_guards"]),
             returns=symbols,
             nondeterministic=any(k.nondeterministic for k in graph.all_kernels()),
+            tf32=tf32_setting(graph.all_kernels()),
         )
     spec = pytree.treespec_loads(record["spec"])
     return Entry(guards, spec, program, names=record["names"], inputs=record["inputs"])

@@ -296,6 +296,7 @@ def build_guards(
     shape_guards: Sequence[sympy.Basic] = (),
     returns: Sequence[sympy.Symbol] | None = None,
     nondeterministic: bool = False,
+    tf32: bool | None = None,
 ) -> GuardSet:
     """The guard set of one entry. `user_vals`: export's placeholder value per flat input (None:
     static, from the example); `assumptions`: (condition, why) the kernels rely on;
@@ -306,7 +307,9 @@ def build_guards(
     decomposition added to export's shape environment, when this one lacks them (a warm start);
     `returns`: the symbols the wrapper takes, in its order (default: every bound symbol);
     `nondeterministic`: a kernel sums with float atomics, so the entry admits a call only while
-    torch's deterministic algorithms are off (else the recompile makes those writes externs)."""
+    torch's deterministic algorithms are off (else the recompile makes those writes externs);
+    `tf32`: the TF32 setting a kernel's float32 products were compiled under (None: none has
+    one), which the entry then requires, as eager's products follow it call by call."""
     n = len(flat_inputs)
     user_vals = list(user_vals) if user_vals is not None else [None] * n
     b = _Builder(names)
@@ -336,6 +339,14 @@ def build_guards(
             "not torch.are_deterministic_algorithms_enabled()",
             "deterministic algorithms off (float atomics)",
             "torch.are_deterministic_algorithms_enabled()",
+            None,
+            "state",
+        )
+    if tf32 is not None:
+        b.guard(
+            f"torch.backends.cuda.matmul.allow_tf32 == {tf32}",
+            f"TF32 {'allowed' if tf32 else 'not allowed'} for float32 matmuls (as when compiled)",
+            "torch.backends.cuda.matmul.allow_tf32",
             None,
             "state",
         )
@@ -477,3 +488,8 @@ def _function_source(steps: list[Guard | Bind], returned: str) -> str:
     flush()
     lines.append(f"    return {returned}")
     return "\n".join(lines) + "\n"
+
+
+def tf32_setting(kernels: Sequence[Any]) -> bool | None:
+    """The TF32 setting the kernels' float32 products were compiled under (None: they have none)."""
+    return next((k.tf32 for k in kernels if getattr(k, "tf32", None) is not None), None)

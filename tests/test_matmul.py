@@ -302,3 +302,57 @@ def test_row_statistics_edge_cases_compile_and_match():
     (kernel,) = [k for k in cm.entries[0].program.kernels if "row statistics" in k.source]
     (y_dim,) = [d.split(" = ")[1] for d in report.dynamic_dims if d.startswith("y.size(2)")]
     assert any(y_dim in str(cond) for cond, _ in kernel.assumptions), kernel.assumptions
+
+
+@pytest.mark.compile_only
+def test_float32_products_follow_torchs_tf32_setting(monkeypatch):
+    """On a GPU, eager's float32 matmuls use TF32 tensor cores when torch allows it
+    (torch.set_float32_matmul_precision("high")); the template does the same, and its entry is
+    guarded on the setting: changing it recompiles. No GPU here: the call is taken as on one (the
+    interpreter multiplies in float32 either way), and the TF32 kernel is built for sm_90."""
+    from gjit.codegen.toolchain.compile_only import compile_kernel
+
+    a, b = torch.randn(64, 96), torch.randn(96, 80)
+    _, on_cpu = run_compiled(torch.mm, a, b)  # eager is IEEE on the CPU whatever the setting: no guard
+    assert on_cpu.entries[0].program.kernels[0].tf32 is None
+    assert "TF32" not in on_cpu.entries[0].guards.format()
+    monkeypatch.setattr(gjit.api, "tf32_allowed", lambda flat: torch.backends.cuda.matmul.allow_tf32)
+    previous = torch.backends.cuda.matmul.allow_tf32
+    cm = gjit.compile(torch.mm)
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        run_compiled(cm, a, b)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        out, _ = run_compiled(cm, a, b)
+        assert len(cm.entries) == 2, "turning TF32 on recompiles"
+        torch.backends.cuda.matmul.allow_tf32 = False
+        run_compiled(cm, a, b)
+        assert len(cm.entries) == 2, "the first entry serves the call again"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    assert_same(out, a @ b)
+    ieee, tf32 = (e.program.kernels[0] for e in cm.entries)
+    assert (ieee.tf32, tf32.tf32) == (False, True)
+    assert 'input_precision="ieee"' in ieee.source and 'input_precision="tf32"' in tf32.source
+    assert "TF32: torch allows it" in tf32.source
+    assert "TF32 allowed for float32 matmuls" in cm.entries[1].guards.format()
+    assert "TF32 not allowed for float32 matmuls" in cm.entries[0].guards.format()
+    path = cm.entries[1].program.graph.kernel_paths[tf32.name]
+    ptx = compile_kernel(tf32, path).asm["ptx"]
+    assert ".tf32" in ptx and ("wgmma.mma_async" in ptx or "mma.sync" in ptx)
+
+
+@pytest.mark.gpu
+def test_tf32_on_a_gpu_is_as_close_to_float64_as_eager():
+    a, b = torch.randn(512, 768, device="cuda"), torch.randn(768, 640, device="cuda")
+    reference = a.double() @ b.double()
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        cm = gjit.compile(torch.mm)
+        out, expected = cm(a, b), a @ b
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    assert 'input_precision="tf32"' in cm.entries[0].program.kernels[0].source
+    err, err_eager = ((t.double() - reference).abs().max().item() for t in (out, expected))
+    assert err <= 3 * err_eager + 1e-6, (err, err_eager)

@@ -45,6 +45,10 @@ def operands(body: Expr) -> tuple[Expr, Expr]:
     return dot_operands(*body.args)[1]
 
 
+# the header's note on a float32 product's precision, by the TF32 setting it was compiled under
+PRECISION_NOTES = {False: " (IEEE float32, no TF32)", True: " (TF32: torch allows it, allow_tf32)"}
+
+
 class MatmulWriter(KernelWriter):
     """Prints a matmul region's kernel from the template."""
 
@@ -242,7 +246,8 @@ class MatmulWriter(KernelWriter):
         self.store_outputs()
         epilogue += self.lines
 
-        precision = "" if lhs.dtype != torch.float32 else ', input_precision="ieee"'
+        fp32 = lhs.dtype == torch.float32
+        precision = f', input_precision="{"tf32" if self.options.tf32 else "ieee"}"' if fp32 else ""
         lines = template(head, lhs_lines, lhs_value, rhs_lines, rhs_value, precision, epilogue)
         tiles = sympy.Mul(
             *batch, (m + blocks.m - 1) // blocks.m, (n + blocks.n - 1) // blocks.n
@@ -251,7 +256,7 @@ class MatmulWriter(KernelWriter):
         extra = [
             f"matmul template (kernels/matmul.py): {dims}, tiles of {blocks.m} x {blocks.n}, k in steps of "
             f"{blocks.k}, float32 accumulator, tl.dot on {ir.dtype_str(lhs.dtype)} tiles"
-            + (" (IEEE float32, no TF32)" if lhs.dtype == torch.float32 else ""),
+            + (PRECISION_NOTES[bool(self.options.tf32)] if fp32 else ""),
         ]
         return self.kernel_source(
             name,
@@ -264,4 +269,5 @@ class MatmulWriter(KernelWriter):
             num_warps=blocks.warps,
             num_stages=blocks.stages,
             configs=len(configs),
+            tf32=self.options.tf32 if fp32 else None,  # on the CPU None: eager's are IEEE there
         )
