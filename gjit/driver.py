@@ -215,11 +215,12 @@ def compile_program(
             )
         except Exception as e:  # measuring is an optimization: never a reason not to run
             tuning.log.warning(
-                "gjit: tuning failed (%s); the table's configurations run", str(e).splitlines()[0]
+                "gjit: tuning failed (%s); the table's configurations run", tuning.first_line(e)
             )
             for step in steps:
                 if isinstance(step, Region):
                     step.config = 0
+            key = None  # not stored: the next process measures again
     if key is not None:
         with timed("cache_store", timings):
             extra = {"program": stored, "shape_guards": shape_guards, "symbols": symbols}
@@ -288,12 +289,14 @@ def compile_graph(
 
 def wants_tuning(graph: CompiledGraph, options: CompileOptions) -> bool:
     """Measure the template kernels' configurations (gjit/tuning.py): on a GPU, asked for, not
-    under GJIT_CHECK, and some kernel has a choice."""
+    under GJIT_CHECK, some kernel has a choice, and torch's deterministic algorithms are off (a
+    choice made by timing is not reproducible bit for bit: tiles set the order of the sums)."""
     return (
         config.tune
         and options.backend == "triton"
         and not options.check
         and graph.on_cuda
+        and not torch.are_deterministic_algorithms_enabled()
         and any(k.configs > 1 for k in graph.kernels)
     )
 
@@ -326,7 +329,8 @@ def tune_graph(
     def aten() -> tuple[LoopGraph, list[Step], CompiledGraph]:
         return compile_graph(gm, symbols, Passes(dataclasses.replace(options, matmul="aten"), {}))
 
-    alternative = aten if options.matmul_template else None
+    # with torch.cond branches only the example's branch would be timed: templates stay
+    alternative = aten if options.matmul_template and not graph.subgraphs else None
     tuned = tuning.tune(graph, steps, emit, rebuild, alternative, graph_inputs, sizes, symbols)
     tuned.graph.tuning = tuned.lines
     return (*(tuned.analysis or (loop_graph, steps)), tuned.graph)

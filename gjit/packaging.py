@@ -58,11 +58,22 @@ def save(compiled: CompiledFunction, path: str, *, weights: bool = False) -> Non
         "config": _config_of(compiled.model),
         "weights": weights,
         "signature": _signature_record(compiled.signature),
+        # the GPU its kernels' tiles and templates-or-ATen were measured on (gjit/tuning.py): a
+        # configuration chosen there may not fit another card's shared memory
+        "tuned_on": _tuned_on(compiled),
     }
     if weights:
         members["weights.safetensors"] = _weights_bytes(state, _tied(state, state))
     package.write(path, manifest, members)
     log.info("saved %d entries of %s to %s", len(records), compiled._name(), path)
+
+
+def _tuned_on(compiled: CompiledFunction) -> str:
+    """The GPU an entry of `compiled` was tuned on ("" if none was)."""
+    for entry in compiled.entries:
+        if entry.program.graph.tuning and entry.program.graph.on_cuda:
+            return torch.cuda.get_device_name()
+    return ""
 
 
 def load(path: str, model: Any = None, *, recompile: bool = False) -> CompiledFunction:
@@ -90,6 +101,14 @@ def load(path: str, model: Any = None, *, recompile: bool = False) -> CompiledFu
 def _load(
     path: str, manifest: dict, members: dict, model: Any, recompile: bool, timings: dict
 ) -> CompiledFunction:
+    tuned_on = manifest.get("tuned_on", "")
+    here = torch.cuda.get_device_name() if tuned_on and torch.cuda.is_available() else ""
+    if tuned_on and here != tuned_on:
+        raise PackageError(
+            f"{path} was tuned on a {tuned_on} (its kernels' tile configurations were measured there), "
+            f"not {'a ' + here if here else 'this machine'}: compile the model again here, or save the "
+            "package from a compile with GJIT_TUNE=0"
+        )
     if model is None and not manifest["weights"]:
         raise PackageError(
             f"{path} was saved without weights: pass the model (gjit.load(path, model=...)), or save "

@@ -11,8 +11,8 @@ configurations: the table's pick for the example sizes. With CUDA example inputs
    kept arguments; one that runs for at least MIN_KERNEL_MS is emitted in each other configuration,
    launched on the same arguments, rejected where its output differs from the first's beyond
    rounding (or it does not build), else timed; the fastest is kept;
-3. rebuilds the program with each kernel's fastest configuration and, where the kernels it tuned
-   run for at least MIN_PROGRAM_MS together, times it against the program compiled with every
+3. rebuilds the program with each kernel's fastest configuration and, where its template kernels
+   (every layer's) run for at least MIN_PROGRAM_MS together, times it against the program compiled with every
    matmul an ATen extern (each replayed from a CUDA graph where it can be captured: kernel time,
    not launch overhead), keeping the faster.
 
@@ -46,7 +46,7 @@ from gjit.runtime.graph import KERNEL_PRELUDE, CompiledGraph, load_kernel, write
 log = logs.logger("tuning")
 
 MIN_KERNEL_MS = 0.02  # below this a kernel is launch-bound: its tiles hardly matter
-MIN_PROGRAM_MS = 0.05  # tuned template kernels' time below which ATen is not tried
+MIN_PROGRAM_MS = 0.05  # template kernels' time (all of a call's) below which ATen is not tried
 
 
 def bench(fn: Callable[[], Any], program: bool = False) -> float:
@@ -99,31 +99,47 @@ def tune(
     """The measured choice for `graph` (its template regions in `steps`) run on `graph_inputs`
     with `sizes` (the values of `symbols`): `emit(region, index)` is the region's kernel in
     configuration `index`, `rebuild()` the program over the regions' chosen configurations,
-    `aten()` the graph compiled with matmuls as externs (None: no such alternative)."""
+    `aten()` the graph compiled with matmuls as externs (None: no such alternative). Torch's
+    random number generators are left as they were: the user's call draws what eager would."""
+    devices = [t.device for t in graph_inputs if isinstance(t, torch.Tensor) and t.is_cuda][:1]
+    with torch.random.fork_rng(devices=devices):
+        return _tune(graph, steps, emit, rebuild, aten, graph_inputs, sizes, symbols)
+
+
+def _tune(
+    graph: CompiledGraph,
+    steps: list[Step],
+    emit: Callable[[Region, int], KernelSource],
+    rebuild: Callable[[], CompiledGraph],
+    aten: Callable[[], tuple[Any, list[Step], CompiledGraph]] | None,
+    graph_inputs: list[Any],
+    sizes: tuple,
+    symbols: list[sympy.Symbol],
+) -> Tuned:
     regions = [s for s in steps if isinstance(s, Region) and s.matmul]
     by_name = {k.name: k for k in graph.kernels}
     values = dict(zip(symbols, sizes))
     keys, launches = record(graph, {r.name for r in regions}, graph_inputs, sizes, values)
     lines: list[str] = []
-    timed: dict[str, float] = {}  # kernel code and sizes -> ms of its chosen configuration
-    chosen: dict[str, int] = {}  # kernel code and sizes -> its chosen configuration
+    total = 0.0  # ms of the template kernels in their chosen configurations, every layer's
+    chosen: dict[str, tuple[int, float]] = {}  # kernel code and sizes -> (configuration, ms)
     for region in regions:
         key = keys.get(region.name)
         if key in chosen:  # another layer's kernel
-            region.config = chosen[key]
+            region.config = chosen[key][0]
+            total += chosen[key][1]
             continue
         launch = launches.pop(key, None)  # measured once: its tensors go when it has been
         if launch is None:  # not launched (an empty tensor), or it writes what it reads
             continue
         config, ms, line = choose(region, by_name[region.name], launch, emit)
-        chosen[key], region.config = config, config
-        if ms >= MIN_KERNEL_MS:
-            timed[key] = ms
+        chosen[key], region.config = (config, ms), config
+        total += ms
         lines.append(line)
         log.info("%s", line)
     if any(r.config for r in regions):
         graph = rebuild()
-    if aten is None or sum(timed.values()) < MIN_PROGRAM_MS:
+    if aten is None or total < MIN_PROGRAM_MS:
         return Tuned(graph, None, lines)
     aten_loop_graph, aten_steps, aten_graph = aten()
     # on the call's own inputs: a program only reads them, but for the index writes gjit makes in
@@ -166,8 +182,9 @@ def choose(region: Region, kernel: KernelSource, launch: Launch, emit: Callable)
         return 0, first, f"{kernel.name}: {describe(kernel)} {first:.3f} ms (too short to tune)"
     best, best_ms, notes = 0, first, [f"{describe(kernel)} {first:.3f}"]
     for index in range(1, kernel.configs):
-        candidate = emit(region, index)
+        candidate = kernel
         try:
+            candidate = emit(region, index)
             fn = loaded(candidate, launch)
             for out in launch.outputs:  # what a configuration leaves unwritten shows
                 out.fill_(math.nan if out.dtype.is_floating_point else -1)
@@ -176,7 +193,8 @@ def choose(region: Region, kernel: KernelSource, launch: Launch, emit: Callable)
             ms = math.inf if differs else bench(functools.partial(run_kernel, candidate, launch, fn))
         except Exception as e:  # a configuration that does not build (shared memory, registers)
             differs, ms = f"does not build: {first_line(e)}", math.inf
-        notes.append(f"{describe(candidate)} " + (differs or f"{ms:.3f}"))
+        label = describe(candidate) if candidate is not kernel else f"configuration {index}"
+        notes.append(f"{label} " + (differs or f"{ms:.3f}"))
         if differs == "computes something else":  # a codegen bug in that configuration
             log.warning("gjit: %s %s %s; not used", kernel.name, describe(candidate), differs)
         if ms < best_ms:
@@ -235,13 +253,14 @@ def record(
     graph: CompiledGraph, names: set[str], graph_inputs: list[Any], sizes: tuple, values: dict
 ) -> tuple[dict[str, str], dict[str, Launch]]:
     """Run `graph` once; of the kernels in `names`, (each one's same_kernel_key, the first launch
-    per key whose outputs share no memory with its inputs). The launches keep the run's own
-    tensors, no copies (the model's weights are not duplicated): the program only reads its
-    inputs (but for gjit's in-place index writes, which write the same values each run), and its
-    outputs stay alive as the reference a configuration's result is compared with."""
+    per key whose outputs share no memory with its inputs). A launch keeps the graph's inputs it
+    reads as they are (the model's weights are not duplicated: the program only reads them, but
+    for gjit's in-place index writes, which write the same values each run) and copies of the
+    intermediates it reads and of what it wrote (the reference a configuration is compared with)."""
     keys: dict[str, str] = {}
     kept: dict[str, Launch] = {}
     by_name = {k.name: k for k in graph.kernels}
+    given = {storage(t) for t in graph_inputs if isinstance(t, torch.Tensor)}
 
     def probe(name: str, kernel: Any) -> Any:
         if name not in names:
@@ -252,15 +271,20 @@ def record(
         class Probe:
             def __getitem__(self, grid: Any) -> Callable:
                 def launch(*args: Any, **kwargs: Any) -> Any:
-                    result = kernel[grid](*args, **kwargs)
                     inputs, outputs = list(args[:ins]), list(args[ins : ins + outs])
                     size_args = [int(a) for a in args[ins + outs : ins + outs + len(source.size_args)]]
                     key = keys.setdefault(name, same_kernel_key(source, size_args))
-                    read = {t.untyped_storage().data_ptr() for t in inputs}
-                    aliased = any(t.untyped_storage().data_ptr() in read for t in outputs)
-                    if key not in kept and not aliased:
+                    read = {storage(t) for t in inputs}
+                    keep = key not in kept and not any(storage(t) in read for t in outputs)
+                    # the graph's inputs (weights) as they are; intermediates copied before, outputs
+                    # after: a later step may write into either in place
+                    if keep:
+                        inputs = [t if storage(t) in given else t.clone() for t in inputs]
+                    result = kernel[grid](*args, **kwargs)
+                    if keep:
+                        written = [t.clone() for t in outputs]
                         fresh = [torch.empty_like(t) for t in outputs]
-                        kept[key] = Launch(inputs, fresh, size_args, outputs, values)
+                        kept[key] = Launch(inputs, fresh, size_args, written, values)
                     return result
 
                 return launch
@@ -270,6 +294,10 @@ def record(
     with kernels_wrapped(graph, probe):
         graph.run(graph_inputs, sizes)
     return keys, kept
+
+
+def storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 @contextlib.contextmanager

@@ -194,6 +194,21 @@ def test_parameters_are_read_live_from_the_given_model(package):
             fn(x)
 
 
+def test_a_package_tuned_on_another_gpu_is_refused(tmp_path, monkeypatch):
+    """Tile configurations measured on one GPU (gjit/tuning.py) may not fit another's shared
+    memory: such a package loads only on that GPU (none here)."""
+    from gjit import packaging
+
+    torch.manual_seed(0)
+    model, x = Block().eval(), torch.randn(4, 16)
+    with torch.no_grad(), gjit.config.scope(interpret=True):
+        cm = check(model, x)
+    monkeypatch.setattr(packaging, "_tuned_on", lambda compiled: "NVIDIA H200")
+    gjit.save(cm, str(tmp_path / "tuned.gjit"))
+    with pytest.raises(gjit.PackageError, match="was tuned on a NVIDIA H200.*GJIT_TUNE=0"):
+        gjit.load(str(tmp_path / "tuned.gjit"), model=model)
+
+
 def test_a_model_with_another_config_is_refused(tmp_path):
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)

@@ -15,6 +15,22 @@ from helpers import assert_same, run_compiled
 pytestmark = [pytest.mark.cpu]
 
 
+def forced(wants_tuning):
+    """driver.wants_tuning, the graph taken as on a GPU for the question (it runs on the CPU)."""
+
+    def wants(graph, options):
+        saved = graph.__dict__.pop("on_cuda", None)
+        graph.__dict__["on_cuda"] = True  # functools.cached_property's slot
+        try:
+            return wants_tuning(graph, options)
+        finally:
+            del graph.__dict__["on_cuda"]
+            if saved is not None:
+                graph.__dict__["on_cuda"] = saved
+
+    return wants
+
+
 @pytest.fixture
 def measured(monkeypatch):
     """Tuning on for CPU graphs; `times` is what each measurement returns, in order (each
@@ -28,7 +44,7 @@ def measured(monkeypatch):
         return calls[-1]
 
     monkeypatch.setattr(tuning, "bench", bench)
-    monkeypatch.setattr(driver, "wants_tuning", lambda graph, options: gjit.config.tune)
+    monkeypatch.setattr(driver, "wants_tuning", forced(driver.wants_tuning))
     with gjit.config.scope(tune=True):
         yield times, calls
 
@@ -196,3 +212,53 @@ def test_measuring_runs_leave_an_input_written_in_place_as_one_call_does(measure
     assert_same(out, expected)
     assert_same(mine[0], theirs[0])
     assert_same(mine[1], theirs[1])
+
+
+def test_measuring_leaves_the_random_generators_as_they_were(measured):
+    """The measuring runs draw random numbers (a training-mode rrelu runs as ATen does): the
+    call after them draws what eager draws from the same seed."""
+    times, calls = measured
+    times += [1.0] * 16
+
+    def fn(x, w):
+        return F.rrelu(x @ w, training=True)
+
+    x, w = torch.randn(40, 40), torch.randn(40, 70)
+    torch.manual_seed(5)
+    expected = fn(x, w)
+    torch.manual_seed(5)
+    out, _ = run_compiled(fn, x, w)
+    assert calls, "tuning ran"
+    assert_same(out, expected)
+
+
+def test_a_product_written_into_later_is_compared_with_what_the_kernel_wrote(measured, caplog):
+    """The reference a configuration is checked against is a copy: a later in-place write into
+    the product does not make every configuration look wrong."""
+    times, _ = measured
+    times += [1.0, 0.5] + [2.0] * 14
+
+    def fn(x, w, idx, v):
+        y = x @ w
+        y[idx] = v
+        return y
+
+    x, w, idx, v = torch.randn(65, 40), torch.randn(40, 130), torch.tensor([3, 7]), torch.randn(130)
+    out, cm = run_compiled(fn, x, w, idx, v)
+    assert_same(out, fn(x, w, idx, v))
+    assert "computes something else" not in caplog.text
+    assert "chose configuration 1" in gjit.explain(cm, x, w, idx, v).matmuls[-2]
+
+
+def test_deterministic_algorithms_turn_tuning_off(measured):
+    """Tiles set the order of a product's sums: a choice made by timing is not reproducible."""
+    _, calls = measured
+    x, w, b = torch.randn(65, 40), torch.randn(130, 40), torch.randn(130)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        out, _ = run_compiled(linear_gelu, x, w, b)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert_same(out, linear_gelu(x, w, b))
+    assert not calls

@@ -156,9 +156,20 @@ def graph_key(
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "versions": versions(),
         # on a GPU the kernels' configurations and templates-or-ATen were measured there (gjit/tuning.py)
-        "tuned_on": torch.cuda.get_device_name() if config.tune and torch.cuda.is_available() else "",
+        "tuned_on": _tuned_on(gm),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def _tuned_on(gm: torch.fx.GraphModule) -> str:
+    """The GPU a graph on CUDA is tuned on (gjit/tuning.py), "" otherwise (CUDA not touched)."""
+    if not config.tune:
+        return ""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val") if node.op == "placeholder" else None
+        if isinstance(val, torch.Tensor) and val.device.type == "cuda":
+            return torch.cuda.get_device_name(val.device)
+    return ""
 
 
 def _call_text(program: Any) -> list[str]:
