@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import gjit
 from gjit import driver, tuning
 from gjit.kernels.matmul import matmul_configs
-from helpers import assert_same, run_compiled
+from helpers import assert_same, check_against_float64, run_compiled
 
 pytestmark = [pytest.mark.cpu]
 
@@ -262,3 +262,27 @@ def test_deterministic_algorithms_turn_tuning_off(measured):
         torch.use_deterministic_algorithms(previous)
     assert_same(out, linear_gelu(x, w, b))
     assert not calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", ["linear", "sdpa_causal"])
+def test_every_configuration_computes_what_the_first_does(measured, caplog, monkeypatch, dtype, case):
+    """Each tile configuration a GPU may choose runs here in the interpreter, is checked against
+    the table's (tuning's own check), and the last, made the fastest, against eager and float64:
+    odd sizes, so every configuration masks partial tiles."""
+    times, calls = measured
+    if case == "linear":
+        fn, args = linear_gelu, (torch.randn(65, 40), torch.randn(130, 40), torch.randn(130))
+    else:
+        fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+        args = tuple(torch.randn(2, 3, 70, 16) for _ in range(3))
+    args = tuple(a.to(dtype) for a in args)
+    times += [1.0 - 0.1 * i for i in range(8)]  # each configuration faster than the one before
+    monkeypatch.setattr(tuning, "MIN_PROGRAM_MS", float("inf"))  # the templates stay: no ATen run
+    cm, report = check_against_float64(fn, *args)
+    (kernel,) = [k for k in cm.entries[0].program.kernels if k.configs > 1]
+    assert kernel.configs >= 3, kernel.configs
+    (line,) = [m for m in report.matmuls if "ms by tiles" in m]
+    assert "computes something else" not in line and "does not build" not in line, line
+    assert f"chose configuration {kernel.configs - 1}" in line, line
+    assert "computes something else" not in caplog.text
