@@ -366,10 +366,13 @@ class AttentionNode(MatmulNode):
     the score's masks and biases on the score tile, the consumers of the output as epilogue.
     `empty_rows`: what a row whose scores are all -inf gives: "nan" (softmax's 0/0) or "zero"
     (scaled_dot_product_attention's). `absorbed`: the nodes of a written-out attention it replaces
-    (lowering/attention_pattern.py), named in its kernel's header."""
+    (lowering/attention_pattern.py), named in its kernel's header. `causal`: the score keeps only
+    keys at or before the query's own index (top-left, as sdpa's is_causal), so the kernel stops
+    its key loop at its query tile's last row."""
 
     empty_rows: str = "nan"
     absorbed: tuple[ComputeNode, ...] = ()
+    causal: bool = False
 
 
 @dataclasses.dataclass

@@ -114,6 +114,7 @@ def template(
     probs_type: str,
     empty_rows: str,
     epilogue: list[str],
+    causal: bool = False,
 ) -> list[str]:
     """The kernel body: `head` (tile order, batch dims), the query tile `q` (its lines end in the
     assignment), the loop over key blocks around the key tile `k`, the score block `s` and the
@@ -136,7 +137,15 @@ def template(
         "m_i = tl.full([BLOCK_M], float('-inf'), tl.float32)",
         "l_i = tl.zeros([BLOCK_M], tl.float32)",
         "acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)",
-        "for n0 in range(0, S, BLOCK_N):",
+        *(
+            # keys past the tile's last query are all masked: no block after them
+            [
+                "keys_end = tl.minimum(S, (pid % tiles_m + 1) * BLOCK_M)",
+                "for n0 in range(0, keys_end, BLOCK_N):",
+            ]
+            if causal
+            else ["for n0 in range(0, S, BLOCK_N):"]
+        ),
         "    rn = n0 + tl.arange(0, BLOCK_N)",
         "    # the key tile [BLOCK_D, BLOCK_N] (prologue)",
         *(f"    {ln}" for ln in key),

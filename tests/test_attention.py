@@ -63,6 +63,18 @@ def test_sdpa_causal_scale_and_value_dim(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("queries,keys", [(130, 130), (100, 40), (20, 150)])
+def test_causal_attention_stops_each_query_tile_at_its_diagonal(dtype, queries, keys):
+    """is_causal masks every key past the query's own index: each query tile's key loop ends at
+    its last row (at S when there are more queries than keys), several tiles per head."""
+    q, k, v = qkv(1, 2, queries, keys, 16, dtype)
+    causal = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    _, report = check_attention(causal, q, k, v)
+    (kernel,) = report.kernels
+    assert "for n0 in range(0, keys_end, BLOCK_N):" in kernel.source
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_sdpa_masks_broadcast_over_batch_and_heads(dtype):
     q, k, v = qkv(2, 3, 9, 21, 16, dtype)
     keep = torch.rand(2, 1, 9, 21) > 0.3

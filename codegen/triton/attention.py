@@ -128,7 +128,7 @@ class AttentionWriter(MatmulWriter):
         lines = template(
             head, query, key, score, vals,
             (ieee if dtype == torch.float32 else "", ieee if value_dtype == torch.float32 else ""),
-            TL_DTYPES[value_dtype], self.matmul.empty_rows, epilogue,
+            TL_DTYPES[value_dtype], self.matmul.empty_rows, epilogue, self.matmul.causal,
         )  # fmt: skip
         programs = sympy.Mul(*batch, (length + blocks.m - 1) // blocks.m)  # sympy floor: integer math
         dims = f"[{', '.join(map(str, batch))}{', ' if batch else ''}{length} x {dim}]"
@@ -145,6 +145,8 @@ class AttentionWriter(MatmulWriter):
                 else "NaN (as softmax)"
             ),
         ]
+        if self.matmul.causal:
+            extra.append("causal (top-left): the key loop ends at the query tile's last row")
         return self.kernel_source(
             name,
             header=comment(self.header(name, out_numel, extra)),

@@ -134,4 +134,4 @@ def sdpa(
         v.load((*vb, j, e)),
         score,
     )
-    return ctx.attention(body, full, meta_layout(ctx.out_val), empty_rows="zero")
+    return ctx.attention(body, full, meta_layout(ctx.out_val), empty_rows="zero", causal=is_causal)

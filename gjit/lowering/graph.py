@@ -153,13 +153,13 @@ class Lowering:
         return TensorValue(name, layout.size, layout.dtype)
 
     def attention(
-        self, body: ir.Attention, full_size: Index, layout: ir.Layout, empty_rows: str
+        self, body: ir.Attention, full_size: Index, layout: ir.Layout, empty_rows: str, causal: bool = False
     ) -> TensorValue:
         """Make an AttentionNode over (batch..., L, Ev, S, D): `body` over `index_vars` of that."""
         reduced = (len(full_size) - 2, len(full_size) - 1)
         node = ir.AttentionNode(
             self.node.name, layout, body, self.node, self.aten_name, tuple(full_size), reduced, "sum", False,
-            empty_rows,
+            empty_rows, causal=causal,
         )  # fmt: skip
         self.nodes.append(node)
         return TensorValue(node.name, layout.size, layout.dtype)
