@@ -152,12 +152,10 @@ def _fast_arity(signature) -> tuple[int, int]:
 LIVE: weakref.WeakSet = weakref.WeakSet()  # every CompiledFunction, so gjit.reset() reaches them
 
 
-def tf32_allowed(flat: list) -> bool | None:
-    """Whether float32 products may run on TF32 tensor cores, as eager's cuBLAS calls do, when
-    the call is on a GPU: torch.backends.cuda.matmul.allow_tf32. None: not on a GPU."""
-    if not any(isinstance(v, torch.Tensor) and v.is_cuda for v in flat):
-        return None
-    return bool(torch.backends.cuda.matmul.allow_tf32)
+def tf32_allowed(on_gpu: bool) -> bool | None:
+    """Whether float32 products may run on TF32 tensor cores, as eager's cuBLAS calls do, for a
+    call on a GPU: torch.backends.cuda.matmul.allow_tf32. None: not on a GPU."""
+    return bool(torch.backends.cuda.matmul.allow_tf32) if on_gpu else None
 
 
 class CompiledFunction:
@@ -392,8 +390,11 @@ class CompiledFunction:
                 dims[i] = {**dims.get(i, {}), **free}
                 from_one |= {(i, d) for d, (lo, _) in free.items() if lo == 1}
         cache_log.info("%s: no entry admits the call (in-memory cache miss); compiling", self._name())
-        options = CompileOptions.from_config(backend=self.backend, check=self.check, tf32=tf32_allowed(flat))
-        if options.backend == "triton" and any(isinstance(v, torch.Tensor) and v.is_cuda for v in flat):
+        on_gpu = any(isinstance(v, torch.Tensor) and v.is_cuda for v in flat)
+        options = CompileOptions.from_config(
+            backend=self.backend, check=self.check, tf32=tf32_allowed(on_gpu)
+        )
+        if options.backend == "triton" and on_gpu:
             start_warm_up()  # Triton's first build in this process pays it: run it beside capture
         try:
             try:

@@ -204,15 +204,10 @@ def compile_program(
     symbols = input_symbols(captured.user_vals)  # after decomposition's replacements
     passes = Passes(options, timings)
     loop_graph, steps, graph = compile_graph(gm, symbols, passes)
-    hints = size_hints(gm)
-    if example is not None and wants_tuning(graph, options) and all(s in hints for s in symbols):
-        sizes = tuple(hints[s] for s in symbols)
-        analysis = (loop_graph, steps, graph)
-        inputs = captured.graph_inputs(example)
+    if example is not None and wants_tuning(graph, options):
+        analysis, inputs = (loop_graph, steps, graph), captured.graph_inputs(example)
         try:
-            loop_graph, steps, graph = passes(
-                "tune", tune_graph, gm, symbols, analysis, passes, inputs, sizes
-            )
+            loop_graph, steps, graph = passes("tune", tune_graph, gm, symbols, analysis, passes, inputs)
         except Exception as e:  # measuring is an optimization: never a reason not to run
             tuning.log.warning(
                 "gjit: tuning failed (%s); the table's configurations run", tuning.first_line(e)
@@ -307,12 +302,15 @@ def tune_graph(
     analysis: tuple[LoopGraph, list[Step], CompiledGraph],
     run: Passes,
     graph_inputs: list,
-    sizes: tuple,
 ) -> tuple[LoopGraph, list[Step], CompiledGraph]:
     """The program with each template kernel in its fastest configuration, or the same graph with
-    every matmul an ATen extern where that runs faster (gjit/tuning.py)."""
+    every matmul an ATen extern where that runs faster (gjit/tuning.py), measured at the example's
+    sizes (unchanged when export gave some size no example value)."""
     loop_graph, steps, graph = analysis
     hints, options = size_hints(gm), run.options
+    if not all(s in hints for s in symbols):
+        return analysis
+    sizes = tuple(hints[s] for s in symbols)
     regions = [s for s in steps if isinstance(s, Region)]
     index = {r.name: k for k, r in enumerate(regions)}
 

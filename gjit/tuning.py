@@ -101,27 +101,32 @@ def tune(
     configuration `index`, `rebuild()` the program over the regions' chosen configurations,
     `aten()` the graph compiled with matmuls as externs (None: no such alternative). Torch's
     random number generators are left as they were: the user's call draws what eager would."""
+    regions = [s for s in steps if isinstance(s, Region) and s.matmul]
     devices = [t.device for t in graph_inputs if isinstance(t, torch.Tensor) and t.is_cuda][:1]
     with torch.random.fork_rng(devices=devices):
-        return _tune(graph, steps, emit, rebuild, aten, graph_inputs, sizes, symbols)
+        keys, launches = record(
+            graph, {r.name for r in regions}, graph_inputs, sizes, dict(zip(symbols, sizes))
+        )
+        lines, total = configure(regions, graph, keys, launches, emit)
+        if any(r.config for r in regions):
+            graph = rebuild()
+        if aten is None or total < MIN_PROGRAM_MS:
+            return Tuned(graph, None, lines)
+        return against_aten(graph, aten, graph_inputs, sizes, lines)
 
 
-def _tune(
+def configure(
+    regions: list[Region],
     graph: CompiledGraph,
-    steps: list[Step],
-    emit: Callable[[Region, int], KernelSource],
-    rebuild: Callable[[], CompiledGraph],
-    aten: Callable[[], tuple[Any, list[Step], CompiledGraph]] | None,
-    graph_inputs: list[Any],
-    sizes: tuple,
-    symbols: list[sympy.Symbol],
-) -> Tuned:
-    regions = [s for s in steps if isinstance(s, Region) and s.matmul]
+    keys: dict[str, str],
+    launches: dict[str, Launch],
+    emit: Callable,
+) -> tuple[list[str], float]:
+    """Each template region's fastest configuration (set on the region, measured once per
+    distinct kernel); the decisions' lines and the chosen kernels' ms, every layer's."""
     by_name = {k.name: k for k in graph.kernels}
-    values = dict(zip(symbols, sizes))
-    keys, launches = record(graph, {r.name for r in regions}, graph_inputs, sizes, values)
     lines: list[str] = []
-    total = 0.0  # ms of the template kernels in their chosen configurations, every layer's
+    total = 0.0
     chosen: dict[str, tuple[int, float]] = {}  # kernel code and sizes -> (configuration, ms)
     for region in regions:
         key = keys.get(region.name)
@@ -137,10 +142,13 @@ def _tune(
         total += ms
         lines.append(line)
         log.info("%s", line)
-    if any(r.config for r in regions):
-        graph = rebuild()
-    if aten is None or total < MIN_PROGRAM_MS:
-        return Tuned(graph, None, lines)
+    return lines, total
+
+
+def against_aten(
+    graph: CompiledGraph, aten: Callable, graph_inputs: list[Any], sizes: tuple, lines: list[str]
+) -> Tuned:
+    """The tuned program or the one with every matmul an ATen extern, whichever runs faster."""
     aten_loop_graph, aten_steps, aten_graph = aten()
     # on the call's own inputs: a program only reads them, but for the index writes gjit makes in
     # place (a KV cache's), which write the same values each run (gjit/in_place.py)
@@ -151,7 +159,7 @@ def _tune(
         "kept the templates" if keep else "ATen is faster, it runs the matmuls"
     )
     log.info("%s", line)
-    lines.append(line)
+    lines = [*lines, line]
     return Tuned(graph, None, lines) if keep else Tuned(aten_graph, (aten_loop_graph, aten_steps), lines)
 
 

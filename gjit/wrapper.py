@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Iterable
 from typing import Any
 
 import sympy
@@ -192,7 +193,7 @@ class WrapperWriter:
 
     def generate(self) -> str:
         placeholders = [n for n in self.graph.fx_graph.nodes if n.op == "placeholder"]
-        self.device = _graph_device(placeholders)
+        self.device = graph_device(placeholders)
         if self.input_symbols:
             names = ", ".join(s.name for s in self.input_symbols)
             self.lines.append(
@@ -250,9 +251,10 @@ def _op_name(target: Any) -> str:
     raise WrapperError(f"cannot call {target} from the wrapper")
 
 
-def _graph_device(placeholders: list[torch.fx.Node]) -> torch.device:
-    for n in placeholders:
-        val = n.meta.get("val")
+def graph_device(nodes: Iterable[torch.fx.Node]) -> torch.device:
+    """A graph's device: its first tensor input's, from export's example (guards keep an entry on it)."""
+    for n in nodes:
+        val = n.meta.get("val") if n.op == "placeholder" else None
         if isinstance(val, torch.Tensor):
             return val.device
     return torch.device("cpu")

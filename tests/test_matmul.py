@@ -316,7 +316,7 @@ def test_float32_products_follow_torchs_tf32_setting(monkeypatch):
     _, on_cpu = run_compiled(torch.mm, a, b)  # eager is IEEE on the CPU whatever the setting: no guard
     assert on_cpu.entries[0].program.kernels[0].tf32 is None
     assert "TF32" not in on_cpu.entries[0].guards.format()
-    monkeypatch.setattr(gjit.api, "tf32_allowed", lambda flat: torch.backends.cuda.matmul.allow_tf32)
+    monkeypatch.setattr(gjit.api, "tf32_allowed", lambda on_gpu: torch.backends.cuda.matmul.allow_tf32)
     previous = torch.backends.cuda.matmul.allow_tf32
     cm = gjit.compile(torch.mm)
     try:

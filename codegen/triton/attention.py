@@ -18,10 +18,9 @@ import torch
 from gjit import ir
 from gjit.codegen.common import KernelSource, hint
 from gjit.codegen.triton.matmul import MatmulWriter, dot_operands
-from gjit.codegen.triton.pointwise import TL_DTYPES, comment
+from gjit.codegen.triton.pointwise import TL_DTYPES
 from gjit.ir import Expr, Score
 from gjit.kernels.attention import attention_configs, template, tile_order
-from gjit.kernels.triton_helpers import HELPERS
 
 
 class AttentionWriter(MatmulWriter):
@@ -147,15 +146,6 @@ class AttentionWriter(MatmulWriter):
         ]
         if self.matmul.causal:
             extra.append("causal (top-left): the key loop ends at the query tile's last row")
-        return self.kernel_source(
-            name,
-            header=comment(self.header(name, out_numel, extra)),
-            body=lines,
-            sizes={"xnumel": programs},
-            blocks={"XBLOCK": 1, **blocks.as_constexprs()},
-            index_dtype=index_dtype,
-            helpers=[HELPERS[h] for h in sorted(self.helpers)],
-            num_warps=blocks.warps,
-            num_stages=blocks.stages,
-            configs=len(configs),
+        return self.template_source(
+            name, out_numel, extra, lines, programs, blocks, index_dtype, len(configs)
         )

@@ -13,6 +13,7 @@ rows and columns; the product is the accumulator, rounded to the node's dtype as
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import sympy
 import torch
@@ -258,16 +259,35 @@ class MatmulWriter(KernelWriter):
             f"{blocks.k}, float32 accumulator, tl.dot on {ir.dtype_str(lhs.dtype)} tiles"
             + (PRECISION_NOTES[bool(self.options.tf32)] if fp32 else ""),
         ]
+        return self.template_source(
+            name, out_numel, extra, lines, tiles, blocks, index_dtype, len(configs),
+            tf32=self.options.tf32 if fp32 else None,  # on the CPU None: eager's are IEEE there
+        )  # fmt: skip
+
+    def template_source(
+        self,
+        name: str,
+        out_numel: sympy.Expr,
+        extra: list[str],
+        lines: list[str],
+        programs: sympy.Expr,
+        blocks: Any,
+        index_dtype: str,
+        configs: int,
+        **more: Any,
+    ) -> KernelSource:
+        """A template kernel (this or the attention template): one program per output tile,
+        `programs` of them, in the tile configuration `blocks`, one of `configs`."""
         return self.kernel_source(
             name,
             header=comment(self.header(name, out_numel, extra)),
             body=lines,
-            sizes={"xnumel": tiles},
+            sizes={"xnumel": programs},
             blocks={"XBLOCK": 1, **blocks.as_constexprs()},
             index_dtype=index_dtype,
             helpers=[HELPERS[h] for h in sorted(self.helpers)],
             num_warps=blocks.warps,
             num_stages=blocks.stages,
-            configs=len(configs),
-            tf32=self.options.tf32 if fp32 else None,  # on the CPU None: eager's are IEEE there
+            configs=configs,
+            **more,
         )

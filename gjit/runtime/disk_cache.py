@@ -43,6 +43,7 @@ from gjit.codegen.toolchain.files import atomic_write
 from gjit.config import CompileOptions, config
 from gjit.runtime import remote_cache
 from gjit.runtime.graph import CompiledGraph
+from gjit.wrapper import graph_device
 
 cache_log = logs.logger("cache")
 
@@ -163,13 +164,8 @@ def graph_key(
 
 def _tuned_on(gm: torch.fx.GraphModule) -> str:
     """The GPU a graph on CUDA is tuned on (gjit/tuning.py), "" otherwise (CUDA not touched)."""
-    if not config.tune:
-        return ""
-    for node in gm.graph.nodes:
-        val = node.meta.get("val") if node.op == "placeholder" else None
-        if isinstance(val, torch.Tensor) and val.device.type == "cuda":
-            return torch.cuda.get_device_name(val.device)
-    return ""
+    device = graph_device(gm.graph.nodes)
+    return torch.cuda.get_device_name(device) if config.tune and device.type == "cuda" else ""
 
 
 def _call_text(program: Any) -> list[str]:

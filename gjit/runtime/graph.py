@@ -26,6 +26,7 @@ from gjit.codegen.triton.pointwise import KERNEL_PRELUDE
 from gjit.config import config
 from gjit.runtime import cuda as runtime_cuda
 from gjit.runtime import interpret as interpret_libdevice
+from gjit.wrapper import graph_device
 
 cache_log = logs.logger("cache")
 
@@ -183,12 +184,7 @@ class CompiledGraph:
 
     @functools.cached_property
     def on_cuda(self) -> bool:
-        """The graph's device, from export's example inputs (guards keep an entry on it)."""
-        for node in self.graph_module.graph.nodes:
-            val = node.meta.get("val") if node.op == "placeholder" else None
-            if isinstance(val, torch.Tensor):
-                return val.device.type == "cuda"
-        return False
+        return graph_device(self.graph_module.graph.nodes).type == "cuda"
 
     def run_branch(self, operands: tuple) -> tuple:
         """A torch.cond branch called from the parent's wrapper."""
