@@ -223,8 +223,9 @@ class RegionPlan:
         """
         spans = [numel]
         bodies = list(self.region.bodies.values())
-        if self.region.row_statistics is not None:  # a matmul's prologue statistics load too
-            bodies += list(self.region.row_statistics.bodies.values())
+        for part in self.region.parts or [self.region]:
+            if part.row_statistics is not None:  # a matmul's prologue statistics load too
+                bodies += list(part.row_statistics.bodies.values())
         reads = [r.name for b in bodies for r in ir.reads(b)]
         for name in dict.fromkeys([*self.in_args, *self.region.stores, *reads]):  # in a fixed order
             lay = self.layout(name)

@@ -32,6 +32,7 @@ from gjit.ir import LoopGraph
 from gjit.lowering.attention_pattern import match_attention
 from gjit.lowering.graph import lower_graph
 from gjit.lowering.registry import EXTERN_REASONS, LOWERINGS, size_reason
+from gjit.products import group_products
 from gjit.runtime import disk_cache as cache
 from gjit.runtime import program_store
 from gjit.runtime.graph import CompiledGraph
@@ -253,6 +254,8 @@ def schedule_graph(
     steps = run("fuse", fuse, loop_graph)
     # statistics: a norm's per-row sums into the prologues of the matmuls that alone read them
     steps = run("statistics", absorb_row_statistics, steps, loop_graph)
+    # products: matmuls that share their left operand (q, k, v) launched as one kernel
+    steps = run("products", group_products, steps, loop_graph)
     return loop_graph, steps
 
 

@@ -63,10 +63,16 @@ class Region:
     reduction: ReductionSpace | None = None  # None: a pointwise region
     # a matmul's: the region of per-row statistics its prologue computes (gjit/statistics.py)
     row_statistics: Region | None = None
+    # matmul regions sharing their left operand that this one launches together (gjit/products.py)
+    parts: list[Region] = dataclasses.field(default_factory=list)
 
     @property
     def size(self) -> ir.Index:
-        """The iteration space (a scatter's: its source's elements)."""
+        """The iteration space (a scatter's: its source's elements; products launched together:
+        their outputs side by side)."""
+        if self.parts:
+            first = self.parts[0].size
+            return (*first[:-1], sympy.Add(*(p.size[-1] for p in self.parts)))
         return self.nodes[0].space if self.scatter else self.nodes[0].size
 
     @property
@@ -91,6 +97,9 @@ class Region:
 
     def fused_nodes(self) -> list[ComputeNode]:
         """Every node the kernel computes: inlined, absorbed into an attention node, its own."""
+        if self.parts:
+            nodes = {n.name: n for p in self.parts for n in p.fused_nodes()}  # statistics once
+            return list(nodes.values())
         absorbed = [a for n in self.nodes for a in getattr(n, "absorbed", ())]
         statistics = self.row_statistics.fused_nodes() if self.row_statistics else []
         return statistics + self.inlined + absorbed + self.nodes
@@ -192,7 +201,43 @@ class Fusion:
                 if isinstance(node, MatmulNode) or (not isinstance(node, OWN_KERNEL) and reader in feeds):
                     feeds.add(name)
                     break
-        return {name for name in feeds if len(readers[name]) > 1}
+        # what only reductions read, directly or through pointwise nodes (a norm's squares), is
+        # inlined into them and not recomputed by anything else: it does not count as a reader
+        reduced_only: set[str] = set()
+        for name in reversed(list(self.compute)):
+            node = self.compute[name]
+            if isinstance(node, OWN_KERNEL) or name in self.graph.needed_in_memory or not readers.get(name):
+                continue
+            if all(type(self.compute[r]) is ReduceNode or r in reduced_only for r in readers[name]):
+                reduced_only.add(name)
+        lhs_groups = self.shared_left_operands()
+        # matmuls that share their left operand launch as one kernel (gjit/products.py): they
+        # count as one reader of it
+        keys = {
+            name: {lhs_groups.get((r, name), r) for r in readers[name] if r not in reduced_only}
+            for name in feeds
+        }
+        return {name for name in feeds if len(keys[name]) > 1}
+
+    def shared_left_operands(self) -> dict[tuple[str, str], tuple]:
+        """(matmul, name) -> a key shared by the matmuls whose left operand is the same expression
+        over the same (batch..., M, K) and reads `name` (their right operands do not), when two
+        or more do: gjit/products.py puts them in one kernel, so an operand they alone read
+        (a norm's output before q, k and v) is inlined into that kernel's prologue, not stored."""
+        by_lhs: dict[tuple, list[MatmulNode]] = {}
+        for node in self.compute.values():
+            if type(node) is MatmulNode:
+                lhs, _ = node.body.args
+                key = (*node.full_size[:-2], node.full_size[-1], lhs)
+                by_lhs.setdefault(key, []).append(node)
+        out = {}
+        for key, nodes in by_lhs.items():
+            if len(nodes) > 1:
+                for node in nodes:
+                    lhs, rhs = node.body.args
+                    for name in {r.name for r in ir.reads(lhs)} - {r.name for r in ir.reads(rhs)}:
+                        out[node.name, name] = key
+        return out
 
     def reads_memory(self, name: str) -> bool:
         """Does `name`'s value read a buffer or a reduction, itself or through its producers?
@@ -491,9 +536,10 @@ def verify_schedule(steps: list[Step], graph: LoopGraph) -> None:
             fail(f"{step.name} stores {step.stores}: not its own")
         inlined = {n.name for n in step.inlined}
         bodies = list(step.bodies.values())
-        if step.row_statistics is not None:  # computed in the prologue from what it reads
-            inlined |= {n.name for n in step.row_statistics.fused_nodes()}
-            bodies += list(step.row_statistics.bodies.values())
+        for part in step.parts or [step]:
+            if part.row_statistics is not None:  # computed in the prologue from what it reads
+                inlined |= {n.name for n in part.row_statistics.fused_nodes()}
+                bodies += list(part.row_statistics.bodies.values())
         for body in bodies:
             for r in ir.reads(body):
                 if not (ir.resolve(graph, r.name) in available or r.name in members or r.name in inlined):

@@ -345,6 +345,17 @@ class ReduceNode(ComputeNode):
         return tuple(v for k, v in enumerate(full_index) if k not in self.reduced)
 
 
+def dot_operands(*operands: Expr) -> tuple[torch.dtype, tuple[Expr, ...]]:
+    """The dtype a tensor-core dot multiplies `operands` in, and the operands to load: 16-bit when
+    each is that dtype or a float32 cast of it (the cast is left to the dot: tensor cores multiply
+    16-bit values exactly into the float32 accumulator), else float32."""
+    inner = [e.args[0] if isinstance(e, Op) and e.name == "to_dtype" else e for e in operands]
+    dtypes = {e.dtype for e in inner}
+    if len(dtypes) == 1 and dtypes <= {torch.float16, torch.bfloat16}:
+        return dtypes.pop(), tuple(inner)
+    return torch.float32, operands
+
+
 @dataclasses.dataclass
 class MatmulNode(ReduceNode):
     """A matrix product, a sum over k like any reduction: `full_size` is (batch..., M, N, K), the

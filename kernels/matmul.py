@@ -78,14 +78,17 @@ def matmul_configs(m: int, n: int, k: int, dtype: torch.dtype) -> list[MatmulBlo
     return out
 
 
-def tile_order(index_dtype: str, has_batch: bool) -> list[str]:
-    """The template's first lines: which output tile (and batch element) this program computes."""
+def tile_order(index_dtype: str, has_batch: bool, widths: list[str]) -> list[str]:
+    """The template's first lines: which output tile (and batch element) this program computes.
+    `widths`: the N of each product the kernel computes (several share the left operand: the
+    column tiles of the first, then of the next; each product's branch sets its `rn`)."""
     pid = "tl.program_id(0)" if index_dtype == "int32" else "tl.program_id(0).to(tl.int64)"
-    lines = [
-        f"pid = {pid}",
-        "tiles_m = (M + BLOCK_M - 1) // BLOCK_M",
-        "tiles_n = (N + BLOCK_N - 1) // BLOCK_N",
-    ]
+    lines = [f"pid = {pid}", "tiles_m = (M + BLOCK_M - 1) // BLOCK_M"]
+    if len(widths) == 1:
+        lines.append("tiles_n = (N + BLOCK_N - 1) // BLOCK_N")
+    else:
+        lines += [f"tiles_n{p} = ({n} + BLOCK_N - 1) // BLOCK_N" for p, n in enumerate(widths)]
+        lines.append("tiles_n = " + " + ".join(f"tiles_n{p}" for p in range(len(widths))))
     if has_batch:
         lines += ["batch = pid // (tiles_m * tiles_n)", "pid = pid % (tiles_m * tiles_n)"]
     lines += [
@@ -96,8 +99,27 @@ def tile_order(index_dtype: str, has_batch: bool) -> list[str]:
         "pid_m = first_m + (pid % (GROUP_M * tiles_n)) % group_m",
         "pid_n = (pid % (GROUP_M * tiles_n)) // group_m",
         "rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
-        "rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)",
     ]
+    if len(widths) == 1:
+        lines.append("rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
+    return lines
+
+
+def shared_lhs(widths: list[str], products: list[list[str]]) -> list[str]:
+    """Products of one left operand in one kernel: a program's column tile `pid_n` is one of
+    the first product's (N = widths[0]), or of the next's after those, ...; the program runs
+    that product's lines (prologue, k loop, epilogue) only."""
+    lines: list[str] = []
+    for p, (width, body) in enumerate(zip(widths, products)):
+        before = " + ".join(f"tiles_n{q}" for q in range(p)) or "0"
+        if p == len(widths) - 1:
+            lines.append(f"else:  # product {p}")
+        else:
+            cond = "if" if p == 0 else "elif"
+            lines.append(f"{cond} pid_n < {' + '.join(f'tiles_n{q}' for q in range(p + 1))}:  # product {p}")
+        first = "pid_n" if p == 0 else f"(pid_n - ({before}))"
+        inner = [f"N = {width}", f"rn = {first} * BLOCK_N + tl.arange(0, BLOCK_N)", *body]
+        lines += [f"    {ln}" for ln in inner]
     return lines
 
 

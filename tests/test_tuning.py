@@ -94,15 +94,15 @@ def test_aten_wins_where_it_is_faster(measured):
 
 def test_layers_with_the_same_kernel_are_measured_once(measured):
     times, calls = measured
-    x, w, v = torch.randn(20, 40), torch.randn(40, 70), torch.randn(40, 70)
+    x, w, y, v = torch.randn(20, 40), torch.randn(40, 70), torch.randn(20, 40), torch.randn(40, 70)
 
-    def two_layers(x, w, v):  # two kernels that differ in their headers' node names only
-        return torch.relu(x @ w), torch.relu(x @ v)
+    def two_layers(x, w, y, v):  # two kernels that differ in their headers' node names only
+        return torch.relu(x @ w), torch.relu(y @ v)
 
     n = len(matmul_configs(20, 70, 40, torch.float32))
     times += [1.0] * (n - 1) + [0.5] + [1.0, 3.0]
-    out, cm = run_compiled(two_layers, x, w, v)
-    for a, e in zip(out, two_layers(x, w, v)):
+    out, cm = run_compiled(two_layers, x, w, y, v)
+    for a, e in zip(out, two_layers(x, w, y, v)):
         assert_same(a, e)
     kernels = [k for k in cm.entries[0].program.kernels if k.name.startswith("gjit_mm_")]
     assert len(kernels) == 2 and len(calls) == n + 2, "the second layer's kernel is the first's, renamed"

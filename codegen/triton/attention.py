@@ -17,9 +17,9 @@ import torch
 
 from gjit import ir
 from gjit.codegen.common import KernelSource, hint
-from gjit.codegen.triton.matmul import MatmulWriter, dot_operands
+from gjit.codegen.triton.matmul import MatmulWriter
 from gjit.codegen.triton.pointwise import TL_DTYPES
-from gjit.ir import Expr, Score
+from gjit.ir import Expr, Score, dot_operands
 from gjit.kernels.attention import attention_configs, template, tile_order
 
 

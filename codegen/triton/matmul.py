@@ -23,21 +23,10 @@ from gjit.codegen.common import KernelSource, hint
 from gjit.codegen.triton.pointwise import TL_DTYPES, KernelWriter, comment
 from gjit.config import CompileOptions
 from gjit.fusion import Region
-from gjit.ir import Expr, MatmulNode, Op, Read, ReduceNode
-from gjit.kernels.matmul import matmul_configs, template, tile_order
+from gjit.ir import Expr, MatmulNode, Op, Read, ReduceNode, dot_operands
+from gjit.kernels.matmul import matmul_configs, shared_lhs, template, tile_order
 from gjit.kernels.triton_helpers import HELPERS
 from gjit.statistics import row_index, statistics_row
-
-
-def dot_operands(*operands: Expr) -> tuple[torch.dtype, tuple[Expr, ...]]:
-    """The dtype a dot multiplies `operands` in, and the operands to load: 16-bit when each is
-    that dtype or a float32 cast of it (the cast is left to the dot: tensor cores multiply 16-bit
-    values exactly into the float32 accumulator), else float32."""
-    inner = [e.args[0] if isinstance(e, Op) and e.name == "to_dtype" else e for e in operands]
-    dtypes = {e.dtype for e in inner}
-    if len(dtypes) == 1 and dtypes <= {torch.float16, torch.bfloat16}:
-        return dtypes.pop(), tuple(inner)
-    return torch.float32, operands
 
 
 def operands(body: Expr) -> tuple[Expr, Expr]:
@@ -57,6 +46,14 @@ class MatmulWriter(KernelWriter):
         self, region: Region, graph: ir.LoopGraph, hints: dict[sympy.Symbol, int], options: CompileOptions
     ):
         super().__init__(region, graph, hints, options)
+        self.kernel_region = region  # the launched region (its parts: the products it computes)
+        self.vars: list[sympy.Symbol] = []
+        self.subst = lambda e: e
+        self.use(region.parts[0] if region.parts else region)
+
+    def use(self, region: Region) -> None:
+        """Print `region` (the kernel's region, or one of the products it launches) from now on."""
+        self.region = region
         space = region.reduction
         self.space = space
         self.nodes = {n.name: n for n in region.nodes}
@@ -70,8 +67,7 @@ class MatmulWriter(KernelWriter):
         c = space.vars
         self.batch_vars = list(c[:-3])
         self.m_var, self.n_var, self.k_var = c[-3:]
-        self.vars = [self.m_var, self.n_var, self.k_var]  # the tiles' lanes; batch indices are scalars
-        self.subst = lambda e: e
+        self.vars += [self.m_var, self.n_var, self.k_var]  # the tiles' lanes; batch indices are scalars
         self.row_values: dict[str, str] = {}  # row statistics computed before the k loop
         self.row: tuple = ()
 
@@ -213,20 +209,67 @@ class MatmulWriter(KernelWriter):
     # -- the kernel -----------------------------------------------------------------------------
 
     def generate(self, name: str) -> KernelSource:
+        launched = self.kernel_region
+        parts = launched.parts or [launched]
         full = self.space.full
-        batch, (m, n, k) = full[:-3], full[-3:]
-        out_numel = sympy.Mul(*batch, m, n)
+        batch, (m, k) = full[:-3], (full[-3], full[-1])
+        widths = [p.reduction.full[-2] for p in parts]  # each product's N
+        out_numel = sympy.Mul(*batch, m, sympy.Add(*widths))
+        lhs, _ = operands(self.bodies[self.matmul.name])
+        self.region = launched
         index_dtype = self.pick_index_dtype(out_numel)
-        body = self.bodies[self.matmul.name]
-        lhs, rhs = operands(body)
-        configs = matmul_configs(hint(m, self.hints), hint(n, self.hints), hint(k, self.hints), lhs.dtype)
-        blocks = configs[min(self.region.config, len(configs) - 1)]  # gjit/tuning.py measures them
+        n_hint = max(hint(n, self.hints) for n in widths)
+        configs = matmul_configs(hint(m, self.hints), n_hint, hint(k, self.hints), lhs.dtype)
+        blocks = configs[min(launched.config, len(configs) - 1)]  # gjit/tuning.py measures them
 
-        head = [f"M = {self.index(m)}", f"N = {self.index(n)}", f"K = {self.index(k)}"]
-        head += tile_order(index_dtype, bool(batch))
+        printed = [self.index(n) for n in widths]
+        head = [
+            f"M = {self.index(m)}",
+            *([f"N = {printed[0]}"] if len(parts) == 1 else []),
+            f"K = {self.index(k)}",
+        ]
+        head += tile_order(index_dtype, bool(batch), printed)
         head += self.batch_lines(batch)
-        head += self.statistics(index_dtype)
+        products = []
+        for part in parts:
+            self.use(part)
+            products.append(self.statistics(index_dtype) + self.product_lines(index_dtype))
+        self.region = launched
+        lines = head + (products[0] if len(parts) == 1 else shared_lhs(printed, products))
 
+        tiles = sympy.Mul(
+            *batch,
+            (m + blocks.m - 1) // blocks.m,
+            sympy.Add(*[(n + blocks.n - 1) // blocks.n for n in widths]),
+        )  # sympy floor: printed as integer math
+        fp32 = lhs.dtype == torch.float32
+        extra = ["matmul template (kernels/matmul.py): " + self.products_line(parts, widths)]
+        extra[0] += (
+            f", tiles of {blocks.m} x {blocks.n}, k in steps of {blocks.k}, float32 accumulator, tl.dot on "
+            f"{ir.dtype_str(lhs.dtype)} tiles" + (PRECISION_NOTES[bool(self.options.tf32)] if fp32 else "")
+        )
+        return self.template_source(
+            name, out_numel, extra, lines, tiles, blocks, index_dtype, len(configs),
+            tf32=self.options.tf32 if fp32 else None,  # on the CPU None: eager's are IEEE there
+        )  # fmt: skip
+
+    def products_line(self, parts: list[Region], widths: list[sympy.Expr]) -> str:
+        """The header's shapes: the product, or the products sharing the left operand."""
+        full = self.space.full
+        batch, m, k = full[:-3], full[-3], full[-1]
+        lead = f"{', '.join(map(str, batch))}{', ' if batch else ''}{m} x {k}"
+        if len(parts) == 1:
+            return f"[{lead}] @ [{k} x {widths[0]}]"
+        names = [next(n.name for n in p.nodes if isinstance(n, MatmulNode)) for p in parts]
+        each = ", ".join(f"{name} [{k} x {n}]" for name, n in zip(names, widths))
+        return (
+            f"{len(parts)} products of one left operand [{lead}] launched together: @ {each}; "
+            "the programs walk the first's column tiles, then the next's"
+        )
+
+    def product_lines(self, index_dtype: str) -> list[str]:
+        """The k loop and the epilogue of the product being printed (`use`)."""
+        lhs, rhs = operands(self.bodies[self.matmul.name])
         mv, nv, kv = self.m_var.name, self.n_var.name, self.k_var.name
         self.scope("lhs_mask", "[BLOCK_M, BLOCK_K]")
         ks = "(k0 + tl.arange(0, BLOCK_K))" + (".to(tl.int64)" if index_dtype == "int64" else "")
@@ -249,20 +292,7 @@ class MatmulWriter(KernelWriter):
 
         fp32 = lhs.dtype == torch.float32
         precision = f', input_precision="{"tf32" if self.options.tf32 else "ieee"}"' if fp32 else ""
-        lines = template(head, lhs_lines, lhs_value, rhs_lines, rhs_value, precision, epilogue)
-        tiles = sympy.Mul(
-            *batch, (m + blocks.m - 1) // blocks.m, (n + blocks.n - 1) // blocks.n
-        )  # sympy floor: printed as integer math
-        dims = f"[{', '.join(map(str, batch))}{', ' if batch else ''}{m} x {k}] @ [{k} x {n}]"
-        extra = [
-            f"matmul template (kernels/matmul.py): {dims}, tiles of {blocks.m} x {blocks.n}, k in steps of "
-            f"{blocks.k}, float32 accumulator, tl.dot on {ir.dtype_str(lhs.dtype)} tiles"
-            + (PRECISION_NOTES[bool(self.options.tf32)] if fp32 else ""),
-        ]
-        return self.template_source(
-            name, out_numel, extra, lines, tiles, blocks, index_dtype, len(configs),
-            tf32=self.options.tf32 if fp32 else None,  # on the CPU None: eager's are IEEE there
-        )  # fmt: skip
+        return template([], lhs_lines, lhs_value, rhs_lines, rhs_value, precision, epilogue)
 
     def template_source(
         self,

@@ -146,15 +146,19 @@ def matmul_lines(steps: list) -> list[str]:
         if isinstance(step, ExternNode) and str(step.fx_node.target) in MATMUL_OPS:
             out.append(f"{step.name} ({step.fx_node.target}): ATen extern: {step.reason}")
         elif isinstance(step, Region) and step.matmul:
-            node = next(n for n in step.nodes if isinstance(n, MatmulNode))
-            others = [n.name for n in step.inlined + step.nodes if n is not node]
-            fused = f", with {', '.join(others)} fused in" if others else ""
-            kind = "template kernel"
-            if isinstance(node, AttentionNode):
-                kind = "attention kernel"
-                if node.absorbed:  # written out: name what the one node stands for
-                    kind += f" (written out: {', '.join(n.name for n in node.absorbed)} and {node.name})"
-            out.append(f"{node.name} ({node.fx_node.target}): {kind} {step.name}{fused}")
+            products = [next(n for n in p.nodes if isinstance(n, MatmulNode)) for p in step.parts or [step]]
+            for part, node in zip(step.parts or [step], products):
+                others = [n.name for n in part.inlined + part.nodes if n is not node]
+                fused = f", with {', '.join(others)} fused in" if others else ""
+                kind = "template kernel"
+                if isinstance(node, AttentionNode):
+                    kind = "attention kernel"
+                    if node.absorbed:  # written out: name what the one node stands for
+                        kind += f" (written out: {', '.join(n.name for n in node.absorbed)} and {node.name})"
+                if len(products) > 1:
+                    shared = ", ".join(n.name for n in products if n is not node)
+                    fused += f"; launched with {shared}: they share the left operand"
+                out.append(f"{node.name} ({node.fx_node.target}): {kind} {step.name}{fused}")
     return out
 
 

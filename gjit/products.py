@@ -1,0 +1,108 @@
+"""Products that share their left operand launch as one kernel: q, k and v of one input, a gated
+MLP's gate and up projections. Each is a matmul template region of its own after fusion (a
+template computes one product); this pass puts them in one region whose `parts` are those
+regions. Its kernel (codegen/triton/matmul.py) walks the output tiles of the first product, then
+those of the next: a program computes one tile of one product, with that product's prologue,
+k loop and epilogue, so no program holds more than one accumulator and the tile sizes are the
+ones each product would have had (taken for the widest). What it saves: a launch per product, and
+the kernel that would store the shared operand: fusion inlines an operand that only such a group
+reads into their prologue (`Fusion.shared_left_operands`), where a norm's statistics follow it
+(gjit/statistics.py), once per program as before.
+
+The pass runs on the schedule after the statistics pass (`group_products`): matmul regions (not
+attention) with equal batch, M and K sizes, the same left operand expression, the same dtype
+of the dot and the same prologue statistics form a group when each later one can run where the
+first runs (everything it reads is stored before that step).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from gjit import ir
+from gjit.fusion import Region, Step
+from gjit.ir import ExternNode, MatmulNode
+
+log = logging.getLogger("gjit.fusion")
+
+
+def product(region: Region) -> MatmulNode | None:
+    """The one product of a matmul template region that may share a launch, else None."""
+    if not region.matmul or region.attention or region.parts:
+        return None
+    return next(n for n in region.nodes if isinstance(n, MatmulNode))
+
+
+def sharing_key(region: Region) -> tuple | None:
+    """What regions launched together agree on: (batch..., M, K), the left operand (as the
+    region computes it), the dtype the dot multiplies in (one table of tiles), the statistics
+    its prologue computes."""
+    node = product(region)
+    if node is None:
+        return None
+    lhs, rhs = region.bodies[node.name].args
+    stats = id(region.row_statistics) if region.row_statistics is not None else None
+    return (*node.full_size[:-2], node.full_size[-1], lhs, ir.dot_operands(lhs, rhs)[0], stats)
+
+
+def reads(step: Step, graph: ir.LoopGraph) -> set[str]:
+    """The stored values and inputs a step reads (a region's prologue statistics' too)."""
+    if isinstance(step, ExternNode):
+        return {ir.resolve(graph, a) for a in step.tensor_args}
+    bodies = list(step.bodies.values())
+    own = {n.name for n in step.fused_nodes()}  # its members and prologue statistics: computed
+    for part in step.parts or [step]:
+        if part.row_statistics is not None:
+            bodies += list(part.row_statistics.bodies.values())
+    return {ir.resolve(graph, r.name) for b in bodies for r in ir.reads(b) if r.name not in own}
+
+
+def combined(parts: list[Region]) -> Region:
+    """One region launching `parts` (matmul regions sharing their left operand) in one kernel."""
+    inlined = {n.name: n for p in parts for n in p.inlined}
+    return Region(
+        nodes=[n for p in parts for n in p.nodes],
+        bodies={k: v for p in parts for k, v in p.bodies.items()},
+        stores=[s for p in parts for s in p.stores],
+        inlined=list(inlined.values()),
+        reduction=parts[0].reduction,
+        parts=parts,
+    )
+
+
+def group_products(steps: list[Step], graph: ir.LoopGraph) -> list[Step]:
+    """Group the matmul regions that share their left operand (above) into one region each."""
+    available = {name for name, b in graph.buffers.items() if b.kind == "input"}
+    stored_before: list[set[str]] = []  # per step: what is in memory when it starts
+    for step in steps:
+        stored_before.append(set(available))
+        available |= (
+            {step.name} if isinstance(step, ExternNode) else {ir.resolve(graph, s) for s in step.stores}
+        )
+    groups: list[list[int]] = []
+    open_groups: dict[tuple, list[int]] = {}
+    for i, step in enumerate(steps):
+        key = sharing_key(step) if isinstance(step, Region) else None
+        if key is None:
+            continue
+        group = open_groups.get(key)
+        if group is not None and reads(step, graph) <= stored_before[group[0]]:
+            group.append(i)
+        else:  # the first of a group: no earlier region can take it
+            open_groups[key] = [i]
+            groups.append(open_groups[key])
+    out: list[Step] = []
+    moved = {i for members in groups for i in members[1:]}
+    firsts = {members[0]: members for members in groups if len(members) > 1}
+    for i, step in enumerate(steps):
+        if i in moved:
+            continue
+        if i in firsts:
+            parts = [steps[j] for j in firsts[i]]
+            step = combined(parts)
+            log.info(
+                "launch %s as one kernel: they share their left operand",
+                [next(n.name for n in p.nodes if isinstance(n, MatmulNode)) for p in parts],
+            )
+        out.append(step)
+    return out
