@@ -33,6 +33,7 @@ from gjit.lowering.attention_pattern import match_attention
 from gjit.lowering.graph import lower_graph
 from gjit.lowering.registry import EXTERN_REASONS, LOWERINGS, size_reason
 from gjit.products import group_products
+from gjit.rows import fold_rows
 from gjit.runtime import disk_cache as cache
 from gjit.runtime import program_store
 from gjit.runtime.graph import CompiledGraph
@@ -254,6 +255,8 @@ def schedule_graph(
     steps = run("fuse", fuse, loop_graph)
     # statistics: a norm's per-row sums into the prologues of the matmuls that alone read them
     steps = run("statistics", absorb_row_statistics, steps, loop_graph)
+    # rows: a norm after a linear into its epilogue when one tile covers a row
+    steps = run("rows", fold_rows, steps, loop_graph, size_hints(gm))
     # products: matmuls that share their left operand (q, k, v) launched as one kernel
     steps = run("products", group_products, steps, loop_graph)
     return loop_graph, steps

@@ -63,6 +63,8 @@ class Region:
     reduction: ReductionSpace | None = None  # None: a pointwise region
     # a matmul's: the region of per-row statistics its prologue computes (gjit/statistics.py)
     row_statistics: Region | None = None
+    # a matmul's: the row reductions of its output (a post-norm) its epilogue computes (gjit/rows.py)
+    row_epilogue: Region | None = None
     # matmul regions sharing their left operand that this one launches together (gjit/products.py)
     parts: list[Region] = dataclasses.field(default_factory=list)
 

@@ -28,7 +28,7 @@ log = logging.getLogger("gjit.fusion")
 
 def product(region: Region) -> MatmulNode | None:
     """The one product of a matmul template region that may share a launch, else None."""
-    if not region.matmul or region.attention or region.parts:
+    if not region.matmul or region.attention or region.parts or region.row_epilogue is not None:
         return None
     return next(n for n in region.nodes if isinstance(n, MatmulNode))
 

@@ -48,6 +48,18 @@ def matmul_blocks(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulBlocks:
     return MatmulBlocks(block_m, block_n, block_k, warps=4 if wide else 8)
 
 
+def row_blocks(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulBlocks:
+    """Tiles for a product whose epilogue reduces each output row (a norm after a linear,
+    gjit/rows.py): BLOCK_N covers the row (N at most 1024), and as many rows as keep a tile at
+    8192 elements (16 at least: tl.dot's smallest), so the accumulator and the norm's values on it
+    fit the registers; k steps as the table's, 8 warps from 256 columns."""
+    wide = dtype in (torch.float16, torch.bfloat16)
+    block_n = max(16, power_of_2(n))
+    block_m = max(16, min(64, power_of_2(m), 8192 // block_n))
+    block_k = min(32 if wide else 16, max(16, power_of_2(k)))
+    return MatmulBlocks(block_m, block_n, block_k, warps=8 if block_n >= 256 or not wide else 4)
+
+
 # Configurations a GPU measures besides the table's (gjit/tuning.py), by operand width: (m, n, k,
 # warps, stages), clipped to the problem. Large 16-bit products want 128-row tiles, k steps of 64
 # and three or four tiles in flight (Hopper's tensor cores); few rows (a decode step) want narrow

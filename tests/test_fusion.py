@@ -168,7 +168,8 @@ def test_conv_batchnorm_relu_is_conv_extern_plus_one_kernel():
 
 def test_residual_mlp_with_matmul_templates():
     """The same block with matmul templates: fc1 with its bias, fc2 with gelu on its operand's
-    load (prologue) and its bias and the residual add on its tile (epilogue), then the norm."""
+    load (prologue) and its bias, the residual add and the norm on its tile (epilogue: one tile
+    covers a row, gjit/rows.py)."""
     model = ResidualMLP().eval()
     x = torch.randn(2, 5, 32)
     with torch.no_grad():
@@ -176,6 +177,6 @@ def test_residual_mlp_with_matmul_templates():
         rep = gjit.explain(cm, x)
     assert rep.externs == []
     names = [k.name for k in rep.kernels]
-    assert len(names) == 3 and names[0].startswith("gjit_mm_") and names[1].startswith("gjit_mm_"), names
+    assert len(names) == 2 and names[0].startswith("gjit_mm_") and names[1].startswith("gjit_mm_"), names
     fused = [sorted({n.split(": ")[1] for n in k.aten_nodes}) for k in rep.kernels]
-    assert "aten.gelu.default" in fused[1] and "aten.add.Tensor" in fused[1], fused
+    assert {"aten.gelu.default", "aten.add.Tensor", "aten.native_layer_norm.default"} <= set(fused[1]), fused

@@ -211,9 +211,10 @@ def test_gpt2_loss_gathers_from_the_logits_and_never_writes_log_softmax():
 # with LN1's statistics, attention, out-projection + residual, fc with LN2's statistics, proj +
 # gelu + residual. Llama: q, k and v in one kernel with the RMS norm's statistics, attention (rotary
 # in its prologue), o-projection + residual, gate and up in one kernel with the norm's statistics,
-# down + silu * up + residual. BERT is 7: its post-norms' outputs are also the residual, so each
-# keeps a kernel that stores the normed rows (not met yet).
-KERNELS_PER_LAYER = {"gpt2": ("_h_{}_", 5), "llama": ("_layers_{}_", 5), "bert": ("_layer_{}_", 7)}
+# down + silu * up + residual. BERT: q, k and v in one kernel, attention, out-projection + residual
+# + LayerNorm (one tile covers a row: gjit/rows.py), intermediate + bias, output + gelu + residual
+# + LayerNorm.
+KERNELS_PER_LAYER = {"gpt2": ("_h_{}_", 5), "llama": ("_layers_{}_", 5), "bert": ("_layer_{}_", 5)}
 
 
 @pytest.mark.parametrize("name", [f"{m}-{a}" for m in KERNELS_PER_LAYER for a in ("eager", "sdpa")])

@@ -24,8 +24,9 @@ from gjit.codegen.triton.pointwise import TL_DTYPES, KernelWriter, comment
 from gjit.config import CompileOptions
 from gjit.fusion import Region
 from gjit.ir import Expr, MatmulNode, Op, Read, ReduceNode, dot_operands
-from gjit.kernels.matmul import matmul_configs, shared_lhs, template, tile_order
+from gjit.kernels.matmul import matmul_configs, row_blocks, shared_lhs, template, tile_order
 from gjit.kernels.triton_helpers import HELPERS
+from gjit.rows import node_placement, row_placement
 from gjit.statistics import row_index, statistics_row
 
 
@@ -58,8 +59,21 @@ class MatmulWriter(KernelWriter):
         self.space = space
         self.nodes = {n.name: n for n in region.nodes}
         self.matmul = next(n for n in region.nodes if isinstance(n, MatmulNode))
+        rows = region.row_epilogue
+        self.row_bodies: dict[str, Expr] = {}  # the row epilogue's members, in the tile's variables
+        self.row_indices: dict[str, ir.Index] = {}
+        if rows is not None:
+            mapping = row_placement(region, rows)
+            for node in rows.nodes:
+                placed = node_placement(rows, node, mapping)
+                self.row_bodies[node.name] = ir.substitute(
+                    rows.bodies[node.name], lambda r: r, lambda e, m=placed: sympy.sympify(e).xreplace(m)
+                )
+                self.row_indices[node.name] = tuple(placed[v] for v in ir.index_vars(len(node.size)))
         self.bodies = {}
         for name, body in region.bodies.items():
+            if name in self.row_bodies:
+                continue
             mapping = space.placement(self.nodes[name], body)
             self.bodies[name] = ir.substitute(
                 body, lambda r: r, lambda e, m=mapping: sympy.sympify(e).xreplace(m)
@@ -149,20 +163,35 @@ class MatmulWriter(KernelWriter):
     def store_outputs(self) -> None:
         """The epilogue's stores: each value the region stores, on the output tile (`out_mask`)."""
         for node in self.region.stores:
-            out_index = self.space.value_index(self.nodes[node])
+            if node in self.row_bodies:  # the row epilogue's (a norm's output): after the sums
+                out_index, body = self.row_indices[node], self.row_bodies[node]
+            else:
+                out_index, body = self.space.value_index(self.nodes[node]), self.bodies[node]
             arg = self.out_args.setdefault(node, f"out_ptr{len(self.out_args)}")
             offset_expr = self.subst(self.layout(node).offset_of(out_index))
             offset, value = self.block_store(
-                offset_expr, self.index(offset_expr), self.node_value(node), self.bodies[node]
+                offset_expr, self.index(offset_expr), self.node_value(node), body
             )
             self.lines.append(f"tl.store({arg} + ({offset}), {value}, out_mask)")
 
     def in_registers(self, r: Read) -> bool:
+        if r.name in self.row_bodies:  # gjit/rows.py checked: each reads the others on its own row
+            return True
         return r.name in self.bodies and r.index == self.space.value_index(self.nodes[r.name])
 
     def node_value(self, name: str) -> str:
         if name not in self.values:
-            if name == self.matmul.name:
+            node = self.nodes[name]
+            if name in self.row_bodies and isinstance(node, ReduceNode):  # a sum over the row's tile
+                body = self.row_bodies[name]
+                cast = f".to({TL_DTYPES[node.dtype]})" if node.dtype != body.dtype else ""
+                value = self.emit(body)
+                self.values[name] = self.tmp(
+                    ("row sum", name), f"tl.sum(tl.where(out_mask, {value}, 0.0), 1)[:, None]{cast}"
+                )
+            elif name in self.row_bodies:
+                self.values[name] = self.emit(self.row_bodies[name])
+            elif name == self.matmul.name:
                 acc = (
                     "acc" if self.matmul.dtype == torch.float32 else f"acc.to({TL_DTYPES[self.matmul.dtype]})"
                 )
@@ -219,7 +248,13 @@ class MatmulWriter(KernelWriter):
         self.region = launched
         index_dtype = self.pick_index_dtype(out_numel)
         n_hint = max(hint(n, self.hints) for n in widths)
-        configs = matmul_configs(hint(m, self.hints), n_hint, hint(k, self.hints), lhs.dtype)
+        if launched.row_epilogue is not None:  # one tile covers each output row (gjit/rows.py)
+            configs = [row_blocks(hint(m, self.hints), n_hint, hint(k, self.hints), lhs.dtype)]
+            fits = (sympy.Le(widths[0], configs[0].n), f"N = {widths[0]} <= {configs[0].n} (one tile a row)")
+            if not sympy.sympify(widths[0]).is_number:  # a dynamic N: a wider one recompiles
+                self.assumptions.append(fits)
+        else:
+            configs = matmul_configs(hint(m, self.hints), n_hint, hint(k, self.hints), lhs.dtype)
         blocks = configs[min(launched.config, len(configs) - 1)]  # gjit/tuning.py measures them
 
         printed = [self.index(n) for n in widths]
@@ -248,6 +283,13 @@ class MatmulWriter(KernelWriter):
             f", tiles of {blocks.m} x {blocks.n}, k in steps of {blocks.k}, float32 accumulator, tl.dot on "
             f"{ir.dtype_str(lhs.dtype)} tiles" + (PRECISION_NOTES[bool(self.options.tf32)] if fp32 else "")
         )
+        if launched.row_epilogue is not None:
+            sums = [n.name for n in launched.row_epilogue.nodes if isinstance(n, ReduceNode)]
+            rest = ", ".join(n for n in self.row_bodies if n not in sums)
+            extra.append(
+                f"row epilogue (gjit/rows.py): {', '.join(sums)} summed over each output row in registers, "
+                f"then {rest}: BLOCK_N = {blocks.n} covers N"
+            )
         return self.template_source(
             name, out_numel, extra, lines, tiles, blocks, index_dtype, len(configs),
             tf32=self.options.tf32 if fp32 else None,  # on the CPU None: eager's are IEEE there
