@@ -39,7 +39,7 @@ class KernelBinary:
     registers: int
     stack: int  # bytes per thread
     local: int  # bytes per thread of local memory (register spills)
-    shared: int  # bytes per block
+    shared: int  # bytes per block (what a Triton kernel's launch asks for)
     vector_loads: int  # ld.global.v2/.v4 instructions in the PTX
     scalar_loads: int  # ld.global without a vector width
 
@@ -108,7 +108,9 @@ def build(kernel: Any, path: str, arch: int, out_dir: str, file_name: str | None
     loads = re.findall(r"\bld\.global[\w.]*", ptx)
     vector = sum(1 for op in loads if ".v2." in op or ".v4." in op)
     scalar = len(loads) - vector
-    usage = usage or resource_usage(cubin_path)
+    if usage is None:  # Triton's launch asks for the kernel's dynamic shared memory (pipelined tiles) too
+        usage = resource_usage(cubin_path)
+        usage["shared"] = max(usage["shared"], binary.metadata.shared)
     return KernelBinary(kernel.name, ptx_path, cubin_path, **usage, vector_loads=vector, scalar_loads=scalar)
 
 

@@ -121,6 +121,13 @@ def _identity(read: Read, size: ir.Index) -> bool:
     return read.index == ir.index_vars(len(size))
 
 
+def _a_load(body: Expr) -> bool:
+    """Is `body` one read, or a cast of one?"""
+    if isinstance(body, ir.Op) and body.name == "to_dtype":
+        body = body.args[0]
+    return isinstance(body, Read) and not body.indirect
+
+
 def _gatherable(node: ComputeNode) -> bool:
     """Can a gather of `node` recompute it at the gathered indices instead of reading it from
     memory (cross_entropy's gather of log_softmax then reads the logits, not a written
@@ -150,7 +157,7 @@ class Fusion:
         self.group = {name: name for name in bodies}
         self.group.update({n.name: n.name for n in self.graph.nodes if isinstance(n, ExternNode)})
         self.members = {gid: [gid] for gid in self.group}
-        self.symbol_producers = self.data_dependent_symbols()
+        self.symbol_producers = data_dependent_symbols(self.graph)
         self.deps = {name: self.node_deps(name) for name in self.group}
         self.fuse_vertical()
         self.fuse_horizontal()
@@ -205,6 +212,8 @@ class Fusion:
                     break
         # what only reductions read, directly or through pointwise nodes (a norm's squares), is
         # inlined into them and not recomputed by anything else: it does not count as a reader
+        # of a load or a cast of one (a 16-bit norm's float32 input), which costs nothing to
+        # read again (anything dearer, a gated norm's y * silu(z), stays stored once)
         reduced_only: set[str] = set()
         for name in reversed(list(self.compute)):
             node = self.compute[name]
@@ -216,7 +225,11 @@ class Fusion:
         # matmuls that share their left operand launch as one kernel (gjit/products.py): they
         # count as one reader of it
         keys = {
-            name: {lhs_groups.get((r, name), r) for r in readers[name] if r not in reduced_only}
+            name: {
+                lhs_groups.get((r, name), r)
+                for r in readers[name]
+                if r not in reduced_only or not _a_load(self.compute[name].body)
+            }
             for name in feeds
         }
         return {name for name in feeds if len(keys[name]) > 1}
@@ -275,20 +288,6 @@ class Fusion:
         while name in self.graph.views:
             name = self.graph.views[name].base
         return name
-
-    def data_dependent_symbols(self) -> dict[sympy.Symbol, str]:
-        """Symbol -> the extern whose result binds it (`.item()`, nonzero's row count): a node
-        using the symbol runs after that extern, so it never fuses into a kernel before it."""
-        out: dict[sympy.Symbol, str] = {}
-        for n in self.graph.nodes:
-            if isinstance(n, ExternNode):
-                val = n.fx_node.meta.get("val")
-                sizes = [val] if isinstance(val, torch.SymInt) else list(getattr(val, "shape", ()))
-                for s in sizes:
-                    if isinstance(s, torch.SymInt):
-                        for sym in free_unbacked_symbols(s.node.expr):
-                            out.setdefault(sym, n.name)
-        return out
 
     def node_deps(self, name: str) -> set[str]:
         if name in self.bodies:
@@ -492,6 +491,53 @@ class Fusion:
             inlined=[self.compute[n] for n in sorted(used, key=self.order.get)],
             reduction=self.space(gid),
         )
+
+
+def data_dependent_symbols(graph: LoopGraph) -> dict[sympy.Symbol, str]:
+    """Symbol -> the extern whose result binds it (`.item()`, nonzero's row count): a node
+    using the symbol runs after that extern, so it never fuses into a kernel before it."""
+    out: dict[sympy.Symbol, str] = {}
+    for n in graph.nodes:
+        if isinstance(n, ExternNode):
+            val = n.fx_node.meta.get("val")
+            sizes = [val] if isinstance(val, torch.SymInt) else list(getattr(val, "shape", ()))
+            for s in sizes:
+                if isinstance(s, torch.SymInt):
+                    for sym in free_unbacked_symbols(s.node.expr):
+                        out.setdefault(sym, n.name)
+    return out
+
+
+def step_reads(step: Step, graph: LoopGraph, producers: dict[sympy.Symbol, str]) -> set[str]:
+    """What must be in memory (or have run) before `step`: the stored values and inputs it reads,
+    its prologue statistics' too, and the externs that bind the data-dependent sizes it uses
+    (`producers`: data_dependent_symbols)."""
+    if isinstance(step, ExternNode):
+        return {ir.resolve(graph, a) for a in step.tensor_args}
+    own = {n.name for n in step.fused_nodes()}
+    bodies = list(step.bodies.values())
+    for part in step.parts or [step]:
+        if part.row_statistics is not None:
+            bodies += list(part.row_statistics.bodies.values())
+    out = {ir.resolve(graph, r.name) for b in bodies for r in ir.reads(b) if r.name not in own}
+    used = set().union(*(ir.free_symbols(b) for b in bodies))
+    for n in step.fused_nodes():
+        for s in (*n.layout.size, *getattr(n, "full_size", ())):
+            used |= sympy.sympify(s).free_symbols
+    return out | {producers[s] for s in used if s in producers}
+
+
+def in_memory_before(steps: list[Step], graph: LoopGraph) -> list[set[str]]:
+    """Per step: the inputs, stored values and extern results in memory when it starts."""
+    available = {name for name, b in graph.buffers.items() if b.kind == "input"}
+    out = []
+    for step in steps:
+        out.append(set(available))
+        if isinstance(step, ExternNode):
+            available.add(step.name)
+        else:
+            available |= {ir.resolve(graph, s) for s in step.stores}
+    return out
 
 
 def _inlined_reads(body: Expr, compute: dict[str, ComputeNode], inline: set[str]) -> set[str]:

@@ -20,10 +20,15 @@ from __future__ import annotations
 import logging
 
 from gjit import ir
-from gjit.fusion import Region, Step
-from gjit.ir import ExternNode, MatmulNode
+from gjit.fusion import Region, Step, data_dependent_symbols, in_memory_before, step_reads
+from gjit.ir import MatmulNode
 
 log = logging.getLogger("gjit.fusion")
+
+# At most this many products in one kernel: each branch's pipelined k loop keeps its own shared
+# memory buffers (Triton does not share them across branches), and three of the table's largest
+# 16-bit tiles fit kernels/matmul.py's SHARED_MEMORY with two k steps in flight.
+MAX_PRODUCTS = 3
 
 
 def product(region: Region) -> MatmulNode | None:
@@ -45,18 +50,6 @@ def sharing_key(region: Region) -> tuple | None:
     return (*node.full_size[:-2], node.full_size[-1], lhs, ir.dot_operands(lhs, rhs)[0], stats)
 
 
-def reads(step: Step, graph: ir.LoopGraph) -> set[str]:
-    """The stored values and inputs a step reads (a region's prologue statistics' too)."""
-    if isinstance(step, ExternNode):
-        return {ir.resolve(graph, a) for a in step.tensor_args}
-    bodies = list(step.bodies.values())
-    own = {n.name for n in step.fused_nodes()}  # its members and prologue statistics: computed
-    for part in step.parts or [step]:
-        if part.row_statistics is not None:
-            bodies += list(part.row_statistics.bodies.values())
-    return {ir.resolve(graph, r.name) for b in bodies for r in ir.reads(b) if r.name not in own}
-
-
 def combined(parts: list[Region]) -> Region:
     """One region launching `parts` (matmul regions sharing their left operand) in one kernel."""
     inlined = {n.name: n for p in parts for n in p.inlined}
@@ -72,13 +65,8 @@ def combined(parts: list[Region]) -> Region:
 
 def group_products(steps: list[Step], graph: ir.LoopGraph) -> list[Step]:
     """Group the matmul regions that share their left operand (above) into one region each."""
-    available = {name for name, b in graph.buffers.items() if b.kind == "input"}
-    stored_before: list[set[str]] = []  # per step: what is in memory when it starts
-    for step in steps:
-        stored_before.append(set(available))
-        available |= (
-            {step.name} if isinstance(step, ExternNode) else {ir.resolve(graph, s) for s in step.stores}
-        )
+    producers = data_dependent_symbols(graph)
+    stored_before = in_memory_before(steps, graph)  # per step: what is in memory when it starts
     groups: list[list[int]] = []
     open_groups: dict[tuple, list[int]] = {}
     for i, step in enumerate(steps):
@@ -86,7 +74,11 @@ def group_products(steps: list[Step], graph: ir.LoopGraph) -> list[Step]:
         if key is None:
             continue
         group = open_groups.get(key)
-        if group is not None and reads(step, graph) <= stored_before[group[0]]:
+        if (
+            group is not None
+            and len(group) < MAX_PRODUCTS
+            and step_reads(step, graph, producers) <= stored_before[group[0]]
+        ):
             group.append(i)
         else:  # the first of a group: no earlier region can take it
             open_groups[key] = [i]

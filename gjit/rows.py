@@ -22,8 +22,8 @@ import types
 import sympy
 
 from gjit import ir
-from gjit.fusion import Region, Step
-from gjit.ir import ExternNode, MatmulNode, ReduceNode
+from gjit.fusion import Region, Step, data_dependent_symbols, in_memory_before, step_reads
+from gjit.ir import MatmulNode, ReduceNode
 
 log = logging.getLogger("gjit.fusion")
 
@@ -115,23 +115,9 @@ def template_of(region: Region) -> bool:
 def fold_rows(steps: list[Step], graph: ir.LoopGraph, hints: dict[sympy.Symbol, int]) -> list[Step]:
     """Move each qualifying row region into the epilogue of the matmul template it reads (above)."""
     needed = {ir.resolve(graph, n) for n in graph.needed_in_memory}
-    available = {name for name, b in graph.buffers.items() if b.kind == "input"}
-    stored_before: list[set[str]] = []
-    reads: list[set[str]] = []
-    for step in steps:
-        stored_before.append(set(available))
-        if isinstance(step, ExternNode):
-            reads.append({ir.resolve(graph, a) for a in step.tensor_args})
-            available.add(step.name)
-        else:
-            own = {n.name for n in step.fused_nodes()}
-            bodies = list(step.bodies.values())
-            if step.row_statistics is not None:
-                bodies += list(step.row_statistics.bodies.values())
-            reads.append(
-                {ir.resolve(graph, r.name) for b in bodies for r in ir.reads(b) if r.name not in own}
-            )
-            available |= {ir.resolve(graph, s) for s in step.stores}
+    producers = data_dependent_symbols(graph)
+    stored_before = in_memory_before(steps, graph)
+    reads = [step_reads(step, graph, producers) for step in steps]
     current: dict[int, Region] = {}  # a template's index -> the template with its row epilogue
     folded: set[int] = set()
     for j, rows in enumerate(steps):

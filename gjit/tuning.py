@@ -165,10 +165,11 @@ def against_aten(
 
 def same_kernel_key(kernel: KernelSource, sizes: list[int]) -> str:
     """What two kernels that compute alike at these sizes (of their size arguments) share: the
-    code (not the header, which names the nodes) with the kernel and size-symbol names replaced
+    code (not its comments, which name the nodes) with the kernel and size-symbol names replaced
     by positions, and the sizes."""
     values = dict(zip(map(str, kernel.size_args), sizes))
-    lines = [ln for ln in kernel.source.splitlines() if not ln.startswith(("#", "def "))]
+    lines = [ln.split("#", 1)[0].rstrip() for ln in kernel.source.splitlines() if not ln.startswith("def ")]
+    lines = [ln for ln in lines if ln]  # comments (the header, a statistics loop's) name nodes
     order = list(dict.fromkeys(t for t in re.findall(r"\w+", "\n".join(lines)) if t in values))
     names = {s: f"size{i}" for i, s in enumerate(order)}
     code = re.sub(r"\w+", lambda m: names.get(m.group(0), m.group(0)), "\n".join(lines))

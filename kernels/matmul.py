@@ -48,15 +48,31 @@ def matmul_blocks(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulBlocks:
     return MatmulBlocks(block_m, block_n, block_k, warps=4 if wide else 8)
 
 
+SHARED_MEMORY = 96 * 1024  # what a configuration's operand buffers may take: below every GPU's
+# shared memory per block from sm_80 (99 KB on sm_86/sm_89, 163 KB on sm_80, 227 KB on sm_90)
+DEFAULT_STAGES = 3  # Triton's num_stages on NVIDIA GPUs when a kernel names none
+
+
+def fit_stages(blocks: MatmulBlocks, itemsize: int, loops: int = 1) -> MatmulBlocks:
+    """`blocks` with no more k steps in flight than fit SHARED_MEMORY: each stage buffers a
+    [BLOCK_M, BLOCK_K] and a [BLOCK_K, BLOCK_N] tile of `itemsize` bytes, per k loop (products
+    launched together each keep their own: `loops`); at least one."""
+    stage = (blocks.m * blocks.k + blocks.k * blocks.n) * itemsize * loops
+    stages = blocks.stages or DEFAULT_STAGES
+    fit = max(1, min(stages, SHARED_MEMORY // stage))
+    return blocks if fit == stages else dataclasses.replace(blocks, stages=fit)
+
+
 def row_blocks(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulBlocks:
     """Tiles for a product whose epilogue reduces each output row (a norm after a linear,
     gjit/rows.py): BLOCK_N covers the row (N at most 1024), and as many rows as keep a tile at
     8192 elements (16 at least: tl.dot's smallest), so the accumulator and the norm's values on it
-    fit the registers; k steps as the table's, 8 warps from 256 columns."""
+    fit the registers; k steps as the table's (16 from 512 columns, so two fit SHARED_MEMORY),
+    8 warps from 256 columns."""
     wide = dtype in (torch.float16, torch.bfloat16)
     block_n = max(16, power_of_2(n))
     block_m = max(16, min(64, power_of_2(m), 8192 // block_n))
-    block_k = min(32 if wide else 16, max(16, power_of_2(k)))
+    block_k = min(32 if wide and block_n < 512 else 16, max(16, power_of_2(k)))  # 2 stages fit
     return MatmulBlocks(block_m, block_n, block_k, warps=8 if block_n >= 256 or not wide else 4)
 
 

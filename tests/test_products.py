@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gjit
+from gjit.kernels.matmul import SHARED_MEMORY
 from helpers import check, check_against_float64
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -161,8 +162,45 @@ def test_shared_launch_builds_for_sm90_on_tensor_cores_without_spills(tmp_path, 
         report = gjit.aot(model, torch.randn(1, 64, 4096, dtype=dtype), out_dir=str(tmp_path), workers=1)
     (kernel,) = report.kernels
     assert not kernel.spills and 0 < kernel.registers <= 255, report
+    assert kernel.shared <= SHARED_MEMORY, report  # each branch's loop buffers its own tiles
     ptx = open(kernel.ptx_path).read()
     assert ("wgmma.mma_async" in ptx or "mma.sync" in ptx) == (dtype != torch.float32), kernel.name
+
+
+@pytest.mark.cpu
+def test_at_most_three_products_share_a_kernel():
+    """Six heads' q, k and v of one norm's output (18 products): groups of three, each kernel's
+    loops within the shared memory budget; the norm's statistics in each."""
+
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(16)
+            self.heads = nn.ModuleList(nn.Linear(16, 8, bias=False) for _ in range(18))
+
+        def forward(self, x):
+            h = self.norm(x)
+            return torch.cat([head(h) for head in self.heads], -1)
+
+    cm, report = compiled(Heads().eval(), torch.randn(2, 5, 16))
+    grouped = shared_kernels(report)
+    assert len(grouped) == 6 and all(k.source.count("tl.dot(") == 3 for k in grouped), report
+
+
+@pytest.mark.cpu
+def test_a_product_sized_by_item_runs_after_the_item():
+    """The second product's width comes from .item(): it cannot launch before that extern."""
+
+    def fn(x, w1, w2, n):
+        a = x @ w1
+        k = n.item()
+        torch._check(k >= 1)
+        torch._check(k <= w2.shape[1])
+        return a, x @ w2[:, :k]
+
+    args = torch.randn(6, 8), torch.randn(8, 5), torch.randn(8, 7), torch.tensor(3)
+    cm = check(fn, *args)
+    assert not shared_kernels(gjit.explain(cm, *args))
 
 
 @pytest.mark.compile_only

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gjit
+from gjit.kernels.matmul import SHARED_MEMORY
 from helpers import check, check_against_float64
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -126,6 +127,7 @@ def test_bert_base_width_builds_for_sm90_without_spills(tmp_path, dtype):
         report = gjit.aot(model, *args, out_dir=str(tmp_path), workers=1)
     (kernel,) = report.kernels
     assert not kernel.spills and 0 < kernel.registers <= 255, report
+    assert kernel.shared <= SHARED_MEMORY, report  # a 1024-wide right operand tile a k step
     ptx = open(kernel.ptx_path).read()
     assert ("wgmma.mma_async" in ptx or "mma.sync" in ptx) == (dtype != torch.float32), kernel.name
 

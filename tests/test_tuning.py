@@ -92,12 +92,14 @@ def test_aten_wins_where_it_is_faster(measured):
     assert report.matmuls[0].startswith("addmm (aten.addmm.default): ATen extern")
 
 
-def test_layers_with_the_same_kernel_are_measured_once(measured):
+@pytest.mark.parametrize("norm", [False, True])
+def test_layers_with_the_same_kernel_are_measured_once(measured, norm):
     times, calls = measured
     x, w, y, v = torch.randn(20, 40), torch.randn(40, 70), torch.randn(20, 40), torch.randn(40, 70)
+    pre = (lambda t: F.layer_norm(t, (40,))) if norm else (lambda t: t)  # statistics in the prologue
 
-    def two_layers(x, w, y, v):  # two kernels that differ in their headers' node names only
-        return torch.relu(x @ w), torch.relu(y @ v)
+    def two_layers(x, w, y, v):  # two kernels that differ in their comments' node names only
+        return torch.relu(pre(x) @ w), torch.relu(pre(y) @ v)
 
     n = len(matmul_configs(20, 70, 40, torch.float32))
     times += [1.0] * (n - 1) + [0.5] + [1.0, 3.0]

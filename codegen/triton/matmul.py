@@ -24,7 +24,7 @@ from gjit.codegen.triton.pointwise import TL_DTYPES, KernelWriter, comment
 from gjit.config import CompileOptions
 from gjit.fusion import Region
 from gjit.ir import Expr, MatmulNode, Op, Read, ReduceNode, dot_operands
-from gjit.kernels.matmul import matmul_configs, row_blocks, shared_lhs, template, tile_order
+from gjit.kernels.matmul import fit_stages, matmul_configs, row_blocks, shared_lhs, template, tile_order
 from gjit.kernels.triton_helpers import HELPERS
 from gjit.rows import node_placement, row_placement
 from gjit.statistics import row_index, statistics_row
@@ -256,6 +256,7 @@ class MatmulWriter(KernelWriter):
         else:
             configs = matmul_configs(hint(m, self.hints), n_hint, hint(k, self.hints), lhs.dtype)
         blocks = configs[min(launched.config, len(configs) - 1)]  # gjit/tuning.py measures them
+        blocks = fit_stages(blocks, lhs.dtype.itemsize, len(parts))  # each product's loop buffers its own
 
         printed = [self.index(n) for n in widths]
         head = [
