@@ -256,7 +256,9 @@ class MatmulWriter(KernelWriter):
         else:
             configs = matmul_configs(hint(m, self.hints), n_hint, hint(k, self.hints), lhs.dtype)
         blocks = configs[min(launched.config, len(configs) - 1)]  # gjit/tuning.py measures them
-        blocks = fit_stages(blocks, lhs.dtype.itemsize, len(parts))  # each product's loop buffers its own
+        if launched.config == 0 or len(parts) > 1:  # the table's runs on any GPU (a tuning candidate
+            # that does not fit the GPU it is measured on is skipped); each product's loop buffers its own
+            blocks = fit_stages(blocks, lhs.dtype.itemsize, len(parts))
 
         printed = [self.index(n) for n in widths]
         head = [
