@@ -7,9 +7,9 @@ The pass runs on the schedule after the statistics pass (`fold_rows`): a reducti
 members are sums over its last dim, per-row pointwise nodes and pointwise nodes over its space
 (`row_region`) moves into the matmul template region it reads when it reads that region's values
 only element for element on the output tile (`row_placement`: its last dim is the product's N, its
-other dims a reshape of the rows), N is at most ROW_TILE (a dynamic N is guarded to the tile
-codegen picks for it: a wider one recompiles), and everything else it
-reads is in memory before the template runs. The template region keeps it as `row_epilogue`;
+other dims a reshape of the rows), N is at most ROW_TILE (1024, or 512 for float32 products; a
+dynamic N is guarded to the tile codegen picks for it: a wider one recompiles), and everything
+else it reads is in memory before the template runs. The template region keeps it as `row_epilogue`;
 codegen (codegen/triton/matmul.py) takes BLOCK_N >= N (kernels/matmul.py `row_blocks`) and prints
 its members after the product's own stores.
 """
@@ -20,6 +20,7 @@ import logging
 import types
 
 import sympy
+import torch
 
 from gjit import ir
 from gjit.fusion import Region, Step, data_dependent_symbols, in_memory_before, step_reads
@@ -27,7 +28,10 @@ from gjit.ir import MatmulNode, ReduceNode
 
 log = logging.getLogger("gjit.fusion")
 
-ROW_TILE = 1024  # the widest output row one tile covers (kernels/matmul.py row_blocks)
+# the widest output row one tile covers (kernels/matmul.py row_blocks): 16 rows of 1024 16-bit
+# products, or of 512 float32 ones (IEEE dots on the FMA units: operands and the accumulator in
+# registers), build for sm_90 without spills
+ROW_TILE = {True: 1024, False: 512}  # by: are the dot's operands 16-bit?
 
 
 def row_region(region: Region) -> bool:
@@ -63,6 +67,17 @@ def node_placement(rows: Region, node: ir.ComputeNode, mapping: dict) -> dict:
     if len(node.size) == len(full):  # per row, keepdim: its last index is 0
         return {**{v: mapping[v] for v in iv[:-1]}, iv[-1]: sympy.Integer(0)}
     return {v: mapping[v] for v in iv[:-1]}
+
+
+def value_index(rows: Region, node: ir.ComputeNode, mapping: dict) -> ir.Index:
+    """Where `node`'s value for the tile's element lives, in the template's variables: a sum's and
+    a per-row node's at its row (0 in a kept last dim), a full-row node's at the element."""
+    full = rows.reduction.full
+    iv = ir.index_vars(len(full))
+    row = [mapping[v] for v in iv[:-1]]
+    if not isinstance(node, ReduceNode) and tuple(node.size) == tuple(full):
+        return tuple(mapping[v] for v in iv)
+    return (*row, sympy.Integer(0)) if len(node.size) == len(full) else tuple(row)
 
 
 def row_placement(template: Region, rows: Region) -> dict | None:
@@ -103,7 +118,9 @@ def fits(template: Region, rows: Region, hints: dict[sympy.Symbol, int]) -> bool
     at this call's size; codegen guards it to its tile, a wider one recompiles)."""
     n = sympy.sympify(template.reduction.full[-2])
     value = n.subs(hints)
-    if not value.is_Integer or not 0 < int(value) <= ROW_TILE:
+    node = next(n for n in template.nodes if isinstance(n, MatmulNode))
+    wide = ir.dot_operands(*template.bodies[node.name].args)[0] != torch.float32
+    if not value.is_Integer or not 0 < int(value) <= ROW_TILE[wide]:
         return False
     return sympy.simplify(n - rows.reduction.full[-1]) == 0
 

@@ -65,7 +65,7 @@ def fit_stages(blocks: MatmulBlocks, itemsize: int, loops: int = 1) -> MatmulBlo
 
 def row_blocks(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulBlocks:
     """Tiles for a product whose epilogue reduces each output row (a norm after a linear,
-    gjit/rows.py): BLOCK_N covers the row (N at most 1024), and as many rows as keep a tile at
+    gjit/rows.py): BLOCK_N covers the row (N at most 1024, 512 in float32), and as many rows as keep a tile at
     8192 elements (16 at least: tl.dot's smallest), so the accumulator and the norm's values on it
     fit the registers; k steps as the table's (16 from 512 columns, so two fit SHARED_MEMORY),
     8 warps from 256 columns."""

@@ -118,11 +118,20 @@ def test_dynamic_rows_share_one_entry():
 
 
 @pytest.mark.compile_only
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_bert_base_width_builds_for_sm90_without_spills(tmp_path, dtype):
-    """BERT-base's output block (3072 -> 768, LayerNorm): a 1024-wide tile of 16 rows."""
-    model = PostNorm(3072, 768).eval().to(dtype)
-    args = torch.randn(4, 128, 3072, dtype=dtype), torch.randn(4, 128, 768, dtype=dtype)
+@pytest.mark.parametrize(
+    "dtype,width", [(torch.float16, 768), (torch.bfloat16, 1024), (torch.float32, 512), (torch.float32, 300)]
+)
+@pytest.mark.parametrize("static", [True, False])
+def test_wide_rows_build_for_sm90_without_spills(tmp_path, dtype, width, static):
+    """BERT-base's output block (3072 -> 768, LayerNorm) and the widest rows a tile takes: 16
+    rows of a 1024-wide tile in 16-bit, 512 in float32 (all in registers: FMA dots); static
+    widths (a module's) and dynamic ones (the weights passed in: N a size argument)."""
+    if static:
+        model = PostNorm(3072, width).eval().to(dtype)
+    else:
+        model = lambda x, r, w, b: F.layer_norm(F.linear(x, w, b) + r, (w.shape[0],), eps=1e-12)  # noqa: E731
+    args = torch.randn(4, 128, 3072, dtype=dtype), torch.randn(4, 128, width, dtype=dtype)
+    args += () if static else (torch.randn(width, 3072, dtype=dtype), torch.randn(width, dtype=dtype))
     with torch.no_grad():
         report = gjit.aot(model, *args, out_dir=str(tmp_path), workers=1)
     (kernel,) = report.kernels
@@ -130,6 +139,22 @@ def test_bert_base_width_builds_for_sm90_without_spills(tmp_path, dtype):
     assert kernel.shared <= SHARED_MEMORY, report  # a 1024-wide right operand tile a k step
     ptx = open(kernel.ptx_path).read()
     assert ("wgmma.mma_async" in ptx or "mma.sync" in ptx) == (dtype != torch.float32), kernel.name
+
+
+@pytest.mark.cpu
+def test_a_float32_row_wider_than_512_keeps_the_norms_kernel():
+    model = PostNorm(8, 600).eval()
+    with torch.no_grad():
+        cm, report = check_against_float64(
+            model, torch.randn(1, 3, 8), torch.randn(1, 3, 600), reference_fn=copy.deepcopy(model).double()
+        )
+    assert len(report.kernels) == 2 and not folded(report), report
+    half = copy.deepcopy(model).half()
+    with torch.no_grad():
+        _, report = check_against_float64(
+            half, torch.randn(1, 3, 8).half(), torch.randn(1, 3, 600).half(), reference_fn=model.double()
+        )
+    assert len(report.kernels) == 1 and folded(report), report  # 16-bit: up to 1024
 
 
 @pytest.mark.cpu
@@ -150,3 +175,40 @@ def test_a_dynamic_row_width_is_guarded_to_its_tile():
     wide = torch.randn(5, 8), torch.randn(8, 1500), torch.randn(5, 1500)
     check(cm, *wide)
     assert len(cm.entries) == 2 and not folded(gjit.explain(cm, *wide))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_a_row_value_that_is_returned_is_stored_at_its_row(keepdim):
+    """The mean of the product's rows, also returned: stored once per row, at the row's address
+    (a store at the tile's columns would write past the [rows] buffer)."""
+
+    def fn(x, w):
+        h = x @ w
+        return F.layer_norm(h, (h.shape[-1],)), h.mean(-1, keepdim=keepdim)
+
+    cm, report = check_against_float64(fn, torch.randn(7, 12), torch.randn(12, 20))
+    (kernel,) = folded(report)
+    stores = [ln for ln in kernel.source.splitlines() if "tl.store(" in ln]
+    assert len(stores) == 2 and sum("c1" in ln.split(",")[0] for ln in stores) == 1, stores  # c1: the column
+
+
+@pytest.mark.cpu
+def test_post_norm_residual_and_the_next_norms_sum_in_one_epilogue():
+    """Gemma 2's layer: residual + RMSNorm(o_proj(a)), then the next RMS norm of that sum before
+    the next linear: both norms' sums in the o-projection's epilogue, the second one's stored per
+    row for the next linear to read."""
+
+    def rms(t, g):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + g)
+
+    def fn(a, w, residual, g1, g2, w2):
+        h = residual + rms(F.linear(a, w), g1)
+        return F.linear(rms(h, g2), w2), h
+
+    args = (torch.randn(2, 5, 16), torch.randn(24, 16), torch.randn(2, 5, 24))
+    args += (torch.randn(24), torch.randn(24), torch.randn(8, 24))
+    cm, report = check_against_float64(fn, *args)
+    (kernel,) = folded(report)
+    stores = [ln for ln in kernel.source.splitlines() if "tl.store(" in ln]
+    assert len(stores) == 2 and sum("c1" in ln.split(",")[0] for ln in stores) == 1, stores  # c1: the column

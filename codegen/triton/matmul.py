@@ -26,7 +26,7 @@ from gjit.fusion import Region
 from gjit.ir import Expr, MatmulNode, Op, Read, ReduceNode, dot_operands
 from gjit.kernels.matmul import fit_stages, matmul_configs, row_blocks, shared_lhs, template, tile_order
 from gjit.kernels.triton_helpers import HELPERS
-from gjit.rows import node_placement, row_placement
+from gjit.rows import node_placement, row_placement, value_index
 from gjit.statistics import row_index, statistics_row
 
 
@@ -69,7 +69,7 @@ class MatmulWriter(KernelWriter):
                 self.row_bodies[node.name] = ir.substitute(
                     rows.bodies[node.name], lambda r: r, lambda e, m=placed: sympy.sympify(e).xreplace(m)
                 )
-                self.row_indices[node.name] = tuple(placed[v] for v in ir.index_vars(len(node.size)))
+                self.row_indices[node.name] = value_index(rows, node, mapping)
         self.bodies = {}
         for name, body in region.bodies.items():
             if name in self.row_bodies:
