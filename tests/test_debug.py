@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 
+from conftest import POISONED, TEST_DEVICE
 from gjit import driver, ir
 from gjit.codegen.triton.pointwise import KernelWriter
 from gjit.fusion import fuse, verify_schedule
@@ -23,6 +24,25 @@ def test_poisoned_allocation_is_never_a_plausible_value(dtype):
         assert buf.isnan().all()
     else:
         assert (buf == torch.iinfo(dtype).min + 7).all()
+
+
+@pytest.mark.skipif(bool(TEST_DEVICE), reason="kernels run compiled on the device, not interpreted")
+def test_masked_off_lanes_of_a_load_hold_garbage_as_on_a_gpu():
+    """The tests' interpreter leaves what a GPU leaves undefined poisoned (tests/masked_lanes.py):
+    a kernel that sums a load's masked-off lanes gets NaN, not the interpreter's 0."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from gjit.runtime.interpret import stdlib_interpreted
+
+    def sum_without_where(x, out, n, BLOCK: tl.constexpr):
+        lanes = tl.arange(0, BLOCK)
+        tl.store(out, tl.sum(tl.load(x + lanes, lanes < n), 0))
+
+    out = torch.zeros(1)
+    with stdlib_interpreted():
+        InterpretedFunction(sum_without_where)[(1,)](torch.ones(3), out, 3, BLOCK=4)
+    assert POISONED and out.isnan().all()
 
 
 def test_planted_bug_unwritten_last_element_is_caught(monkeypatch):
