@@ -97,6 +97,15 @@ class Region:
         """An attention template's region: one AttentionNode and the pointwise nodes over its output."""
         return any(isinstance(n, AttentionNode) for n in self.nodes)
 
+    @property
+    def lone_product(self) -> MatmulNode | None:
+        """The product of a matmul template region that computes one and nothing besides (no
+        attention, no products launched with it, no row epilogue): what gjit/rows.py and
+        gjit/products.py may still extend; else None."""
+        if self.attention or self.parts or self.row_epilogue is not None:
+            return None
+        return next((n for n in self.nodes if isinstance(n, MatmulNode)), None)
+
     def fused_nodes(self) -> list[ComputeNode]:
         """Every node the kernel computes: inlined, absorbed into an attention node, its own."""
         if self.parts:
@@ -505,38 +514,6 @@ def data_dependent_symbols(graph: LoopGraph) -> dict[sympy.Symbol, str]:
                 if isinstance(s, torch.SymInt):
                     for sym in free_unbacked_symbols(s.node.expr):
                         out.setdefault(sym, n.name)
-    return out
-
-
-def step_reads(step: Step, graph: LoopGraph, producers: dict[sympy.Symbol, str]) -> set[str]:
-    """What must be in memory (or have run) before `step`: the stored values and inputs it reads,
-    its prologue statistics' too, and the externs that bind the data-dependent sizes it uses
-    (`producers`: data_dependent_symbols)."""
-    if isinstance(step, ExternNode):
-        return {ir.resolve(graph, a) for a in step.tensor_args}
-    own = {n.name for n in step.fused_nodes()}
-    bodies = list(step.bodies.values())
-    for part in step.parts or [step]:
-        if part.row_statistics is not None:
-            bodies += list(part.row_statistics.bodies.values())
-    out = {ir.resolve(graph, r.name) for b in bodies for r in ir.reads(b) if r.name not in own}
-    used = set().union(*(ir.free_symbols(b) for b in bodies))
-    for n in step.fused_nodes():
-        for s in (*n.layout.size, *getattr(n, "full_size", ())):
-            used |= sympy.sympify(s).free_symbols
-    return out | {producers[s] for s in used if s in producers}
-
-
-def in_memory_before(steps: list[Step], graph: LoopGraph) -> list[set[str]]:
-    """Per step: the inputs, stored values and extern results in memory when it starts."""
-    available = {name for name, b in graph.buffers.items() if b.kind == "input"}
-    out = []
-    for step in steps:
-        out.append(set(available))
-        if isinstance(step, ExternNode):
-            available.add(step.name)
-        else:
-            available |= {ir.resolve(graph, s) for s in step.stores}
     return out
 
 

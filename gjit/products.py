@@ -20,8 +20,8 @@ from __future__ import annotations
 import logging
 
 from gjit import ir
-from gjit.fusion import Region, Step, data_dependent_symbols, in_memory_before, step_reads
-from gjit.ir import MatmulNode
+from gjit.fusion import Region, Step, data_dependent_symbols
+from gjit.schedule import in_memory_before, step_reads
 
 log = logging.getLogger("gjit.fusion")
 
@@ -31,18 +31,11 @@ log = logging.getLogger("gjit.fusion")
 MAX_PRODUCTS = 3
 
 
-def product(region: Region) -> MatmulNode | None:
-    """The one product of a matmul template region that may share a launch, else None."""
-    if not region.matmul or region.attention or region.parts or region.row_epilogue is not None:
-        return None
-    return next(n for n in region.nodes if isinstance(n, MatmulNode))
-
-
 def sharing_key(region: Region) -> tuple | None:
     """What regions launched together agree on: (batch..., M, K), the left operand (as the
     region computes it), the dtype the dot multiplies in (one table of tiles), the statistics
     its prologue computes."""
-    node = product(region)
+    node = region.lone_product
     if node is None:
         return None
     lhs, rhs = region.bodies[node.name].args
@@ -94,7 +87,7 @@ def group_products(steps: list[Step], graph: ir.LoopGraph) -> list[Step]:
             step = combined(parts)
             log.info(
                 "launch %s as one kernel: they share their left operand",
-                [next(n.name for n in p.nodes if isinstance(n, MatmulNode)) for p in parts],
+                [p.lone_product.name for p in parts],
             )
         out.append(step)
     return out

@@ -23,8 +23,9 @@ import sympy
 import torch
 
 from gjit import ir
-from gjit.fusion import Region, Step, data_dependent_symbols, in_memory_before, step_reads
-from gjit.ir import MatmulNode, ReduceNode
+from gjit.fusion import Region, Step, data_dependent_symbols
+from gjit.ir import ReduceNode
+from gjit.schedule import in_memory_before, step_reads
 
 log = logging.getLogger("gjit.fusion")
 
@@ -118,15 +119,11 @@ def fits(template: Region, rows: Region, hints: dict[sympy.Symbol, int]) -> bool
     at this call's size; codegen guards it to its tile, a wider one recompiles)."""
     n = sympy.sympify(template.reduction.full[-2])
     value = n.subs(hints)
-    node = next(n for n in template.nodes if isinstance(n, MatmulNode))
+    node = template.lone_product
     wide = ir.dot_operands(*template.bodies[node.name].args)[0] != torch.float32
     if not value.is_Integer or not 0 < int(value) <= ROW_TILE[wide]:
         return False
     return sympy.simplify(n - rows.reduction.full[-1]) == 0
-
-
-def template_of(region: Region) -> bool:
-    return region.matmul and not region.attention and not region.parts and region.row_epilogue is None
 
 
 def fold_rows(steps: list[Step], graph: ir.LoopGraph, hints: dict[sympy.Symbol, int]) -> list[Step]:
@@ -149,7 +146,7 @@ def fold_rows(steps: list[Step], graph: ir.LoopGraph, hints: dict[sympy.Symbol, 
             continue
         i = producers[-1]
         template = steps[i]
-        if not template_of(template) or not fits(template, rows, hints):
+        if template.lone_product is None or not fits(template, rows, hints):
             continue
         members = {n.name for n in template.nodes}
         if not reads[j] - members <= stored_before[i] or row_placement(template, rows) is None:
@@ -170,6 +167,6 @@ def fold_rows(steps: list[Step], graph: ir.LoopGraph, hints: dict[sympy.Symbol, 
         log.info(
             "compute %s in the epilogue of %s: one tile covers its rows",
             [n.name for n in rows.nodes],
-            next(n.name for n in template.nodes if isinstance(n, MatmulNode)),
+            template.lone_product.name,
         )
     return [current.get(k, step) for k, step in enumerate(steps) if k not in folded]

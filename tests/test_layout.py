@@ -36,7 +36,10 @@ LAYERS = [
     ("capture", ["gjit.kv_cache", "gjit.in_place", "gjit.capture", "gjit.decompose"]),
     ("ir", ["gjit.ir"]),
     ("lowering", ["gjit.lowering"]),
-    ("fusion", ["gjit.spaces", "gjit.fusion", "gjit.statistics", "gjit.rows", "gjit.products"]),
+    (
+        "fusion",
+        ["gjit.spaces", "gjit.fusion", "gjit.schedule", "gjit.statistics", "gjit.rows", "gjit.products"],
+    ),
     ("kernels", ["gjit.kernels"]),
     ("codegen", ["gjit.codegen"]),
     ("toolchain", ["gjit.codegen.toolchain"]),

@@ -305,7 +305,7 @@ class MatmulWriter(KernelWriter):
         lead = f"{', '.join(map(str, batch))}{', ' if batch else ''}{m} x {k}"
         if len(parts) == 1:
             return f"[{lead}] @ [{k} x {widths[0]}]"
-        names = [next(n.name for n in p.nodes if isinstance(n, MatmulNode)) for p in parts]
+        names = [p.lone_product.name for p in parts]
         each = ", ".join(f"{name} [{k} x {n}]" for name, n in zip(names, widths))
         return (
             f"{len(parts)} products of one left operand [{lead}] launched together: @ {each}; "
