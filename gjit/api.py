@@ -21,6 +21,7 @@ from gjit.driver import CompiledProgram, compile_program, run_program
 from gjit.guards import GuardBuildError, GuardSet, MissHistory, build_guards, dynamic_dims
 from gjit.guards.builder import tf32_setting
 from gjit.guards.policy import MARKS, specialized_dims
+from gjit.heap import deferred_full_collections
 from gjit.stats import timed
 
 log = logs.logger("capture")
@@ -291,7 +292,8 @@ class CompiledFunction:
             )
             stats.COUNTERS["eager_runs"] += 1
             return self._eager(args, kwargs)
-        entry = self._compile(args, kwargs, flat, spec, names)
+        with deferred_full_collections():  # a full collection mid-compile walks the whole heap
+            entry = self._compile(args, kwargs, flat, spec, names)
         if entry is None:
             return self._run_eager(args, kwargs)
         sizes = entry.guards.check(flat)

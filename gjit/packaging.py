@@ -27,6 +27,7 @@ from gjit.capture import CapturedProgram, Exported, captured_program
 from gjit.driver import CompiledProgram
 from gjit.guards import build_guards
 from gjit.guards.builder import shape_env_of, tf32_setting
+from gjit.heap import deferred_full_collections
 from gjit.in_place import as_functional
 from gjit.runtime import disk_cache, package, program_store
 from gjit.runtime.package import PackageError
@@ -91,7 +92,8 @@ def load(path: str, model: Any = None, *, recompile: bool = False) -> CompiledFu
     with stats.timed("package_read", timings):
         manifest, members = package.read(path)
     try:
-        return _load(path, manifest, members, model, recompile, timings)
+        with deferred_full_collections():
+            return _load(path, manifest, members, model, recompile, timings)
     except (PackageError, RecompileError):
         raise
     except Exception as e:  # a package that passed the archive checks but does not load: refuse it
