@@ -138,7 +138,7 @@ def aot(
     graphs = [entry.program.graph]
     while graphs:
         graph = graphs.pop(0)
-        jobs += [(k, graph.kernel_paths[k.name]) for k in graph.kernels]
+        jobs += [(k, graph.kernel_paths[k.name]) for k in graph.kernels if k.code_of is None]
         graphs += list(graph.subgraphs.values())
     workers = config.compile_workers if workers is None else workers
     return AotReport(arch, build_all(jobs, number, out_dir, workers))

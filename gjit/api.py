@@ -292,8 +292,7 @@ class CompiledFunction:
             )
             stats.COUNTERS["eager_runs"] += 1
             return self._eager(args, kwargs)
-        with deferred_full_collections():  # a full collection mid-compile walks the whole heap
-            entry = self._compile(args, kwargs, flat, spec, names)
+        entry = self._compile(args, kwargs, flat, spec, names)
         if entry is None:
             return self._run_eager(args, kwargs)
         sizes = entry.guards.check(flat)
@@ -379,6 +378,7 @@ class CompiledFunction:
         entry = self._compile(args, kwargs, flat, spec, _input_names(args, kwargs, self.signature))
         return entry, (entry.guards.check(flat) or () if entry is not None else ())
 
+    @deferred_full_collections()  # a full collection mid-compile walks the whole heap
     def _compile(
         self, args: tuple, kwargs: dict, flat: list, spec: pytree.TreeSpec, names: list[str]
     ) -> Entry | None:

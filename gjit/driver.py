@@ -22,6 +22,7 @@ from gjit.capture import (
 )
 from gjit.codegen.common import KernelSource, kernel_name
 from gjit.codegen.generate import generate_kernel
+from gjit.codegen.share import share_code
 from gjit.config import CompileOptions, config
 from gjit.debug import dump
 from gjit.debug.check import RegionChecker
@@ -359,7 +360,9 @@ def generate_kernels(
     regions = [s for s in steps if isinstance(s, Region)]
     for r in regions:
         fusion_log.info("region: %s (stores %s)", ", ".join(n.name for n in r.inlined + r.nodes), r.stores)
-    return [generate_kernel(r, loop_graph, hints, k, options) for k, r in enumerate(regions)]
+    kernels = [generate_kernel(r, loop_graph, hints, k, options) for k, r in enumerate(regions)]
+    share_code(kernels)  # a layer whose kernel is an earlier layer's code launches that one
+    return kernels
 
 
 def write_wrapper(
@@ -380,6 +383,9 @@ def write_graph(gm: torch.fx.GraphModule, kernels: list[KernelSource], wrapper: 
     graph.write()
     stats.COUNTERS["kernels"] += len(kernels)
     for k in kernels:
+        if k.code_of is not None:
+            output_code_log.info("kernel %s: the code of %s runs", k.name, k.code_of)
+            continue
         output_code_log.info("kernel %s written to %s\n%s", k.name, graph.kernel_paths[k.name], k.source)
     output_code_log.info("wrapper written to %s\n%s", graph.wrapper_path, wrapper)
     return graph

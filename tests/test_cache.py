@@ -114,7 +114,8 @@ def test_two_processes_at_once_then_a_warm_start(tmp_path):
     # kernel writing (the decomposed graph comes from the entry)
     assert set(warm["stages"]) == {"export", "cache", "guards"}
     assert warm["stats"]["exports"] == 1 and "decompositions" not in warm["stats"]
-    assert a["stats"]["decompositions"] == 1
+    # whichever of the two compiled decomposed (the other may have started late enough to hit)
+    assert a["stats"].get("decompositions", 0) + b["stats"].get("decompositions", 0) >= 1
     assert warm["out"] == a["out"] and warm["kernels"] == a["kernels"]
     assert "on-disk hit: compiled graph" in log
 

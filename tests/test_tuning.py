@@ -111,6 +111,23 @@ def test_layers_with_the_same_kernel_are_measured_once(measured, norm):
     assert kernels[0].blocks == kernels[1].blocks and kernels[0].num_stages is not None
 
 
+def test_stacked_layers_tuned_alike_still_launch_one_kernel(measured):
+    times, calls = measured
+    x, w1, w2 = torch.randn(20, 40), torch.randn(40, 40), torch.randn(40, 40)
+
+    def stacked(x, w1, w2):  # one size symbol for both layers' rows: the same code
+        h = x + torch.relu(x @ w1)
+        return h + torch.relu(h @ w2)
+
+    n = len(matmul_configs(20, 40, 40, torch.float32))
+    times += [1.0] * (n - 1) + [0.5] + [1.0, 3.0]
+    out, cm = run_compiled(stacked, x, w1, w2)
+    assert_same(out, stacked(x, w1, w2))
+    first, second = cm.entries[0].program.kernels
+    assert len(calls) == n + 2 and first.num_stages is not None, "measured once, the last configuration kept"
+    assert second.code_of == first.name and second.blocks == first.blocks
+
+
 def test_a_configuration_that_computes_something_else_is_not_used(measured, monkeypatch):
     times, _ = measured
     x, w, b = torch.randn(65, 40), torch.randn(130, 40), torch.randn(130)

@@ -114,6 +114,7 @@ def report_json(report: Any) -> str:
         "kernels": [
             {
                 "name": k.name,
+                "code_of": k.code_of,
                 "aten_nodes": k.aten_nodes,
                 "source_lines": k.source_lines,
                 "bytes_read": k.bytes_read,

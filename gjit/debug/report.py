@@ -34,6 +34,7 @@ class KernelInfo:
     bytes_read: int = 0  # modeled, at this call's sizes
     bytes_written: int = 0
     passes: int = 1  # looped reduction kernels: loops over each row, each reading it from memory
+    code_of: str | None = None  # the earlier kernel whose code this region launches (codegen/share.py)
 
 
 @dataclasses.dataclass
@@ -60,9 +61,12 @@ class Report:
     matmuls: list[str] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
-        out = [f"gjit: {len(self.kernels)} kernel(s), {len(self.externs)} extern(s)"]
+        shared = sum(k.code_of is not None for k in self.kernels)
+        distinct = f" ({len(self.kernels) - shared} distinct)" if shared else ""
+        out = [f"gjit: {len(self.kernels)} kernel(s){distinct}, {len(self.externs)} extern(s)"]
         for k in self.kernels:
-            out.append(f"  kernel {k.name}: {', '.join(n.split(':')[0] for n in k.aten_nodes)}")
+            runs = f" (runs as {k.code_of})" if k.code_of else ""
+            out.append(f"  kernel {k.name}{runs}: {', '.join(n.split(':')[0] for n in k.aten_nodes)}")
         for e in self.externs:
             out.append(f"  extern {e.node} = {e.op}: {e.reason}")
         for m in self.matmuls:
@@ -107,6 +111,7 @@ def build_report(entry: Any, sizes: tuple = ()) -> Report:
             int(sympy.sympify(k.bytes_read).subs(hints)),
             int(sympy.sympify(k.bytes_written).subs(hints)),
             k.passes,
+            k.code_of,
         )
         for k in program.kernels
     ]

@@ -130,7 +130,9 @@ class CompiledGraph:
 
     def write(self) -> None:
         for k in self.kernels:
-            if k.backend == "cuda":
+            if k.code_of is not None:  # another region's code: that kernel's file (first in the list)
+                path = self.kernel_paths[k.code_of]
+            elif k.backend == "cuda":
                 path = write_source("kernels", k.name, runtime_cuda.kernel_file_text(k), ".cu")
             else:
                 path = write_source("kernels", k.name, KERNEL_PRELUDE + k.source)
@@ -140,15 +142,16 @@ class CompiledGraph:
     def call_fn(self, interpret: bool) -> Callable:
         key = "interpret" if interpret else "device"
         if key not in self._calls:
+            own = [k for k in self.kernels if k.code_of is None]
             cuda = [
                 runtime_cuda.CudaKernel(k, self.kernel_paths[k.name], interpret)
-                for k in self.kernels
+                for k in own
                 if k.backend == "cuda"
             ]
             kernels = {k.kernel.name: k for k in runtime_cuda.grouped(cuda)}
             kernels |= {
                 k.name: load_kernel(self.kernel_paths[k.name], k.name, interpret)
-                for k in self.kernels
+                for k in own
                 if k.backend != "cuda"
             }
             # math: size expressions torch's printer writes as math.ceil(...), math.floor(...)
