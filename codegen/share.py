@@ -8,18 +8,19 @@ launch, or by `gjit.aot`), as TorchInductor launches one kernel for identical re
 region keeps its own `KernelSource` (its arguments, nodes, assumptions and source lines) and its
 own source for reading, with a header line that says whose code runs.
 
-The same code means the same tokens once comments are dropped and the kernel's name and its size
+The same code means the same text once comments and blank lines are dropped and the kernel's name and its size
 parameters' names are replaced by placeholders, and the same launch-time compile inputs: argument
 types, block sizes, warps and stages. Anything else that differs keeps the kernels apart.
 """
 
 from __future__ import annotations
 
-import io
 import re
-import tokenize
 
 from gjit.codegen.common import KernelSource
+
+_STRING_OR_COMMENT = re.compile(r"(\"[^\"\n]*\"|'[^'\n]*')|#[^\n]*")
+_WORD = re.compile(r"\w+")
 
 
 def share_code(kernels: list[KernelSource]) -> None:
@@ -60,15 +61,16 @@ def code_key(kernel: KernelSource) -> tuple:
     )
 
 
-def _triton_code(source: str, renamed: dict[str, str]) -> tuple:
-    """Python's tokens of the source, renamed: comments and blank lines dropped, exactly."""
-    skip = {tokenize.COMMENT, tokenize.NL}
-    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
-    return tuple((tok.type, renamed.get(tok.string, tok.string)) for tok in tokens if tok.type not in skip)
+def _triton_code(source: str, renamed: dict[str, str]) -> str:
+    """The Python source renamed, with its comments (outside one-line string literals: generated
+    kernels have no other) and blank lines dropped."""
+    code = _STRING_OR_COMMENT.sub(lambda m: m.group(1) or "", source)
+    code = "\n".join(ln.rstrip() for ln in code.splitlines() if ln.strip())
+    return _WORD.sub(lambda m: renamed.get(m.group(0), m.group(0)), code)
 
 
 def _cuda_code(source: str, renamed: dict[str, str]) -> str:
     """CUDA C, renamed, with its whole-line `//` comments dropped (a trailing comment keeps
     kernels apart)."""
     code = "\n".join(ln for ln in source.splitlines() if not ln.lstrip().startswith("//"))
-    return re.sub(r"\b\w+\b", lambda m: renamed.get(m.group(0), m.group(0)), code)
+    return _WORD.sub(lambda m: renamed.get(m.group(0), m.group(0)), code)

@@ -168,10 +168,13 @@ def build_all(jobs: list[tuple[Any, str]], arch: int, out_dir: str, workers: int
     with warnings.catch_warnings():  # Python 3.12+ warns on any fork of a threaded process
         warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-            futures = [pool.submit(build, *job) for job in builds]
+            # the longest first (its source's length as the measure), so no worker is left with
+            # a big template at the end while the others are idle
+            order = sorted(range(len(builds)), key=lambda i: -len(builds[i][0].source))
+            futures = {i: pool.submit(build, *builds[i]) for i in order}
             try:
-                return [future.result() for future in futures]
+                return [futures[i].result() for i in range(len(builds))]
             except BaseException:
-                for future in futures:  # the first failure is the error: do not wait for the rest
+                for future in futures.values():  # the first failure is the error: do not wait for the rest
                     future.cancel()
                 raise

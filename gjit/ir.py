@@ -24,6 +24,14 @@ def index_vars(rank: int, prefix: str = "i") -> Index:
     return tuple(sympy.Symbol(f"{prefix}{k}", integer=True, nonnegative=True) for k in range(rank))
 
 
+def statically_known_equal(a: sympy.Expr, b: sympy.Expr) -> bool:
+    """True when `a == b` for every value of the size symbols: their difference expands to 0.
+    Sizes are polynomials in the symbols (FloorDiv and friends expand as atoms), so this never
+    guards and never says equal wrongly; False means "not known equal". Much cheaper than
+    sympy.simplify, which a reshape of every layer would otherwise pay a few times."""
+    return a == b or sympy.expand(a - b) == 0
+
+
 # ----------------------------------------------------------------------------------------------
 # Expressions: one element's value. Frozen, so equal sub-expressions hash equal (CSE in codegen).
 # ----------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 from torch.utils._sympy.value_ranges import bound_sympy
 
-from gjit.ir import Index
+from gjit.ir import Index, statically_known_equal
 from gjit.lowering.registry import (
     TensorValue,
     Unsupported,
@@ -189,7 +189,7 @@ def reshape_indexer(old: Index, new: Index):
         og, ng = [old_keep[i]], [new_keep[j]]
         po, pn = old[old_keep[i]], new[new_keep[j]]
         i, j = i + 1, j + 1
-        while sympy.simplify(po - pn) != 0:
+        while not statically_known_equal(po, pn):
             if _divides(po, pn) and i < len(old_keep):
                 og.append(old_keep[i])
                 po = po * old[old_keep[i]]
