@@ -46,10 +46,10 @@ from gjit.stats import timed
 
 try:  # run_decompositions()'s own rules: which CompositeImplicitAutograd op it may keep, how it
     # updates ranges and the module call graph (torch 2.13); a torch without them decomposes whole
-    from torch._export.utils import _is_cia_op, _is_preservable_cia_op
+    from torch._export.utils import _get_decomp_for_cia, _is_aten_op, _is_cia_op, _is_preservable_cia_op
     from torch.export.exported_program import _get_updated_module_call_graph, _get_updated_range_constraints
 except ImportError:  # pragma: no cover
-    _is_cia_op = None
+    _is_cia_op = _is_aten_op = None
 
 log = logs.logger("capture")
 
@@ -121,30 +121,62 @@ def _decompose_unlowered(program: ExportedProgram, lowered: Callable) -> Exporte
     return decomposed
 
 
-@functools.cache
-def decomposition_table() -> dict:
-    """Core ATen decompositions (torch.export's default table, CIA ops included), SDPA kept whole:
-    decomposing it breaks run_decompositions() on GPT-2 in torch 2.13 (a view of the decomposed
-    output) and a fused attention extern beats its decomposition. Built once per process."""
+def _default_table():
+    """torch.export's default table, SDPA kept whole: decomposing it breaks run_decompositions()
+    on GPT-2 in torch 2.13 (a view of the decomposed output) and a fused attention extern beats
+    its decomposition."""
     table = torch.export.default_decompositions()
     table.pop(torch.ops.aten.scaled_dot_product_attention.default, None)
     # a kernel of its own (gjit/lowering/scatters.py); the table's index_put of `source * alpha`
     # has the wrong dtype for a bool tensor
     table.pop(torch.ops.aten.index_add.default, None)
-    return table.materialize()
+    return table
+
+
+@functools.cache
+def decomposition_table() -> dict:
+    """Core ATen decompositions with every namespace's CompositeImplicitAutograd ops: what
+    run_decompositions() takes. Materializing the other namespaces asks the dispatcher about
+    every op it has (about 0.1 s), so it is built once per process, and only when needed."""
+    return _default_table().materialize()
+
+
+@functools.cache
+def _aten_table() -> dict:
+    """The table's ATen entries alone (what torch.export loads up front, without asking the
+    dispatcher about other namespaces); a torch without that split gives the whole table."""
+    table = _default_table()
+    aten = getattr(table, "decomp_table", None)
+    return dict(aten) if isinstance(aten, dict) and _is_aten_op is not None else table.materialize()
+
+
+def node_table(program: ExportedProgram) -> dict:
+    """The table node-by-node decomposition needs for `program`: the ATen entries, plus the
+    CompositeImplicitAutograd ops of other namespaces that the program calls (the full table has
+    an entry for each such op that export may keep: its CIA kernel)."""
+    table = _aten_table()
+    custom = {
+        n.target
+        for n in program.graph.nodes
+        if isinstance(n.target, torch._ops.OpOverload)
+        and n.target not in table
+        and not _is_aten_op(n.target)
+        and _is_cia_op(n.target)
+        and _is_preservable_cia_op(n.target)
+    }
+    return {**table, **{op: _get_decomp_for_cia(op) for op in custom}} if custom else table
 
 
 def decompose_program(program: ExportedProgram) -> tuple[ExportedProgram, str]:
     """The program in core ATen, and how: "nodes" (node by node) or "whole" plus the reason."""
-    table = decomposition_table()
     reason = whole_program_reason(program) if _is_cia_op is not None else "an older torch"
     if reason is None:
         try:
-            return decompose_nodes(program, table), "nodes"
+            return decompose_nodes(program, node_table(program)), "nodes"
         except Exception as e:  # noqa: BLE001 - torch's own pass is the fallback, and it is exact
             reason = f"a node's decomposition failed alone ({type(e).__name__}: {e})"
     log.debug("run_decompositions() over the whole program: %s", reason)
-    return program.run_decompositions(table), f"whole: {reason}"
+    return program.run_decompositions(decomposition_table()), f"whole: {reason}"
 
 
 # what a node decomposed for lack of a lowering records in its meta "custom"
@@ -182,19 +214,21 @@ def decompose_unlowered(
     decomposes replaced by that decomposition, whose pieces gjit lowers: bilinear upsampling and
     grid_sample into index math and gathers. Returns the program and the
     ops decomposed. A program node-by-node decomposition cannot vouch for is left as it is."""
-    table = fallback_table()
-    picked = {
+    unlowered = [
         n
         for n in program.graph.nodes
         if n.op == "call_function"
-        and n.target in table
         and isinstance(n.meta.get("val"), torch.Tensor | tuple | list)
         and not lowered(n)
-    }
+    ]
+    if not unlowered:  # the usual case: Inductor's table (an import of about 70 ms) is not needed
+        return program, []
+    table = fallback_table()
+    picked = {n for n in unlowered if n.target in table}
     if not picked or whole_program_reason(program) is not None:
         return program, []
     targets = {n.target for n in picked}
-    trace_table = {**decomposition_table(), **{op: table[op] for op in targets}}
+    trace_table = {**node_table(program), **{op: table[op] for op in targets}}
     decomposed = decompose_nodes(program, trace_table, pick=picked.__contains__, tag=True)
     return decomposed, sorted(map(str, targets))
 

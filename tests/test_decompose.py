@@ -311,3 +311,29 @@ def test_a_result_with_float_sizes_is_not_decomposed_into_many_externs():
     check(cm, x)
     report = gjit.explain(cm, x)
     assert report.decomposed == [] and len(report.externs) == 1, report
+
+
+def test_a_custom_composite_op_is_decomposed_node_by_node_as_the_full_table_would():
+    # export keeps a CompositeImplicitAutograd op of another namespace; node by node, the table is
+    # the ATen one plus that op's CIA kernel (no asking the dispatcher about every namespace), and
+    # the op is decomposed as run_decompositions() with the full table decomposes it
+    lib = torch.library.Library("gjit_test_cia", "DEF")
+    lib.define("scaled_tanh(Tensor x, float scale) -> Tensor")
+    lib.impl("scaled_tanh", lambda x, scale: torch.tanh(x) * scale, "CompositeImplicitAutograd")
+    op = torch.ops.gjit_test_cia.scaled_tanh.default
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            return op(x + 1, 3.0) - x
+
+    x = torch.randn(6, 5)
+    program = export(Model(), (x,))
+    assert op in {n.target for n in program.graph.nodes}
+    assert op not in decompose._aten_table() and op in decompose.node_table(program)
+    by_node, _ = decompose.decompose_program(program)
+    assert aten_ops(by_node) == aten_ops(program.run_decompositions(decompose.decomposition_table()))
+    with torch.no_grad():
+        cm = check(Model(), x)
+    assert counters() == (1, 0)
+    report = gjit.explain(cm, x)
+    assert report.externs == [] and len(report.kernels) == 1, report
