@@ -151,10 +151,15 @@ def _aten_table() -> dict:
 
 
 def node_table(program: ExportedProgram) -> dict:
-    """The table node-by-node decomposition needs for `program`: the ATen entries, plus the
-    CompositeImplicitAutograd ops of other namespaces that the program calls (the full table has
-    an entry for each such op that export may keep: its CIA kernel)."""
-    table = _aten_table()
+    """The table node-by-node decomposition needs for `program`: the ATen entries, with the
+    program's own CompositeImplicitAutograd ops of other namespaces (`with_program_ops`)."""
+    return with_program_ops(_aten_table(), program)
+
+
+def with_program_ops(table: dict, program: ExportedProgram) -> dict:
+    """`table` plus, for each CompositeImplicitAutograd op of another namespace that the program
+    calls and the table lacks, its CIA kernel, as torch.export's full table has it: an op
+    registered after a table was built (a library loaded later) decomposes too."""
     custom = {
         n.target
         for n in program.graph.nodes
@@ -176,7 +181,8 @@ def decompose_program(program: ExportedProgram) -> tuple[ExportedProgram, str]:
         except Exception as e:  # noqa: BLE001 - torch's own pass is the fallback, and it is exact
             reason = f"a node's decomposition failed alone ({type(e).__name__}: {e})"
     log.debug("run_decompositions() over the whole program: %s", reason)
-    return program.run_decompositions(decomposition_table()), f"whole: {reason}"
+    table = decomposition_table() if _is_cia_op is None else with_program_ops(decomposition_table(), program)
+    return program.run_decompositions(table), f"whole: {reason}"
 
 
 # what a node decomposed for lack of a lowering records in its meta "custom"

@@ -317,6 +317,7 @@ def test_a_custom_composite_op_is_decomposed_node_by_node_as_the_full_table_woul
     # export keeps a CompositeImplicitAutograd op of another namespace; node by node, the table is
     # the ATen one plus that op's CIA kernel (no asking the dispatcher about every namespace), and
     # the op is decomposed as run_decompositions() with the full table decomposes it
+    decompose.decomposition_table()  # built before the library exists, as in a long-lived process
     lib = torch.library.Library("gjit_test_cia", "DEF")
     lib.define("scaled_tanh(Tensor x, float scale) -> Tensor")
     lib.impl("scaled_tanh", lambda x, scale: torch.tanh(x) * scale, "CompositeImplicitAutograd")
@@ -331,9 +332,24 @@ def test_a_custom_composite_op_is_decomposed_node_by_node_as_the_full_table_woul
     assert op in {n.target for n in program.graph.nodes}
     assert op not in decompose._aten_table() and op in decompose.node_table(program)
     by_node, _ = decompose.decompose_program(program)
-    assert aten_ops(by_node) == aten_ops(program.run_decompositions(decompose.decomposition_table()))
+    assert aten_ops(by_node) == aten_ops(program.run_decompositions(torch.export.default_decompositions()))
     with torch.no_grad():
         cm = check(Model(), x)
     assert counters() == (1, 0)
     report = gjit.explain(cm, x)
     assert report.externs == [] and len(report.kernels) == 1, report
+
+    class Counting(Model):  # a buffer written in place: run_decompositions() whole
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x):
+            self.calls.add_(1)
+            return super().forward(x)
+
+    with torch.no_grad():
+        cm = check(Counting(), x)
+    assert counters() == (1, 1)
+    report = gjit.explain(cm, x)
+    assert not any("scaled_tanh" in e.op for e in report.externs), report
