@@ -10,6 +10,8 @@ import dataclasses
 import sympy
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
+from gjit.ir import statically_known_equal
+
 XINDEX = sympy.Symbol("xindex", integer=True, nonnegative=True)
 
 
@@ -86,7 +88,7 @@ def _modular(v: sympy.Expr, inner: sympy.Expr, size: sympy.Expr) -> sympy.Expr:
 
 
 def _contiguous(coeffs: list, sizes: list, outer: int, inner: int) -> bool:
-    return sympy.simplify(coeffs[outer] - coeffs[inner] * sizes[inner]) == 0
+    return statically_known_equal(coeffs[outer], coeffs[inner] * sizes[inner])
 
 
 def loop_order(sizes: list[sympy.Expr], primary: tuple | None, hints: dict) -> list[int]:

@@ -22,7 +22,7 @@ import dataclasses
 import sympy
 
 from gjit import ir
-from gjit.ir import Expr, IndexValue, Op, Read, ReduceNode
+from gjit.ir import Expr, IndexValue, Op, Read, ReduceNode, statically_known_equal
 
 WELFORD = ("count", "first", "mean", "m2")  # a variance's accumulators per lane, in both printers
 
@@ -65,7 +65,7 @@ def is_row_mean(writer, shift: Expr, value: Expr) -> bool:
     if isinstance(n, Op) and n.name == "to_dtype":
         n = n.args[0]
     row = sympy.Mul(*[writer.space.full[k] for k in writer.space.reduced])
-    return isinstance(n, IndexValue) and sympy.simplify(n.expr - row) == 0
+    return isinstance(n, IndexValue) and statically_known_equal(n.expr, row)
 
 
 def expr_level(writer, e: Expr) -> int:

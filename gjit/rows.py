@@ -123,7 +123,7 @@ def fits(template: Region, rows: Region, hints: dict[sympy.Symbol, int]) -> bool
     wide = ir.dot_operands(*template.bodies[node.name].args)[0] != torch.float32
     if not value.is_Integer or not 0 < int(value) <= ROW_TILE[wide]:
         return False
-    return sympy.simplify(n - rows.reduction.full[-1]) == 0
+    return ir.statically_known_equal(n, rows.reduction.full[-1])
 
 
 def fold_rows(steps: list[Step], graph: ir.LoopGraph, hints: dict[sympy.Symbol, int]) -> list[Step]:

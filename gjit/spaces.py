@@ -13,7 +13,7 @@ import sympy
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
 from gjit import ir
-from gjit.ir import ComputeNode, Expr, ReduceNode
+from gjit.ir import ComputeNode, Expr, ReduceNode, statically_known_equal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,12 +96,12 @@ class ReductionSpace:
             used |= set(terms)
             order, inner = [], sympy.Integer(1)  # innermost digit first
             while len(order) < len(terms):
-                nxt = [v for v in terms if v not in order and sympy.simplify(terms[v] - inner) == 0]
+                nxt = [v for v in terms if v not in order and statically_known_equal(terms[v], inner)]
                 if len(nxt) != 1:
                     return None
                 order.append(nxt[0])
                 inner *= size[iv.index(nxt[0])]
-            if sympy.simplify(inner - total) != 0:
+            if not statically_known_equal(inner, total):
                 return None
             stride = sympy.Integer(1)
             for n, v in enumerate(order):
@@ -114,7 +114,7 @@ class ReductionSpace:
         for v, found in digits.items():  # the digits must tile the member's dim exactly, inner first
             stride, value, left = sympy.Integer(1), sympy.Integer(0), list(found)
             while left:
-                nxt = [d for d in left if sympy.simplify(d[0] - stride) == 0]
+                nxt = [d for d in left if statically_known_equal(d[0], stride)]
                 if len(nxt) != 1 or v in used:
                     return None
                 left.remove(nxt[0])
@@ -122,7 +122,7 @@ class ReductionSpace:
                 if top and left:  # v // stride is the digit only when nothing is above it
                     return None
                 value, stride = value + var * stride, stride * total
-            if sympy.simplify(stride - size[iv.index(v)]) != 0:
+            if not statically_known_equal(stride, size[iv.index(v)]):
                 return None
             used.add(v)
             mapping[v] = value
@@ -135,7 +135,7 @@ def _digit(component: sympy.Expr, total: sympy.Expr, iv: ir.Index) -> tuple | No
     v // stride (the outermost digit: its size is checked with the others): else None."""
     if isinstance(component, ModularIndexing) and component.args[0] in iv:
         v, stride, modulus = component.args
-        return (v, stride, False) if sympy.simplify(modulus - total) == 0 else None
+        return (v, stride, False) if statically_known_equal(modulus, total) else None
     if isinstance(component, FloorDiv) and component.args[0] in iv:
         return component.args[0], component.args[1], True
     return None

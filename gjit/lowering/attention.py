@@ -16,7 +16,7 @@ import torch
 from torch.utils._sympy.functions import FloorDiv
 
 from gjit import ir
-from gjit.ir import Const, Index, Score
+from gjit.ir import Const, Index, Score, statically_known_equal
 from gjit.lowering.pointwise import op
 from gjit.lowering.registry import (
     TensorValue,
@@ -63,7 +63,7 @@ def kv_index(ctx: Lowering, q: TensorValue, kv: TensorValue, batch: Index, gqa: 
     broadcast dim of size 1, or (enable_gqa) the head dim of a group of query heads, h // group."""
     out = []
     for k, (qs, ks) in enumerate(zip(q.size[:-2], kv.size[:-2])):
-        if sympy.simplify(qs - ks) == 0:
+        if statically_known_equal(qs, ks):
             out.append(batch[k])
         elif ctx.known_one(ks):
             out.append(sympy.Integer(0))

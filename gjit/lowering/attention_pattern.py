@@ -27,7 +27,18 @@ import torch
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
 from gjit import ir
-from gjit.ir import AttentionNode, ComputeNode, Expr, LoopGraph, MatmulNode, Op, Read, ReduceNode, Score
+from gjit.ir import (
+    AttentionNode,
+    ComputeNode,
+    Expr,
+    LoopGraph,
+    MatmulNode,
+    Op,
+    Read,
+    ReduceNode,
+    Score,
+    statically_known_equal,
+)
 from gjit.lowering.attention import head_dim_reason
 
 log = logging.getLogger("gjit.lowering")
@@ -136,7 +147,7 @@ class Match:
                 return None
             if node.reduced != (len(index) - 1,) or not node.keepdim or tuple(read.index) != row:
                 return None
-            if sympy.simplify(node.full_size[-1] - self.out.full_size[-1]) != 0:
+            if not statically_known_equal(node.full_size[-1], self.out.full_size[-1]):
                 return None  # a softmax over more keys than the product sums (sliced probabilities)
             allowed = {*self.absorbed, peak.name, total.name}
             if read.name in self.needed or self.readers.get(read.name, set()) - allowed:

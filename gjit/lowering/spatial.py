@@ -223,7 +223,7 @@ def upsample_nearest(ctx: Lowering, x: TensorValue, output_size, scale_factors):
     factors = []
     for d in range(spatial):
         size_in, size_out = x.size[2 + d], to_sympy(out.shape[2 + d])
-        ratio = sympy.simplify(size_out / size_in)
+        ratio = sympy.cancel(size_out / size_in)
         if not (ratio.is_Integer and ratio > 0):
             raise Unsupported(f"nearest upsampling by {ratio}: not a whole factor")
         if scale_factors is not None and float(scale_factors[d]) != int(ratio):
