@@ -223,7 +223,7 @@ def decompose_unlowered(
     unlowered = [
         n
         for n in program.graph.nodes
-        if n.op == "call_function"
+        if isinstance(n.target, torch._ops.OpOverload)  # what the table has entries for
         and isinstance(n.meta.get("val"), torch.Tensor | tuple | list)
         and not lowered(n)
     ]
