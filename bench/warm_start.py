@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/warm_start.py                  # gpt2, bert, llama (sdpa) and an MLP
     .venv/bin/python bench/warm_start.py --models mlp --json out.json
+    .venv/bin/python bench/warm_start.py --models gpt2-12   # 12 layers: kernels shared across layers
 
 Every figure comes from a process of its own, on CPU (no kernels interpreted): the first
 compiled call minus the first eager call of the same process, after a tiny warm-up graph of the
@@ -46,6 +47,11 @@ sys.path.insert(0, tests)
 import model_zoo
 
 def build(name):
+    if name == "gpt2-12":  # a model as deep as GPT-2 small (tiny widths): 12 layers
+        from transformers import GPT2Config, GPT2LMHeadModel
+        torch.manual_seed(0)
+        config = GPT2Config(vocab_size=model_zoo.VOCAB, n_positions=32, n_embd=64, n_layer=12, n_head=4)
+        return GPT2LMHeadModel(config).eval(), (model_zoo.token_ids(),)
     if name != "mlp":
         return model_zoo.MODELS[name]()
     torch.manual_seed(0)

@@ -10,7 +10,8 @@ whose op the table decomposes is traced alone with `make_fx` over its arguments'
 guard lands there), and the traced ops replace it; every other node is kept as it is.
 
 Anything the node-by-node pass cannot vouch for goes through `run_decompositions()` whole: a
-mutating or aliasing-write op, a higher-order op or submodule, a call of anything but an ATen
+mutating or aliasing-write op (but `detach_`, which changes autograd's flag, not a value, and is
+its input here: transformers' DynamicCache makes one with `torch.tensor([])`), a higher-order op or submodule, a call of anything but an ATen
 op, a symbolic-size function or `getitem`, a decomposition whose trace fails.
 """
 
@@ -254,7 +255,7 @@ def whole_program_reason(program: ExportedProgram) -> str | None:
         target = node.target
         if isinstance(target, torch._ops.OpOverload):
             schema = target._schema
-            if schema.is_mutable:
+            if schema.is_mutable and target is not torch.ops.aten.detach_.default:
                 return f"{target} writes an argument in place"
             continue
         if target not in SIZE_FUNCTIONS:
@@ -281,7 +282,9 @@ def decompose_nodes(
             if not isinstance(value, torch.fx.Node):  # an item of a decomposed multi-output op
                 env[node] = value[node.args[1]]
                 continue
-        if node.op == "call_function" and pick(node):
+        if node.target is torch.ops.aten.detach_.default:  # autograd's flag, not a value: its input
+            env[node] = env[node.args[0]]
+        elif node.op == "call_function" and pick(node):
             env[node] = _inline(graph, node, env, table, traces, tag)
         else:
             env[node] = graph.node_copy(node, lambda n: _one_node(env[n]))

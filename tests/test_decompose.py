@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 import gjit
+import model_zoo
 from gjit import decompose
 from helpers import check, run_compiled
 from model_zoo import MODELS
@@ -353,3 +354,29 @@ def test_a_custom_composite_op_is_decomposed_node_by_node_as_the_full_table_woul
     assert counters() == (1, 1)
     report = gjit.explain(cm, x)
     assert not any("scaled_tanh" in e.op for e in report.externs), report
+
+
+def test_detach_in_place_is_its_input_and_keeps_decomposition_node_by_node():
+    # transformers' DynamicCache makes its empty keys with torch.tensor([]): export records a
+    # lift_fresh_copy and a detach_ of it, which changes autograd's flag, not a value; it used to
+    # send the whole program (every default-config HF decoder) through run_decompositions()
+    class Fresh(torch.nn.Module):
+        def forward(self, x):
+            t = torch.tensor([1.0, 2.0, 3.0])
+            t.detach_()
+            return F.gelu(x) + t
+
+    x = torch.randn(4, 3)
+    program = export(Fresh(), (x,))
+    assert torch.ops.aten.detach_.default in {n.target for n in program.graph.nodes}
+    assert decompose.whole_program_reason(program) is None
+    with torch.no_grad():
+        check(Fresh(), x)
+    assert counters() == (1, 0)
+
+
+def test_a_default_config_hf_decoder_returning_its_cache_decomposes_node_by_node():
+    model, args = model_zoo.gpt2("sdpa", use_cache=True)  # DynamicCache, returned with the logits
+    with torch.no_grad():
+        check(model, *args)
+    assert counters() == (1, 0)
