@@ -12,6 +12,8 @@ neither inherits from the other.
 
 from __future__ import annotations
 
+import functools
+
 import sympy
 
 from gjit import ir
@@ -49,6 +51,11 @@ class RegionPlan:
         self.rvars: set[sympy.Symbol] = set()  # reduced index variables (reduction kernels)
         # (buffer, pass, indirect, per row): per row, a reduction kernel reads one element a row
         self.loaded: set[tuple[str, int, bool, bool]] = set()
+
+    @functools.cached_property
+    def compute_nodes(self) -> dict[str, ir.ComputeNode]:
+        """The graph's compute nodes by name (codegen changes none of them)."""
+        return self.graph.compute_nodes()
 
     # -- expressions: the walk is here, each printer spells the pieces ----------------------------
 
@@ -111,7 +118,7 @@ class RegionPlan:
             lay = self.graph.buffers[name].layout
             # kernels get data_ptr(), which already includes the storage offset
             return ir.Layout(lay.size, lay.stride, sympy.Integer(0), lay.dtype)
-        node = self.graph.compute_nodes()[name]
+        node = self.compute_nodes[name]
         return ir.Layout(node.layout.size, node.layout.stride, sympy.Integer(0), node.layout.dtype)
 
     def in_registers(self, r: Read) -> bool:

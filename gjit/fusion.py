@@ -168,6 +168,7 @@ class Fusion:
         self.members = {gid: [gid] for gid in self.group}
         self.symbol_producers = data_dependent_symbols(self.graph)
         self.deps = {name: self.node_deps(name) for name in self.group}
+        self._consumers: dict[str, set[str]] | None = None
         self.fuse_vertical()
         self.fuse_horizontal()
         return self.schedule(inline)
@@ -323,12 +324,18 @@ class Fusion:
         out.discard(gid)
         return out
 
+    def consumers(self) -> dict[str, set[str]]:
+        """Each group's consuming groups, kept until the next merge."""
+        if self._consumers is None:
+            self._consumers = {}
+            for gid in self.members:
+                for d in self.group_deps(gid):
+                    self._consumers.setdefault(d, set()).add(gid)
+        return self._consumers
+
     def reaches(self, src: set[str], dst: set[str]) -> bool:
         """Is some group in `dst` reachable from a group in `src` through a group outside both?"""
-        consumers: dict[str, set[str]] = {}
-        for gid in self.members:
-            for d in self.group_deps(gid):
-                consumers.setdefault(d, set()).add(gid)
+        consumers = self.consumers()
         frontier = [c for s in src for c in consumers.get(s, ()) if c not in src and c not in dst]
         seen = set(frontier)
         while frontier:
@@ -421,6 +428,7 @@ class Fusion:
         return None
 
     def merge(self, a: str, b: str) -> None:
+        self._consumers = None
         for name in self.members.pop(b):
             self.group[name] = a
             self.members[a].append(name)
@@ -441,18 +449,20 @@ class Fusion:
 
     def fuse_horizontal(self) -> None:
         groups = sorted({self.group[n] for n in self.bodies}, key=self.order.get)
+        reads = {  # what each group reads, kept up to date as groups merge
+            g: {r.name for m in self.group_members(g) for r in ir.reads(self.bodies[m])} for g in groups
+        }
         for i, a in enumerate(groups):
             for b in groups[i + 1 :]:
                 if a not in self.members or b not in self.members:
                     continue
-                reads_a = {r.name for m in self.group_members(a) for r in ir.reads(self.bodies[m])}
-                reads_b = {r.name for m in self.group_members(b) for r in ir.reads(self.bodies[m])}
-                if not reads_a & reads_b:
+                if not reads[a] & reads[b]:
                     continue
                 reason = self.why_not(a, b)
                 if reason is None:
-                    log.info("fuse %s with %s horizontally: they read %s", a, b, sorted(reads_a & reads_b))
+                    log.info("fuse %s with %s horizontally: they read %s", a, b, sorted(reads[a] & reads[b]))
                     self.merge(a, b)
+                    reads[a] |= reads.pop(b)
                 else:
                     log.info("cannot fuse %s with %s: %s", a, b, reason)
 
