@@ -11,8 +11,9 @@ guard lands there), and the traced ops replace it; every other node is kept as i
 
 Anything the node-by-node pass cannot vouch for goes through `run_decompositions()` whole: a
 mutating or aliasing-write op (but `detach_`, which changes autograd's flag, not a value, and is
-its input here: transformers' DynamicCache makes one with `torch.tensor([])`), a higher-order op or submodule, a call of anything but an ATen
-op, a symbolic-size function or `getitem`, a decomposition whose trace fails.
+its input here: transformers' DynamicCache makes one with `torch.tensor([])`), a higher-order op
+or submodule, a call of anything but an ATen op, a symbolic-size function or `getitem`, a
+decomposition whose trace fails.
 """
 
 from __future__ import annotations
