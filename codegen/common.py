@@ -69,14 +69,10 @@ class KernelSource:
     # under (guarded: gjit/guards/builder.py); None: no float32 product
     tf32: bool | None = None
     configs: int = 1  # a template's tile configurations (kernels/): gjit/tuning.py measures them on a GPU
-    # the earlier kernel of the graph whose code this region launches: the same code but for the
-    # name and comments (codegen/share.py); None: its own
+    # the earlier kernel of the graph whose code this region launches (the runtime binds this
+    # kernel's name to that kernel's function): the same code but for the name and comments
+    # (codegen/share.py); None: its own
     code_of: str | None = None
-
-    @property
-    def launched(self) -> str:
-        """The name of the kernel function the wrapper launches for this region."""
-        return self.code_of or self.name
 
     @property
     def cache_key(self) -> str:

@@ -129,7 +129,7 @@ def configure(
     total = 0.0
     chosen: dict[str, tuple[int, float]] = {}  # kernel code and sizes -> (configuration, ms)
     for region in regions:
-        key = keys.get(by_name[region.name].launched)  # a layer sharing an earlier kernel: its key
+        key = keys.get(region.name)
         if key in chosen:  # another layer's kernel
             region.config = chosen[key][0]
             total += chosen[key][1]
@@ -314,7 +314,7 @@ def kernels_wrapped(graph: CompiledGraph, wrap: Callable[[str, Any], Any]) -> It
     """Within, the device wrapper of `graph` launches `wrap(name, kernel)` for each Triton kernel."""
     call = graph.call_fn(interpret=not graph.on_cuda)
     namespace = inspect.unwrap(call).__globals__
-    saved = {k.name: namespace[k.name] for k in graph.kernels if k.backend != "cuda" and k.code_of is None}
+    saved = {k.name: namespace[k.name] for k in graph.kernels if k.backend != "cuda"}
     namespace.update({name: wrap(name, kernel) for name, kernel in saved.items()})
     try:
         yield

@@ -172,7 +172,7 @@ class WrapperWriter:
             blocks["num_stages"] = str(kernel.num_stages)
         launch = ", ".join(f"{k}={v}" for k, v in blocks.items())
         self.lines.append("if xnumel > 0:")
-        self.lines.append(f"    {kernel.launched}[{grid}]({', '.join(args + sizes)}, {launch})")
+        self.lines.append(f"    {kernel.name}[{grid}]({', '.join(args + sizes)}, {launch})")
         if self.check:
             self.lines.append(f"gjit_check({kernel.name!r}, locals())")
 
@@ -223,7 +223,7 @@ class WrapperWriter:
         output = next(n for n in self.graph.fx_graph.nodes if n.op == "output")
         outs = [self.arg(a) for a in output.args[0]]
         self.lines.append(f"return ({', '.join(outs)}{',' if len(outs) == 1 else ''})")
-        kernel_names = ", ".join(k.name for k in self.kernels.values() if k.code_of is None)
+        kernel_names = ", ".join(k.name for k in self.kernels.values())
         header = [
             "# gjit wrapper: binds sizes, runs externs and views through ATen, launches kernels",
             f"# kernels: {kernel_names or '(none)'}",

@@ -305,3 +305,25 @@ def test_every_configuration_computes_what_the_first_does(measured, caplog, monk
     assert "computes something else" not in line and "does not build" not in line, line
     assert f"chose configuration {kernel.configs - 1}" in line, line
     assert "computes something else" not in caplog.text
+
+
+def test_layers_sharing_a_kernel_at_other_sizes_are_each_measured(measured):
+    times, calls = measured
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(40, 70, bias=False)
+
+    def two(x, y):  # one kernel's code for both (rows are size arguments), measured at each's rows
+        return torch.relu(proj(x)), torch.relu(proj(y))
+
+    x, y = torch.randn(48, 40), torch.randn(200, 40)
+    na, nb = len(matmul_configs(48, 70, 40, torch.float32)), len(matmul_configs(200, 70, 40, torch.float32))
+    times += [1.0] * na + [1.0] * (nb - 1) + [0.4] + [1.0, 3.0]
+    with torch.no_grad():
+        out, cm = run_compiled(two, x, y)
+        for a, e in zip(out, two(x, y)):
+            assert_same(a, e)
+    first, second = cm.entries[0].program.kernels
+    assert len(calls) == na + nb + 2, "each region's launch is measured at its own sizes"
+    tuned = cm.entries[0].program.graph.tuning
+    assert any(first.name in line for line in tuned) and any(second.name in line for line in tuned)
+    assert second.code_of is None and second.blocks != first.blocks, "different choices: their own code"

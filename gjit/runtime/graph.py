@@ -154,6 +154,9 @@ class CompiledGraph:
                 for k in own
                 if k.backend != "cuda"
             }
+            # a region whose kernel is an earlier one's code launches that kernel's object, under
+            # its own name (one build; tuning's probes still see each region's launch)
+            kernels |= {k.name: kernels[k.code_of] for k in self.kernels if k.code_of is not None}
             # math: size expressions torch's printer writes as math.ceil(...), math.floor(...)
             extra = {
                 "gjit_alloc": gjit_alloc,
