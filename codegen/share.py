@@ -2,15 +2,18 @@
 
 Each region gets its own kernel, named and commented after its own nodes, so layer 3's attention
 kernel differs from layer 0's only in its name and its comments. A region whose kernel is the
-same code as an earlier one's, but for those, launches the earlier kernel (`code_of`): each
-distinct kernel is written, imported, and built for a GPU once (by Triton's JIT at its first
-launch, or by `gjit.aot`), as TorchInductor launches one kernel for identical regions. The later
-region keeps its own `KernelSource` (its arguments, nodes, assumptions and source lines) and its
-own source for reading, with a header line that says whose code runs.
+same code as an earlier one's, but for those, launches the earlier kernel (`code_of`): the runtime
+binds the region's kernel name to the earlier kernel's function, so the wrapper and tuning's
+probes still see each region's own launch, and each distinct kernel is written, imported, and
+built for a GPU once (by Triton's JIT at its first launch, or by `gjit.aot`), as TorchInductor
+launches one kernel for identical regions. The later region keeps its own `KernelSource` (its
+arguments, nodes, assumptions and source lines) and its own source for reading, with a header
+line that says whose code runs.
 
-The same code means the same text once comments and blank lines are dropped and the kernel's name and its size
-parameters' names are replaced by placeholders, and the same launch-time compile inputs: argument
-types, block sizes, warps and stages. Anything else that differs keeps the kernels apart.
+The same code means the same text once comments and blank lines are dropped and the kernel's
+name and its size parameters' names are replaced by placeholders, and the same launch-time
+compile inputs: argument types, block sizes, warps and stages. Anything else that differs keeps
+the kernels apart.
 """
 
 from __future__ import annotations
