@@ -48,9 +48,7 @@ def code_key(kernel: KernelSource) -> tuple:
     values."""
     renamed = {kernel.name: "<kernel>"} | {s.name: f"<size{i}>" for i, s in enumerate(kernel.size_args)}
     code = (
-        _cuda_code(kernel.source, renamed)
-        if kernel.backend == "cuda"
-        else _triton_code(kernel.source, renamed)
+        _cuda_code(kernel.source, renamed) if kernel.backend == "cuda" else code_text(kernel.source, renamed)
     )
     return (
         kernel.backend,
@@ -64,7 +62,7 @@ def code_key(kernel: KernelSource) -> tuple:
     )
 
 
-def _triton_code(source: str, renamed: dict[str, str]) -> str:
+def code_text(source: str, renamed: dict[str, str]) -> str:
     """The Python source renamed, with its comments (outside one-line string literals: generated
     kernels have no other) and blank lines dropped."""
     code = _STRING_OR_COMMENT.sub(lambda m: m.group(1) or "", source)

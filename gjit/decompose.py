@@ -51,7 +51,7 @@ try:  # run_decompositions()'s own rules: which CompositeImplicitAutograd op it 
     from torch._export.utils import _get_decomp_for_cia, _is_aten_op, _is_cia_op, _is_preservable_cia_op
     from torch.export.exported_program import _get_updated_module_call_graph, _get_updated_range_constraints
 except ImportError:  # pragma: no cover
-    _is_cia_op = _is_aten_op = None
+    _is_cia_op = None
 
 log = logs.logger("capture")
 
@@ -149,7 +149,7 @@ def _aten_table() -> dict:
     dispatcher about other namespaces); a torch without that split gives the whole table."""
     table = _default_table()
     aten = getattr(table, "decomp_table", None)
-    return dict(aten) if isinstance(aten, dict) and _is_aten_op is not None else table.materialize()
+    return dict(aten) if isinstance(aten, dict) and _is_cia_op is not None else table.materialize()
 
 
 def node_table(program: ExportedProgram) -> dict:
@@ -161,7 +161,10 @@ def node_table(program: ExportedProgram) -> dict:
 def with_program_ops(table: dict, program: ExportedProgram) -> dict:
     """`table` plus, for each CompositeImplicitAutograd op of another namespace that the program
     calls and the table lacks, its CIA kernel, as torch.export's full table has it: an op
-    registered after a table was built (a library loaded later) decomposes too."""
+    registered after a table was built (a library loaded later) decomposes too. A torch without
+    export's CIA helpers gets `table` as it is."""
+    if _is_cia_op is None:
+        return table
     custom = {
         n.target
         for n in program.graph.nodes
@@ -183,8 +186,7 @@ def decompose_program(program: ExportedProgram) -> tuple[ExportedProgram, str]:
         except Exception as e:  # noqa: BLE001 - torch's own pass is the fallback, and it is exact
             reason = f"a node's decomposition failed alone ({type(e).__name__}: {e})"
     log.debug("run_decompositions() over the whole program: %s", reason)
-    table = decomposition_table() if _is_cia_op is None else with_program_ops(decomposition_table(), program)
-    return program.run_decompositions(table), f"whole: {reason}"
+    return program.run_decompositions(with_program_ops(decomposition_table(), program)), f"whole: {reason}"
 
 
 # what a node decomposed for lack of a lowering records in its meta "custom"

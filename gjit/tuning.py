@@ -39,6 +39,7 @@ import torch
 
 from gjit import logs
 from gjit.codegen.common import KernelSource
+from gjit.codegen.share import code_text
 from gjit.fusion import Region, Step
 from gjit.runtime import interpret as interpret_libdevice
 from gjit.runtime.graph import KERNEL_PRELUDE, CompiledGraph, load_kernel, write_source
@@ -168,12 +169,11 @@ def same_kernel_key(kernel: KernelSource, sizes: list[int]) -> str:
     code (not its comments, which name the nodes) with the kernel and size-symbol names replaced
     by positions, and the sizes."""
     values = dict(zip(map(str, kernel.size_args), sizes))
-    lines = [ln.split("#", 1)[0].rstrip() for ln in kernel.source.splitlines() if not ln.startswith("def ")]
-    lines = [ln for ln in lines if ln]  # comments (the header, a statistics loop's) name nodes
-    order = list(dict.fromkeys(t for t in re.findall(r"\w+", "\n".join(lines)) if t in values))
+    # comments (the header, a statistics loop's) name nodes; the def line lists sizes by name
+    body = "\n".join(ln for ln in code_text(kernel.source, {}).splitlines() if not ln.startswith("def "))
+    order = list(dict.fromkeys(t for t in re.findall(r"\w+", body) if t in values))
     names = {s: f"size{i}" for i, s in enumerate(order)}
-    code = re.sub(r"\w+", lambda m: names.get(m.group(0), m.group(0)), "\n".join(lines))
-    return code + str([values[s] for s in order])
+    return code_text(body, names) + str([values[s] for s in order])
 
 
 def choose(region: Region, kernel: KernelSource, launch: Launch, emit: Callable) -> tuple[int, float, str]:
