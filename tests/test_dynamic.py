@@ -513,3 +513,45 @@ def test_mark_dynamic_from_zero_gives_size_zero_its_own_entry():
     out, _ = run_compiled(cm, empty)
     assert_same(out, torch.softmax(empty, dim=-1) + 1)
     assert gjit.stats()["compiles"] == 2
+
+
+def test_floor_division_of_a_size_its_range_keeps_nonnegative_is_kernel_math():
+    """(s0 - 20) // 3 with s0 >= 20 (the entry's range, which its guard checks): the truncating
+    division kernels print is exact there, so the add is a kernel, not an extern; a negative
+    numerator (tests/test_never_crash.py SCALAR_OPERANDS) stays an extern."""
+    cm = gjit.compile(lambda x: x + (x.shape[0] - 20) // 3)
+    for rows in (20, 23, 41):
+        x = torch.randn(rows, 4)
+        gjit.mark_dynamic(x, 0, min=20)
+        out, _ = run_compiled(cm, x)
+        assert_same(out, x + (rows - 20) // 3)
+        assert not gjit.explain(cm, x).externs
+    assert len(cm.entries) == 1
+
+
+class ConvGroupNorm(torch.nn.Module):
+    """A convolution's output size ((h - 3) // 2 + 1) * ((w - 3) // 2 + 1) as group_norm's HxW
+    operand and as the sizes of a flattening view."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, stride=2)
+        self.norm = torch.nn.GroupNorm(2, 8)
+
+    def forward(self, x):
+        y = self.norm(self.conv(x))
+        return y.flatten(2).transpose(1, 2).softmax(-1)
+
+
+def test_a_convolutions_dynamic_output_size_does_not_make_an_extern():
+    torch.manual_seed(0)
+    model = ConvGroupNorm().eval()
+    cm = gjit.compile(model)
+    for h, w in ((16, 16), (21, 13), (9, 30)):
+        x = torch.randn(2, 3, h, w)
+        with torch.no_grad():
+            out, _ = run_compiled(cm, x)
+            assert max_rel_err(out, model(x)) < 1e-5
+        externs = [e.op for e in gjit.explain(cm, x).externs]
+        assert externs == ["aten.convolution.default"], externs
+    assert len(cm.entries) == 1

@@ -145,15 +145,17 @@ INDEX_FUNCTIONS = (
 FLOOR_LIKE = (FloorDiv, CleanDiv, CeilDiv, ModularIndexing, Mod, PythonMod)
 
 
-def _index_math(expr: sympy.Basic, scalar: bool = False) -> bool:
+def _index_math(expr: sympy.Basic, scalar: bool = False, env: Any = None) -> bool:
     """Whether the kernel printers print `expr` as integer math. Kernels print floor division
     and modulo as the language's, which truncate (C, Triton): exact for a size's own terms
-    (non-negative), so a `scalar` operand needs a numerator sympy knows is non-negative."""
+    (non-negative), so a `scalar` operand needs a numerator known to be non-negative: by sympy,
+    or by the ranges of the shape environment `env` (which the entry's guards check), as a
+    convolution's output size (s - 3) // 4 + 1 with s >= 3."""
     if isinstance(expr, (sympy.Symbol, sympy.Integer)) or expr in (sympy.true, sympy.false):
         return True
     if scalar and isinstance(expr, FLOOR_LIKE + (CeilToInt, FloorToInt)):
         numerator = expr.args[0].args[0] if isinstance(expr, (CeilToInt, FloorToInt)) else expr.args[0]
-        if not getattr(numerator, "is_nonnegative", False):
+        if not _nonnegative(numerator, env):
             return False
     if isinstance(expr, (CeilToInt, FloorToInt)):  # math.ceil(n / 3): ceil/floor of an int over a
         inner = expr.args[0]  # positive literal
@@ -161,17 +163,29 @@ def _index_math(expr: sympy.Basic, scalar: bool = False) -> bool:
             isinstance(inner, IntTrueDiv)
             and inner.args[1].is_Integer
             and inner.args[1] > 0
-            and _index_math(inner.args[0], scalar)
+            and _index_math(inner.args[0], scalar, env)
         )
     if isinstance(expr, sympy.Pow):
-        return expr.args[1].is_Integer and expr.args[1] > 0 and _index_math(expr.args[0], scalar)
+        return expr.args[1].is_Integer and expr.args[1] > 0 and _index_math(expr.args[0], scalar, env)
     if isinstance(expr, sympy.floor) and isinstance(expr.args[0], sympy.Mul):
         return not scalar and all(_index_math(a) for a in sympy.fraction(expr.args[0]))
     if isinstance(
         expr, (sympy.Add, sympy.Mul, sympy.core.relational.Relational, sympy.And, sympy.Or, sympy.Not)
     ):
-        return all(_index_math(a, scalar) for a in expr.args)
-    return isinstance(expr, INDEX_FUNCTIONS) and all(_index_math(a, scalar) for a in expr.args)
+        return all(_index_math(a, scalar, env) for a in expr.args)
+    return isinstance(expr, INDEX_FUNCTIONS) and all(_index_math(a, scalar, env) for a in expr.args)
+
+
+def _nonnegative(expr: sympy.Expr, env: Any) -> bool:
+    if getattr(expr, "is_nonnegative", False):
+        return True
+    if env is None:
+        return False
+    try:
+        lower = env.bound_sympy(expr).lower
+    except Exception:  # an expression torch's range analysis does not bound
+        return False
+    return bool(lower.is_number and lower >= 0)
 
 
 def scalar_reason(node: torch.fx.Node) -> str | None:
@@ -179,7 +193,9 @@ def scalar_reason(node: torch.fx.Node) -> str | None:
     compute exactly as integer math makes the op an extern."""
     for arg in node.all_input_nodes:
         val = arg.meta.get("val")
-        if isinstance(val, (torch.SymInt, torch.SymBool)) and not _index_math(val.node.expr, scalar=True):
+        if isinstance(val, (torch.SymInt, torch.SymBool)) and not _index_math(
+            val.node.expr, scalar=True, env=val.node.shape_env
+        ):
             return f"a size operand kernels cannot compute as integer math: {val.node.expr}"
     return None
 
