@@ -39,6 +39,7 @@ from torch.export.graph_signature import (
     SymIntArgument,
     TensorArgument,
 )
+from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
@@ -355,7 +356,7 @@ def _inline(
         elif sub.op == "output":
             result = pytree.tree_map_only(torch.fx.Node, mapping.__getitem__, sub.args[0])
         elif sub.op == "call_function":
-            if isinstance(sub.target, torch._ops.OpOverload) and sub.target._schema.is_mutable:
+            if _writes_in_place(sub):
                 raise NotImplementedError(
                     f"{node.target} decomposes into {sub.target}, which writes in place"
                 )
@@ -417,7 +418,17 @@ def _trace(
     if fake_mode is None:
         raise NotImplementedError(f"{op} has no fake tensor argument")
     with fake_mode, enable_python_dispatcher():  # CIA decompositions written in Python, as in export
-        return make_fx(call, decomposition_table=table)(*values)
+        traced = make_fx(call, decomposition_table=table)(*values)
+        if any(_writes_in_place(n) for n in traced.graph.nodes):
+            # a decomposition that restrides or fills its own fresh result in place
+            # (adaptive_avg_pool1d's squeeze is an as_strided_): functionalized, as export's
+            # whole-program pass would; a write to an argument stays a copy_ (_inline refuses it)
+            traced = make_fx(functionalize(traced, remove="mutations"))(*values)
+        return traced
+
+
+def _writes_in_place(node: torch.fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
 
 
 def _trace_key(node: torch.fx.Node, flat: list, spec: Any) -> tuple | None:

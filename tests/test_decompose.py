@@ -122,6 +122,28 @@ def test_a_composite_op_that_writes_when_traced_is_decomposed_whole():
     assert counters() == (0, 1)
 
 
+def test_a_decomposition_that_restrides_its_own_result_is_functionalized_node_by_node():
+    # adaptive_avg_pool1d of a transposed input decomposes into a mean and an as_strided_ of that
+    # fresh mean (eager's strides): a write, but to nothing the program had; functionalized alone,
+    # it is an as_strided view (Swin's pooler: the whole dynamic program was decomposed again)
+    class Pool(torch.nn.Module):
+        def forward(self, x):
+            return F.adaptive_avg_pool1d(x.transpose(1, 2), 1) * 2
+
+    fn = Pool()
+    x = torch.randn(2, 5, 3)
+    program = export(fn, (x,))
+    decomposed, how = decompose.decompose_program(program)
+    assert how == "nodes"
+    targets = {str(n.target) for n in decomposed.graph.nodes}
+    assert "aten.as_strided.default" in targets and "aten.as_strided_.default" not in targets
+    cm = gjit.compile(fn)
+    out, _ = run_compiled(cm, x)
+    torch.testing.assert_close(out, fn(x))
+    assert counters() == (1, 0)
+    assert not gjit.explain(cm, x).externs
+
+
 def test_a_grad_mode_region_is_decomposed_whole():
     class NoGradInside(torch.nn.Module):
         def forward(self, x):

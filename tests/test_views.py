@@ -350,3 +350,31 @@ def test_complex_pointwise_ops_are_externs():
     report = gjit.explain(cm, x)
     assert not report.kernels
     assert [e.op for e in report.externs] == ["aten.mul.Tensor", "aten.add.Tensor", "aten.exp.default"]
+
+
+class AdaptivePool1d(torch.nn.Module):
+    """Swin's pooler: adaptive_avg_pool1d decomposes to a mean and an as_strided restride of it."""
+
+    def forward(self, x):
+        return torch.flatten(F.adaptive_avg_pool1d((x * 2).transpose(1, 2), 1), 1) + 1
+
+
+AS_STRIDED = {
+    # a computed row-major value: an index function, no extern
+    "overlapping_windows": (lambda x: (x * 2).as_strided((3, 4), (1, 2), 1).exp(), (4, 6), True),
+    "default_offset": (lambda x: (x + 1).as_strided((2, 5), (5, 1)) * 3, (4, 6), True),
+    "adaptive_avg_pool1d": (AdaptivePool1d(), (2, 5, 3), True),
+    # storage the graph does not own or lay out row-major: ATen's as_strided on eager's layout
+    "of_an_input": (lambda x: x.as_strided((3, 4), (1, 2), 1) * 2, (4, 6), False),
+    "of_a_view": (lambda x: x[1:].as_strided((3, 4), (1, 2), 1) * 2, (4, 6), False),
+    "of_a_transposed_value": (lambda x: (x.t() * 2).as_strided((3, 4), (1, 2), 1) + 1, (4, 6), False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(AS_STRIDED))
+def test_as_strided(name):
+    fn, shape, lowered = AS_STRIDED[name]
+    x = torch.randn(shape)
+    cm = check(fn, x)
+    externs = [e.op for e in gjit.explain(cm, x).externs]
+    assert ("aten.as_strided.default" not in externs) == lowered, externs

@@ -18,6 +18,7 @@ from gjit.ir import Index, statically_known_equal
 from gjit.lowering.registry import (
     TensorValue,
     Unsupported,
+    ViewValue,
     broadcast_index,
     register_lowering,
     to_sympy,
@@ -28,6 +29,7 @@ if TYPE_CHECKING:  # the walk that calls the lowerings; it imports this module
 
 aten = torch.ops.aten
 ZERO = sympy.Integer(0)
+ONE = sympy.Integer(1)
 
 
 def _norm_dim(dim: int, rank: int) -> int:
@@ -219,6 +221,34 @@ def reshape_indexer(old: Index, new: Index):
         return tuple(src)
 
     return reindex
+
+
+@register_lowering(aten.as_strided.default)
+def as_strided(ctx: Lowering, x: TensorValue, size: list, stride: list, storage_offset=None) -> TensorValue:
+    """as_strided of a value the graph computes densely (row-major, as eager lays it out): element
+    idx is storage element offset + sum(idx * stride) of `x`, which is that element of `x`
+    flattened. Decompositions make these (adaptive_avg_pool1d's squeeze as a restride). The storage
+    of an input, a view or an alias (it may hold more memory) is not this graph's to index: an extern."""
+    source = ctx.node.args[0]
+    val = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    computed = source.op == "call_function" and x.name == source.name and not isinstance(x, ViewValue)
+    if not computed or not isinstance(val, torch.Tensor):
+        raise Unsupported("as_strided of an input or a view: its storage is not the graph's to index")
+    x_size = [to_sympy(s) for s in val.shape]
+    dense = ONE
+    for s, st in reversed(list(zip(x_size, val.stride()))):
+        if not (ctx.known_one(s) or statically_known_equal(to_sympy(st), dense)):
+            raise Unsupported("as_strided of a value eager does not lay out row-major")
+        dense = dense * s
+    base = to_sympy(val.storage_offset())
+    begin = base if storage_offset is None else to_sympy(storage_offset)
+    steps = [to_sympy(st) for st in stride]
+
+    def reindex(idx: Index) -> Index:
+        flat = begin - base + sum((i * st for i, st in zip(idx, steps)), ZERO)
+        return tuple(_unflatten(flat, x_size))
+
+    return ctx.view(x, reindex)
 
 
 @register_lowering(aten.split_with_sizes.default, aten.split.Tensor)
