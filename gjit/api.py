@@ -12,7 +12,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from gjit import kv_cache, logs, stats
-from gjit.capture import CaptureError, DecompositionError, bind_call, capture, forward_signature, readable
+from gjit.calling import bind_call, forward_signature
+from gjit.capture import CaptureError, DecompositionError, capture, readable
 from gjit.codegen.toolchain.compile_only import start_warm_up
 from gjit.config import BACKENDS, CompileOptions, config
 from gjit.debug import dump
@@ -20,7 +21,7 @@ from gjit.debug.report import Report, build_report
 from gjit.driver import CompiledProgram, compile_program, run_program
 from gjit.guards import GuardBuildError, GuardSet, MissHistory, build_guards, dynamic_dims
 from gjit.guards.builder import tf32_setting
-from gjit.guards.policy import MARKS, specialized_dims
+from gjit.guards.policy import MARKS, batch_dims, specialized_dims
 from gjit.heap import deferred_full_collections
 from gjit.stats import timed
 
@@ -184,6 +185,7 @@ class CompiledFunction:
         self._warned_autograd = False
         self._warned_limit = False
         self.misses = MissHistory()
+        self.static_because: str | None = None  # why later entries export the batch dims only
         self._tensor_tuple_specs: dict[int, pytree.TreeSpec] = {}
         self._fast_arity = _fast_arity(self.signature)
         self._bind_plans: dict[tuple, tuple[list[str], list[str]]] = {}
@@ -391,6 +393,9 @@ class CompiledFunction:
                 free = {d: r for d, r in ranges.items() if d not in marked}
                 dims[i] = {**dims.get(i, {}), **free}
                 from_one |= {(i, d) for d, (lo, _) in free.items() if lo == 1}
+        if self.static_because:  # an earlier export ran past its budget: the batch dims only
+            dims = batch_dims(dims, flat)
+            from_one = {(i, d) for i, d in from_one if d in dims.get(i, {})}
         cache_log.info("%s: no entry admits the call (in-memory cache miss); compiling", self._name())
         on_gpu = any(isinstance(v, torch.Tensor) and v.is_cuda for v in flat)
         options = CompileOptions.from_config(
@@ -400,7 +405,10 @@ class CompiledFunction:
             start_warm_up()  # Triton's first build in this process pays it: run it beside capture
         try:
             try:
-                exported = capture(self.model, args, kwargs, dims, timings, frozenset(from_one))
+                exported = capture(
+                    self.model, args, kwargs, dims, timings, frozenset(from_one), batch_dims(dims, flat)
+                )
+                self.static_because = self.static_because or exported.static_because
                 program = compile_program(exported, timings, options, example=flat)
             except DecompositionError as e:
                 if not dims:

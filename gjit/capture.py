@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import logging
 import os
-from collections.abc import Callable
 from typing import Any
 
 import sympy
@@ -28,6 +26,9 @@ except ImportError:
     _IntWrapper = None
 
 from gjit import kv_cache, logs, stats
+from gjit.calling import as_module, constants_as_tokens, explicit_keywords
+from gjit.config import config
+from gjit.export_budget import ExportTooSlow, export_budget
 from gjit.in_place import write_in_place
 from gjit.kv_cache import CacheAliases
 from gjit.stats import timed
@@ -42,102 +43,6 @@ class CaptureError(RuntimeError):
 
 class DecompositionError(CaptureError):
     """run_decompositions() failed on the exported program (the caller may retry static shapes)."""
-
-
-def as_module(model: Any) -> torch.nn.Module:
-    """A function becomes a module whose forward has the function's signature (export needs it)."""
-    if isinstance(model, torch.nn.Module):
-        return model
-    owner = getattr(model, "__self__", None)
-    if inspect.ismethod(model) and isinstance(owner, torch.nn.Module):
-        # `m.forward = gjit.compile(m.forward)`: export the method on a module that owns `m`, so m's
-        # parameters and buffers are the program's (read live), not constants copied into it; the
-        # method itself is the forward (calling m would reach the compiled forward again)
-        module = torch.nn.Module()
-        module.add_module("model", owner)
-        module.forward = model
-        return module
-    if not callable(model):
-        raise TypeError(
-            f"gjit.compile expects an nn.Module, a function, an ExportedProgram or a .pt2 path, "
-            f"got {type(model).__name__}"
-        )
-    module = torch.nn.Module()
-    try:
-        inspect.signature(model)
-    except (TypeError, ValueError):
-        # a builtin such as torch.sin has no signature export can read: give it a plain one
-        module.forward = lambda *args: model(*args)
-        return module
-    # The function itself is the forward (an instance attribute, so no wrapper frame hides the
-    # user's source lines from export's stack traces).
-    module.forward = model
-    # export keeps only frames named `forward` in node stack traces; name this one too
-    register_anchor = getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)
-    if register_anchor is not None:
-        register_anchor(model)
-    return module
-
-
-def explicit_keywords(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch.nn.Module:
-    """A module whose forward names, as keyword-only parameters, the call's arguments that the model's
-    forward takes through `**kwargs` (transformers' models take `return_dict`, `logits_to_keep`, ...
-    that way); the module itself when there are none.
-
-    torch.export cannot match dynamic shapes against a `**kwargs` bundle (torch 2.13 asserts "Must
-    provide a tree_name"), so export sees the same call through a signature without one."""
-    try:
-        signature = inspect.signature(module.forward)
-        bound = signature.bind(*args, **kwargs)
-    except (TypeError, ValueError):
-        return module
-    var_kw = [p for p in signature.parameters.values() if p.kind == p.VAR_KEYWORD]
-    extra = bound.arguments.get(var_kw[0].name, {}) if var_kw else {}
-    if not extra:
-        return module
-    params = [p for p in signature.parameters.values() if p.kind != p.VAR_KEYWORD]
-    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY) for name in extra]
-    wrapper = torch.nn.Module()
-    if type(module) is torch.nn.Module:  # a plain module (as_module's): the same state, the new forward
-        for table in ("_parameters", "_buffers", "_modules"):
-            getattr(wrapper, table).update(getattr(module, table))
-        target = module.forward
-    else:  # the user's module, called as eager calls it (its forward hooks run)
-        wrapper.add_module("model", module)
-        target = module
-
-    def call(*a, **kw):
-        return target(*a, **kw)
-
-    call.__signature__ = signature.replace(parameters=params)
-    wrapper.forward = call
-    return wrapper
-
-
-# inputs export has no pytree leaf for: each is passed to export as a token string (export keeps a
-# string input as a constant) that the module maps back; the entry's guards check the value itself
-CONSTANT_TYPES = (torch.dtype, torch.memory_format, torch.layout, torch.device)
-
-
-def constants_as_tokens(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
-    """(module, args, kwargs) with every CONSTANT_TYPES input (softmax(x, dtype=torch.float16))
-    replaced by a token the returned module turns back into it: the same call, exportable."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    table = {f"gjit.constant.{i}": v for i, v in enumerate(leaves) if isinstance(v, CONSTANT_TYPES)}
-    if not table:
-        return module, args, kwargs
-    args, kwargs = pytree.tree_unflatten([f"gjit.constant.{i}" if f"gjit.constant.{i}" in table else v
-                                          for i, v in enumerate(leaves)], spec)  # fmt: skip
-    wrapper = torch.nn.Module()
-    wrapper.add_module("model", module)
-
-    def call(*a, **kw):
-        a, kw = pytree.tree_map_only(str, lambda v: table.get(v, v), (a, kw))
-        return module(*a, **kw)
-
-    call.__signature__ = inspect.signature(module.forward)  # export binds the call as eager does
-    wrapper.forward = call
-    return wrapper, args, kwargs
 
 
 def load_program(model: Any) -> ExportedProgram | None:
@@ -197,8 +102,10 @@ def export_model(
     hook = aliases.recording(module)
     with logs.quiet_torch_trace_errors(), size_oblivious(oblivious), _kept_dim_markers(args, kwargs):
         try:
+            budget = config.dynamic_export_budget if shapes is not None else 0.0
             with timed("export", timings), logs.torch_dynamic_logs(), _no_fake_tensor_cache():
-                exported = torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
+                with export_budget(budget):
+                    exported = torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
         finally:
             hook.remove()
     stats.COUNTERS["exports"] += 1
@@ -389,6 +296,8 @@ class Exported:
     aliases: CacheAliases = dataclasses.field(default_factory=CacheAliases)  # returned caches that are inputs
     # (flat input, dim) traced size-obliviously with a floor of 1 (export's range holds for them)
     from_one: frozenset[tuple[int, int]] = frozenset()
+    # why the dims asked dynamic were exported static (the dynamic export's budget ran out)
+    static_because: str | None = None
 
     @property
     def user_vals(self) -> list[Any]:
@@ -405,11 +314,14 @@ def capture(
     dims: DimRanges,
     timings: dict[str, float] | None = None,
     from_one: frozenset[tuple[int, int]] = frozenset(),
+    fallback: DimRanges | None = None,
 ) -> Exported:
     """Export the call (unless given a program); `decompose` and `captured_program` follow.
 
     `dims`: which input dims to export as dynamic; if export fails with them, gjit retries with
-    static shapes (a failure about types is not retried). `timings` gets "export".
+    static shapes (a failure about types is not retried). If its symbolic size reasoning runs
+    past gjit.config.dynamic_export_budget, gjit exports with the `fallback` dims (the batch),
+    then static, and the result says so (`static_because`). `timings` gets "export".
     """
     timings = {} if timings is None else timings
     program = load_program(model)
@@ -422,8 +334,18 @@ def capture(
     kv_cache.register([*args, *kwargs.values()], model)
     module, args, kwargs = constants_as_tokens(module, args, kwargs)
     aliases = CacheAliases()
+    static_because = None
     try:
         exported, oblivious = export_model(module, args, kwargs, dims, timings, aliases, from_one)
+    except ExportTooSlow:
+        static_because = (
+            "torch.export's symbolic size reasoning with dynamic dims ran past "
+            f"gjit.config.dynamic_export_budget ({config.dynamic_export_budget:g} s of slow ops)"
+        )
+        exported, oblivious = _export_narrower(
+            module, args, kwargs, fallback if fallback != dims else {}, timings, aliases, from_one,
+            f"{getattr(model, '__name__', type(model).__name__)}: {static_because}",
+        )  # fmt: skip
     except Exception as e:
         if not dims or _not_about_shapes(e):
             raise CaptureError(_explain_failure(e, args, kwargs)) from e
@@ -450,7 +372,7 @@ def capture(
             "with use_cache=False?); a compiled call can only update a cache the model returns, so "
             "this call runs eagerly: pass use_cache=True, or no cache"
         )
-    return Exported(exported, module, aliases, from_one if oblivious else frozenset())
+    return Exported(exported, module, aliases, from_one if oblivious else frozenset(), static_because)
 
 
 def captured_program(exported: Exported, decomposed: ExportedProgram) -> CapturedProgram:
@@ -477,6 +399,37 @@ def _logged(captured: CapturedProgram) -> CapturedProgram:
 def readable(gm: torch.fx.GraphModule) -> str:
     """The graph as code with shapes (`f32[s0, 64]`) and the user line of every node."""
     return gm.print_readable(print_output=False, include_stride=False, colored=False)
+
+
+def _export_narrower(
+    module: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    narrower: DimRanges,
+    timings: dict[str, float],
+    aliases: CacheAliases,
+    from_one: frozenset[tuple[int, int]],
+    why: str,
+) -> tuple[ExportedProgram, bool]:
+    """An export with dynamic dims ran past its budget: export with the `narrower` dims (under
+    the budget too), else with static shapes. Warns once with `why` and what it exports."""
+    log.warning(
+        "%s; this callable exports %s from now on (gjit.mark_dynamic still makes a dim dynamic)",
+        why,
+        "only the batch dims (dim 0) dynamic" if narrower else "static shapes",
+    )
+    stats.COUNTERS["dynamic_exports_abandoned"] += 1
+    if narrower:
+        try:
+            return export_model(module, args, kwargs, narrower, timings, aliases, from_one)
+        except ExportTooSlow:
+            log.warning("the export with only the batch dims dynamic ran past the budget too: static shapes")
+        except Exception as e:
+            log.info("the export with only the batch dims dynamic failed (%s): static shapes", e)
+    try:
+        return export_model(module, args, kwargs, {}, timings, aliases)
+    except Exception as e:
+        raise CaptureError(_explain_failure(e, args, kwargs)) from e
 
 
 def _not_about_shapes(e: Exception) -> bool:
@@ -536,33 +489,6 @@ def describe(
         user_vals=[vals.get(s.arg.name) for s in sig.input_specs if s.kind == InputKind.USER_INPUT],
         exported=exported,
     )
-
-
-def bind_call(
-    signature: inspect.Signature | None, args: tuple, kwargs: dict, name: str = "forward"
-) -> tuple[tuple, dict]:
-    """Normalize a call to the model's signature; a bad call raises a TypeError, as Python would."""
-    if signature is None:
-        return args, kwargs
-    try:
-        bound = signature.bind(*args, **kwargs)
-    except TypeError as e:
-        raise TypeError(f"{name}(): {e}") from None
-    return bound.args, bound.kwargs
-
-
-def forward_signature(model: Any) -> inspect.Signature | None:
-    target: Callable | None = None
-    if isinstance(model, torch.nn.Module):
-        target = model.forward
-    elif callable(model) and not isinstance(model, ExportedProgram):
-        target = model
-    if target is None:
-        return None
-    try:
-        return inspect.signature(target)
-    except (TypeError, ValueError):
-        return None
 
 
 def size_hints(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, int]:

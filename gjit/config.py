@@ -36,6 +36,10 @@
     gjit.config.dump_dir              GJIT_DUMP_DIR      write every compile stage of each entry here
     gjit.config.compile_workers       GJIT_COMPILE_WORKERS  processes that build kernel binaries for a GPU
                                                          target (gjit.aot) at once (default: usable CPUs)
+    gjit.config.dynamic_export_budget  GJIT_DYNAMIC_EXPORT_BUDGET  seconds an export with dynamic dims may
+                                                         spend in ops slowed by symbolic size reasoning
+                                                         (over 0.5 s each) before gjit exports the batch
+                                                         dims only, then static (10; 0: no limit)
 
 Tests override knobs with ``with gjit.config.scope(interpret=True): ...``.
 """
@@ -224,6 +228,13 @@ class Config:
         "GJIT_COMPILE_WORKERS",
         _env_int("GJIT_COMPILE_WORKERS", _usable_cpus()),
         "worker processes that build a graph's kernel binaries for a GPU target at once (1: in process)",
+    )
+
+    dynamic_export_budget = _Knob(
+        "GJIT_DYNAMIC_EXPORT_BUDGET",
+        _env_float("GJIT_DYNAMIC_EXPORT_BUDGET", 10.0),
+        "seconds an export with dynamic dims may spend in ops slowed by symbolic size reasoning (over "
+        "0.5 s each); past it the callable exports the batch dims only, then static (0: no limit)",
     )
 
     def __init__(self) -> None:

@@ -80,6 +80,21 @@ def dynamic_dims(
     return out
 
 
+def batch_dims(dims: dict[int, dict[int, tuple[int | None, int | None]]], flat: list[Any]) -> dict:
+    """`dims` narrowed to dim 0 of each tensor input (the batch, which size arithmetic through
+    floor division and modulo rarely involves) and the dims the user marked: what gjit exports
+    dynamic once an export with `dims` ran past gjit.config.dynamic_export_budget."""
+    out = {}
+    for i, ranges in dims.items():
+        if not isinstance(flat[i], torch.Tensor):
+            continue
+        marks = getattr(flat[i], MARKS, None) or {}
+        kept = {d: r for d, r in ranges.items() if d == 0 or d in marks}
+        if kept:
+            out[i] = kept
+    return out
+
+
 @dataclasses.dataclass
 class MissHistory:
     """What a compiled callable has seen missing its cache: shapes and the guards that failed."""

@@ -4,6 +4,7 @@ automatic dynamic, mark_dynamic ranges, the recompile limit, data-dependent size
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -555,3 +556,52 @@ def test_a_convolutions_dynamic_output_size_does_not_make_an_extern():
         externs = [e.op for e in gjit.explain(cm, x).externs]
         assert externs == ["aten.convolution.default"], externs
     assert len(cm.entries) == 1
+
+
+@torch.library.custom_op("gjit_test::slow_when_dynamic", mutates_args=())
+def slow_when_dynamic(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@slow_when_dynamic.register_fake
+def _(x):
+    """Symbolic size reasoning gone slow (as Swin's window views): seconds while dim 1 is dynamic."""
+    if isinstance(x.shape[1], torch.SymInt):
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+    return torch.empty_like(x)
+
+
+def test_an_export_past_its_budget_exports_the_batch_dims_only(caplog):
+    from gjit.export_budget import mode_stacks
+
+    stacks = mode_stacks()
+    cm = gjit.compile(lambda x: slow_when_dynamic(x.sin()) + 1)
+    start = time.monotonic()
+    with gjit.config.scope(dynamic_export_budget=1.0), caplog.at_level(logging.WARNING, "gjit.capture"):
+        for shape in ((4, 6), (5, 6), (3, 7)):
+            x = torch.randn(shape)
+            out, _ = run_compiled(cm, x)
+            assert_same(out, x.sin() * 2 + 1)
+    assert time.monotonic() - start < 20  # the 30 s export was cut short
+    warnings = [r.getMessage() for r in caplog.records if "dynamic_export_budget" in r.getMessage()]
+    assert len(warnings) == 1 and "only the batch dims (dim 0) dynamic" in warnings[0], warnings
+    assert gjit.stats()["dynamic_exports_abandoned"] == 1
+    # (4, 6) and (5, 6) share the batch-dynamic entry; (3, 7) gets one of its own, static in dim 1
+    assert len(cm.entries) == 2
+    assert [[d.split(" = ")[0] for d in e.guards.dynamic_dims] for e in cm.entries] == [["x.size(0)"]] * 2
+    assert mode_stacks() == stacks  # nothing left on torch's mode stacks
+
+
+def test_an_interrupted_exports_modes_are_taken_off_torchs_stacks():
+    from torch.overrides import TorchFunctionMode
+
+    from gjit.export_budget import mode_stacks, restore_mode_stacks
+
+    before = mode_stacks()
+    TorchFunctionMode().__enter__()  # an __exit__ the interruption skipped
+    assert mode_stacks() != before
+    restore_mode_stacks(before)
+    assert mode_stacks() == before
+    assert torch.ones(2).sum().item() == 2

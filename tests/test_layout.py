@@ -33,7 +33,17 @@ MAX_LINES = 600
 # "name=" names that module alone (the package `gjit` itself, not everything in it).
 LAYERS = [
     ("base", ["gjit.config", "gjit.logs", "gjit.stats", "gjit.heap"]),
-    ("capture", ["gjit.kv_cache", "gjit.in_place", "gjit.capture", "gjit.decompose"]),
+    (
+        "capture",
+        [
+            "gjit.kv_cache",
+            "gjit.in_place",
+            "gjit.calling",
+            "gjit.export_budget",
+            "gjit.capture",
+            "gjit.decompose",
+        ],
+    ),
     ("ir", ["gjit.ir"]),
     ("lowering", ["gjit.lowering"]),
     (
