@@ -23,6 +23,7 @@ from gjit.guards import GuardBuildError, GuardSet, MissHistory, build_guards, dy
 from gjit.guards.builder import tf32_setting
 from gjit.guards.policy import MARKS, batch_dims, specialized_dims
 from gjit.heap import deferred_full_collections
+from gjit.runtime import disk_cache
 from gjit.stats import timed
 
 log = logs.logger("capture")
@@ -393,6 +394,14 @@ class CompiledFunction:
                 free = {d: r for d, r in ranges.items() if d not in marked}
                 dims[i] = {**dims.get(i, {}), **free}
                 from_one |= {(i, d) for d, (lo, _) in free.items() if lo == 1}
+        # what an earlier process learned: this model's export ran past the budget
+        hint = None
+        if dims and config.cache and not self.static_because:
+            hint = disk_cache.hint_key(self.model, flat)
+            record = disk_cache.read_hint(hint)
+            if record is not None:
+                self.static_because = f"{record['static_because']} (in an earlier process: on-disk hint)"
+                log.warning("%s: %s; exporting the batch dims only", self._name(), self.static_because)
         if self.static_because:  # an earlier export ran past its budget: the batch dims only
             dims = batch_dims(dims, flat)
             from_one = {(i, d) for i, d in from_one if d in dims.get(i, {})}
@@ -408,6 +417,8 @@ class CompiledFunction:
                 exported = capture(
                     self.model, args, kwargs, dims, timings, frozenset(from_one), batch_dims(dims, flat)
                 )
+                if exported.static_because and hint is not None:  # the next process starts narrower
+                    disk_cache.write_hint(hint, {"static_because": exported.static_because})
                 self.static_because = self.static_because or exported.static_because
                 program = compile_program(exported, timings, options, example=flat)
             except DecompositionError as e:

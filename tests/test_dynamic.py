@@ -594,6 +594,26 @@ def test_an_export_past_its_budget_exports_the_batch_dims_only(caplog):
     assert mode_stacks() == stacks  # nothing left on torch's mode stacks
 
 
+def slow_program(x):
+    return slow_when_dynamic(x.sin()) + 1
+
+
+def test_an_export_past_its_budget_leaves_a_hint_for_the_next_process(tmp_path, caplog):
+    with gjit.config.scope(cache=True, cache_dir=str(tmp_path), dynamic_export_budget=1.0):
+        run_compiled(gjit.compile(slow_program), torch.randn(4, 6))
+        assert gjit.stats()["dynamic_exports_abandoned"] == 1
+        # a new callable of the same function, as a new process makes: the on-disk hint says to
+        # export the batch dims only, so no export runs into the budget again
+        second = gjit.compile(slow_program)
+        with caplog.at_level(logging.WARNING, "gjit.capture"):
+            x = torch.randn(5, 6)
+            out, _ = run_compiled(second, x)
+    assert_same(out, x.sin() * 2 + 1)
+    assert gjit.stats()["dynamic_exports_abandoned"] == 1
+    assert "on-disk hint" in caplog.text
+    assert [d.split(" = ")[0] for d in second.entries[0].guards.dynamic_dims] == ["x.size(0)"]
+
+
 def test_an_interrupted_exports_modes_are_taken_off_torchs_stacks():
     from torch.overrides import TorchFunctionMode
 

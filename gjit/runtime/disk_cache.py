@@ -411,3 +411,56 @@ def store(key: str, graph: CompiledGraph, extra: dict | None = None) -> None:
 def decoded(record: dict, name: str) -> Any:
     """A field `store` wrote from `extra`, sympy values rebuilt."""
     return _decode(record[name])
+
+
+# ----------------------------------------------------------------------------------------------
+# Capture hints: what an earlier process learned about capturing a model
+# ----------------------------------------------------------------------------------------------
+
+
+def hint_key(model: Any, flat: list[Any]) -> str:
+    """A model and a call's input kinds, before export: the model's class (a function's name and
+    place) with its parameters' names and shapes, each input's dtype and rank. A hint only
+    chooses which dims to export dynamic, so a key that two models share costs dynamism, never
+    correctness."""
+    if isinstance(model, torch.nn.Module):
+        kind = type(model)
+        params = [(n, list(p.shape)) for n, p in model.named_parameters()]
+    else:
+        kind, params = getattr(model, "__func__", model), []
+    code = getattr(kind, "__code__", None)
+    where = [code.co_filename, code.co_firstlineno] if code is not None else []
+    ident = [getattr(kind, "__module__", ""), getattr(kind, "__qualname__", repr(kind)), where, params]
+    inputs = [f"{t.dtype}:{t.dim()}" if isinstance(t, torch.Tensor) else type(t).__name__ for t in flat]
+    text = json.dumps([versions(), ident, inputs], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def hint_path(key: str) -> str:
+    return os.path.join(config.cache_dir, "hints", key[:2], f"{key}.json")
+
+
+def read_hint(key: str) -> dict | None:
+    """The hint stored under `key` (its checksum and key verified), or None."""
+    if not config.cache:
+        return None
+    try:
+        with open(hint_path(key), encoding="utf-8") as f:
+            record = verified(f.read(), key)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, UnicodeDecodeError, CacheError) as e:
+        cache_log.info("ignoring the capture hint %s (%s)", hint_path(key), e)
+        return None
+    cache_log.info("capture hint %s: %s", hint_path(key), record)
+    return record
+
+
+def write_hint(key: str, hint: dict) -> None:
+    if not config.cache:
+        return
+    body = json.dumps({"format": FORMAT, "key": key, **hint}, sort_keys=True)
+    try:
+        atomic_write(hint_path(key), hashlib.sha256(body.encode()).hexdigest() + "\n" + body)
+    except OSError as e:
+        cache_log.warning("gjit: could not write the capture hint %s (%s)", hint_path(key), e)
