@@ -193,6 +193,9 @@ SCALAR_OPERANDS = {
     "floor_negative": lambda x: x + math.floor((x.shape[0] - 20) / 3),
     "ceil_negative": lambda x: x + math.ceil((x.shape[0] - 20) / 3),
     "floordiv_negative": lambda x: x + (x.shape[0] - 20) // 3,
+    # a negative divisor: a truncating // or % is not Python's
+    "floordiv_by_negative": lambda x: x + x.shape[0] // -7,
+    "mod_by_negative": lambda x: x + x.shape[0] % -7,
     "round": lambda x: x + round(x.shape[0] / 3),
     "roll_by_round": lambda x: torch.roll(x, round(x.shape[0] / 3), 0),
     "full_of_round": lambda x: torch.full((4,), round(x.shape[0] / 3)) + x[0, 0],

@@ -148,15 +148,16 @@ FLOOR_LIKE = (FloorDiv, CleanDiv, CeilDiv, ModularIndexing, Mod, PythonMod)
 def _index_math(expr: sympy.Basic, scalar: bool = False, env: Any = None) -> bool:
     """Whether the kernel printers print `expr` as integer math. Kernels print floor division
     and modulo as the language's, which truncate (C, Triton): exact for a size's own terms
-    (non-negative), so a `scalar` operand needs a numerator known to be non-negative: by sympy,
-    or by the ranges of the shape environment `env` (which the entry's guards check), as a
-    convolution's output size (s - 3) // 4 + 1 with s >= 3."""
+    (non-negative), so a `scalar` operand needs a numerator known to be non-negative and divisors
+    known to be positive: by sympy, or by the ranges of the shape environment `env` (which the
+    entry's guards check), as a convolution's output size (s - 3) // 4 + 1 with s >= 3."""
     if isinstance(expr, (sympy.Symbol, sympy.Integer)) or expr in (sympy.true, sympy.false):
         return True
-    if scalar and isinstance(expr, FLOOR_LIKE + (CeilToInt, FloorToInt)):
-        numerator = expr.args[0].args[0] if isinstance(expr, (CeilToInt, FloorToInt)) else expr.args[0]
-        if not _nonnegative(numerator, env):
+    if scalar and isinstance(expr, FLOOR_LIKE):
+        if not _at_least(expr.args[0], 0, env) or not all(_at_least(d, 1, env) for d in expr.args[1:]):
             return False
+    if scalar and isinstance(expr, (CeilToInt, FloorToInt)) and not _at_least(expr.args[0].args[0], 0, env):
+        return False
     if isinstance(expr, (CeilToInt, FloorToInt)):  # math.ceil(n / 3): ceil/floor of an int over a
         inner = expr.args[0]  # positive literal
         return (
@@ -176,8 +177,9 @@ def _index_math(expr: sympy.Basic, scalar: bool = False, env: Any = None) -> boo
     return isinstance(expr, INDEX_FUNCTIONS) and all(_index_math(a, scalar, env) for a in expr.args)
 
 
-def _nonnegative(expr: sympy.Expr, env: Any) -> bool:
-    if getattr(expr, "is_nonnegative", False):
+def _at_least(expr: sympy.Expr, bound: int, env: Any) -> bool:
+    """Whether `expr` >= bound (0 or 1) for every size: by sympy, or by `env`'s ranges."""
+    if getattr(expr, "is_nonnegative" if bound == 0 else "is_positive", False):
         return True
     if env is None:
         return False
@@ -185,7 +187,7 @@ def _nonnegative(expr: sympy.Expr, env: Any) -> bool:
         lower = env.bound_sympy(expr).lower
     except Exception:  # an expression torch's range analysis does not bound
         return False
-    return bool(lower.is_number and lower >= 0)
+    return bool(lower.is_number and lower >= bound)
 
 
 def scalar_reason(node: torch.fx.Node) -> str | None:
