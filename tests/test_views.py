@@ -360,10 +360,11 @@ class AdaptivePool1d(torch.nn.Module):
 
 
 AS_STRIDED = {
-    # a computed row-major value: an index function, no extern
+    # a computed row-major value: an index function, no extern (static sizes: with dynamic ones a
+    # fixed window of a value of any size is not provably inside it, and stays ATen's)
     "overlapping_windows": (lambda x: (x * 2).as_strided((3, 4), (1, 2), 1).exp(), (4, 6), True),
     "default_offset": (lambda x: (x + 1).as_strided((2, 5), (5, 1)) * 3, (4, 6), True),
-    "adaptive_avg_pool1d": (AdaptivePool1d(), (2, 5, 3), True),
+    "reaching_the_last_element": (lambda x: (x * 2).as_strided((4, 6), (6, 1), 0).exp(), (4, 6), True),
     # storage the graph does not own or lay out row-major: ATen's as_strided on eager's layout
     "of_an_input": (lambda x: x.as_strided((3, 4), (1, 2), 1) * 2, (4, 6), False),
     "of_a_view": (lambda x: x[1:].as_strided((3, 4), (1, 2), 1) * 2, (4, 6), False),
@@ -375,6 +376,31 @@ AS_STRIDED = {
 def test_as_strided(name):
     fn, shape, lowered = AS_STRIDED[name]
     x = torch.randn(shape)
-    cm = check(fn, x)
+    cm = check(gjit.compile(fn, dynamic=False), x)
     externs = [e.op for e in gjit.explain(cm, x).externs]
     assert ("aten.as_strided.default" not in externs) == lowered, externs
+
+
+def test_adaptive_avg_pool1d_restride_is_a_view_at_dynamic_sizes():
+    cm = gjit.compile(AdaptivePool1d())
+    for shape in ((2, 5, 3), (3, 4, 6)):
+        x = torch.randn(shape)
+        check(cm, x)
+        assert not gjit.explain(cm, x).externs
+    assert len(cm.entries) == 1
+
+
+def test_as_strided_past_the_values_elements_is_never_a_kernel_read():
+    # eager refuses it (out of the storage's bounds); export does not check, and a kernel would
+    # read past the buffer: gjit leaves it to ATen, which raises as eager does
+    def past_the_end(x):
+        return (x * 2).as_strided((5, 6), (6, 1), 0) + 1
+
+    x = torch.randn(4, 6)
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        past_the_end(x)
+    cm = gjit.compile(past_the_end, dynamic=False)
+    with pytest.raises(RuntimeError, match="out of bounds"), gjit.config.scope(interpret=True):
+        cm(x)
+    assert [e.op for e in gjit.explain(cm, x).externs] == ["aten.as_strided.default"]
+

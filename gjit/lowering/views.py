@@ -243,6 +243,14 @@ def as_strided(ctx: Lowering, x: TensorValue, size: list, stride: list, storage_
     base = to_sympy(val.storage_offset())
     begin = base if storage_offset is None else to_sympy(storage_offset)
     steps = [to_sympy(st) for st in stride]
+    out_size = [to_sympy(n) for n in size]
+    # eager reads only the value's own elements, or refuses (out of the storage's bounds): the
+    # kernel must never read past them, so the first and the last element read are proven in it
+    last = begin - base + sum(((n - 1) * st for n, st in zip(out_size, steps)), ZERO)
+    empty = any(n == 0 for n in out_size)
+    inside = [begin - base, dense - 1 - last, *steps]
+    if not empty and not all(_statically_known_nonnegative(ctx, e) for e in inside):
+        raise Unsupported("as_strided whose elements are not provably inside the value")
 
     def reindex(idx: Index) -> Index:
         flat = begin - base + sum((i * st for i, st in zip(idx, steps)), ZERO)
