@@ -13,7 +13,7 @@ import torch.utils._pytree as pytree
 
 from gjit import kv_cache, logs, stats
 from gjit.calling import bind_call, forward_signature
-from gjit.capture import CaptureError, DecompositionError, capture, readable
+from gjit.capture import TOO_SLOW, CaptureError, DecompositionError, capture, readable
 from gjit.codegen.toolchain.compile_only import start_warm_up
 from gjit.config import BACKENDS, CompileOptions, config
 from gjit.debug import dump
@@ -186,7 +186,7 @@ class CompiledFunction:
         self._warned_autograd = False
         self._warned_limit = False
         self.misses = MissHistory()
-        self.static_because: str | None = None  # why later entries export the batch dims only
+        self.narrowed: str | None = None  # "batch" or "static": an export ran past its budget
         self._tensor_tuple_specs: dict[int, pytree.TreeSpec] = {}
         self._fast_arity = _fast_arity(self.signature)
         self._bind_plans: dict[tuple, tuple[list[str], list[str]]] = {}
@@ -396,15 +396,17 @@ class CompiledFunction:
                 from_one |= {(i, d) for d, (lo, _) in free.items() if lo == 1}
         # what an earlier process learned: this model's export ran past the budget
         hint = None
-        if dims and config.cache and not self.static_because:
+        if dims and config.cache and self.narrowed is None:
             hint = disk_cache.hint_key(self.model, flat)
             record = disk_cache.read_hint(hint)
-            if record is not None:
-                self.static_because = f"{record['static_because']} (in an earlier process: on-disk hint)"
-                log.warning("%s: %s; exporting the batch dims only", self._name(), self.static_because)
-        if self.static_because:  # an earlier export ran past its budget: the batch dims only
-            dims = batch_dims(dims, flat)
-            from_one = {(i, d) for i, d in from_one if d in dims.get(i, {})}
+            if record is not None and record.get("narrowed") in ("batch", "static"):
+                self.narrowed = record["narrowed"]
+                what = "only the batch dims dynamic" if self.narrowed == "batch" else "static shapes"
+                log.warning("%s: %s earlier (on-disk hint); exporting %s", self._name(), TOO_SLOW, what)
+        if self.narrowed == "static":
+            dims, from_one = {}, set()
+        elif self.narrowed == "batch":
+            dims = batch_dims(dims, flat, from_one)
         cache_log.info("%s: no entry admits the call (in-memory cache miss); compiling", self._name())
         on_gpu = any(isinstance(v, torch.Tensor) and v.is_cuda for v in flat)
         options = CompileOptions.from_config(
@@ -414,12 +416,11 @@ class CompiledFunction:
             start_warm_up()  # Triton's first build in this process pays it: run it beside capture
         try:
             try:
-                exported = capture(
-                    self.model, args, kwargs, dims, timings, frozenset(from_one), batch_dims(dims, flat)
-                )
-                if exported.static_because and hint is not None:  # the next process starts narrower
-                    disk_cache.write_hint(hint, {"static_because": exported.static_because})
-                self.static_because = self.static_because or exported.static_because
+                fallback = batch_dims(dims, flat, from_one)
+                exported = capture(self.model, args, kwargs, dims, timings, frozenset(from_one), fallback)
+                if exported.narrowed and hint is not None:  # the next process starts narrower
+                    disk_cache.write_hint(hint, {"narrowed": exported.narrowed})
+                self.narrowed = exported.narrowed or self.narrowed
                 program = compile_program(exported, timings, options, example=flat)
             except DecompositionError as e:
                 if not dims:

@@ -296,8 +296,8 @@ class Exported:
     aliases: CacheAliases = dataclasses.field(default_factory=CacheAliases)  # returned caches that are inputs
     # (flat input, dim) traced size-obliviously with a floor of 1 (export's range holds for them)
     from_one: frozenset[tuple[int, int]] = frozenset()
-    # why the dims asked dynamic were exported static (the dynamic export's budget ran out)
-    static_because: str | None = None
+    # the dynamic export ran past its budget: "batch" (the batch dims exported dynamic) or "static"
+    narrowed: str | None = None
 
     @property
     def user_vals(self) -> list[Any]:
@@ -321,7 +321,7 @@ def capture(
     `dims`: which input dims to export as dynamic; if export fails with them, gjit retries with
     static shapes (a failure about types is not retried). If its symbolic size reasoning runs
     past gjit.config.dynamic_export_budget, gjit exports with the `fallback` dims (the batch),
-    then static, and the result says so (`static_because`). `timings` gets "export".
+    then static, and the result says so (`narrowed`). `timings` gets "export".
     """
     timings = {} if timings is None else timings
     program = load_program(model)
@@ -334,18 +334,11 @@ def capture(
     kv_cache.register([*args, *kwargs.values()], model)
     module, args, kwargs = constants_as_tokens(module, args, kwargs)
     aliases = CacheAliases()
-    static_because = None
+    too_slow = False
     try:
         exported, oblivious = export_model(module, args, kwargs, dims, timings, aliases, from_one)
     except ExportTooSlow:
-        static_because = (
-            "torch.export's symbolic size reasoning with dynamic dims ran past "
-            f"gjit.config.dynamic_export_budget ({config.dynamic_export_budget:g} s of slow ops)"
-        )
-        exported, oblivious = _export_narrower(
-            module, args, kwargs, fallback if fallback != dims else {}, timings, aliases, from_one,
-            f"{getattr(model, '__name__', type(model).__name__)}: {static_because}",
-        )  # fmt: skip
+        too_slow = True  # exported again below, once this traceback (the whole trace) is gone
     except Exception as e:
         if not dims or _not_about_shapes(e):
             raise CaptureError(_explain_failure(e, args, kwargs)) from e
@@ -359,6 +352,13 @@ def capture(
             exported, oblivious = export_model(module, args, kwargs, {}, timings, aliases)
         except Exception as e2:
             raise CaptureError(_explain_failure(e2, args, kwargs)) from e2
+    narrowed = None
+    if too_slow:
+        name = getattr(model, "__name__", type(model).__name__)
+        narrower = fallback if fallback and fallback != dims else {}
+        exported, oblivious, narrowed = _export_narrower(
+            module, args, kwargs, narrower, timings, aliases, from_one, name
+        )
     log.info(
         "exported %s: %d ATen nodes",
         type(model).__name__
@@ -372,7 +372,7 @@ def capture(
             "with use_cache=False?); a compiled call can only update a cache the model returns, so "
             "this call runs eagerly: pass use_cache=True, or no cache"
         )
-    return Exported(exported, module, aliases, from_one if oblivious else frozenset(), static_because)
+    return Exported(exported, module, aliases, from_one if oblivious else frozenset(), narrowed)
 
 
 def captured_program(exported: Exported, decomposed: ExportedProgram) -> CapturedProgram:
@@ -401,6 +401,12 @@ def readable(gm: torch.fx.GraphModule) -> str:
     return gm.print_readable(print_output=False, include_stride=False, colored=False)
 
 
+# why an export was narrowed, for the warning and the on-disk hint
+TOO_SLOW = (
+    "torch.export's symbolic size reasoning with dynamic dims ran past gjit.config.dynamic_export_budget"
+)
+
+
 def _export_narrower(
     module: torch.nn.Module,
     args: tuple,
@@ -409,27 +415,32 @@ def _export_narrower(
     timings: dict[str, float],
     aliases: CacheAliases,
     from_one: frozenset[tuple[int, int]],
-    why: str,
-) -> tuple[ExportedProgram, bool]:
-    """An export with dynamic dims ran past its budget: export with the `narrower` dims (under
-    the budget too), else with static shapes. Warns once with `why` and what it exports."""
-    log.warning(
-        "%s; this callable exports %s from now on (gjit.mark_dynamic still makes a dim dynamic)",
-        why,
-        "only the batch dims (dim 0) dynamic" if narrower else "static shapes",
-    )
+    name: str,
+) -> tuple[ExportedProgram, bool, str]:
+    """An export with dynamic dims ran past its budget: export with the `narrower` dims (the
+    batch, under the budget too), else with static shapes; returns what it exported ("batch" or
+    "static"). Warns once, with what the callable exports from now on."""
+    budget = f"{TOO_SLOW} ({config.dynamic_export_budget:g} s of slow ops)"
     stats.COUNTERS["dynamic_exports_abandoned"] += 1
     if narrower:
+        log.warning("%s: %s; exporting only the batch dims (dim 0) dynamic from now on", name, budget)
+        too_slow = False
         try:
-            return export_model(module, args, kwargs, narrower, timings, aliases, from_one)
+            exported, oblivious = export_model(module, args, kwargs, narrower, timings, aliases, from_one)
+            return exported, oblivious, "batch"
         except ExportTooSlow:
-            log.warning("the export with only the batch dims dynamic ran past the budget too: static shapes")
+            too_slow = True
         except Exception as e:
-            log.info("the export with only the batch dims dynamic failed (%s): static shapes", e)
+            log.info("%s: the export with the batch dims dynamic failed (%s); static shapes", name, e)
+        if too_slow:
+            log.warning("%s: the batch-dynamic export ran past it too; static from now on", name)
+    else:
+        log.warning("%s: %s; exporting static shapes from now on", name, budget)
     try:
-        return export_model(module, args, kwargs, {}, timings, aliases)
+        exported, oblivious = export_model(module, args, kwargs, {}, timings, aliases)
     except Exception as e:
         raise CaptureError(_explain_failure(e, args, kwargs)) from e
+    return exported, oblivious, "static"
 
 
 def _not_about_shapes(e: Exception) -> bool:

@@ -8,14 +8,17 @@ view's sizes with sympy. A Swin-T at 224x224 exports in 1.2 s with static shapes
 dynamic image sizes.
 
 `export_budget(seconds)` wraps such an export. A watchdog thread samples the exporting thread's
-Python stack every POLL seconds and finds the op being dispatched (the outermost
-`__torch_dispatch__` frame, fake tensors' or the tracer's): an op still in dispatch after
-SLOW_CALL seconds is the symbolic reasoning gone nonlinear. Once such ops have taken `seconds` in
-all, the watchdog raises ExportTooSlow in the exporting thread at its next Python bytecode (in
-sympy or torch's shape code), and capture exports again with fewer dynamic dims. Fast ops never
-count, so a large model that exports slowly because it has many ops is never interrupted. Nothing
-runs in the exporting thread itself (a TorchFunctionMode would: Dynamo traces modes, and
-torch.cond's branches go through Dynamo).
+Python stack every POLL seconds: the op being dispatched is the innermost `__torch_dispatch__`
+frame, and the sample is symbolic when one of the innermost frames is sympy's or torch's shape
+code. An op whose own symbolic samples add up to more than SLOW_OP seconds is the reasoning gone
+nonlinear; once such ops have taken `seconds` in all, the watchdog raises ExportTooSlow in the
+exporting thread, and only while it is inside such an op's symbolic code, so the exception lands
+in sympy, never in torch's code that restores process-wide state. Capture then exports again
+with fewer dynamic dims. Fast ops never count, nor does an op's time in the ops it decomposes into
+(nn.LSTM's one lstm op traces thousands), so a model that exports slowly because it has many ops
+is never interrupted. A raise that lands in a __del__ is swallowed by Python: the watchdog raises
+again after RETRY seconds while the op is still slow. Nothing runs in the exporting thread itself
+(a TorchFunctionMode would: Dynamo traces modes, and torch.cond's branches go through Dynamo).
 
 ExportTooSlow is a BaseException, as KeyboardInterrupt is: torch's `except Exception` fallbacks
 must not swallow it. Torch's context managers unwind as for any exception; `restore_mode_stacks`
@@ -37,45 +40,58 @@ import torch
 
 log = logging.getLogger("gjit.capture")
 
-# an op of a fake-tensor trace still in dispatch after this many seconds is symbolic size reasoning
-SLOW_CALL = 0.5
+# an op of a fake-tensor trace with this many seconds of its own in symbolic code is slow
+SLOW_OP = 0.5
 POLL = 0.05
+RETRY = 1.0  # seconds before raising again in an op the first raise did not leave
+# where symbolic size reasoning runs: sympy, torch's shape environment and its sympy functions
+SYMBOLIC_MODULES = ("sympy.", "torch.fx.experimental.symbolic_shapes", "torch.fx.experimental.sym_node",
+                    "torch.utils._sympy.")  # fmt: skip
+INNERMOST = 4  # frames at the top of the stack that decide whether a sample is symbolic
 
 
 class ExportTooSlow(BaseException):
     """The export's symbolic size reasoning ran past its budget."""
 
 
-def _op_in_dispatch(frame: FrameType | None) -> FrameType | None:
-    """The outermost `__torch_dispatch__` frame of a stack: the op being dispatched."""
-    found = None
+def _stack(frame: FrameType | None) -> tuple[list[int], bool]:
+    """The ops in dispatch on a stack (the ids of their `__torch_dispatch__` frames, innermost
+    first), and whether the stack's innermost frames are symbolic size reasoning. Frames are
+    not kept: a frame the watchdog holds keeps the trace's tensors alive past their time, and
+    export then finds a fake tensor among its constants."""
+    ops, symbolic, depth = [], False, 0
     while frame is not None:
+        if depth < INNERMOST and frame.f_globals.get("__name__", "").startswith(SYMBOLIC_MODULES):
+            symbolic = True
         if frame.f_code.co_name == "__torch_dispatch__":
-            found = frame
-        frame = frame.f_back
-    return found
+            ops.append(id(frame))
+        frame, depth = frame.f_back, depth + 1
+    return ops, symbolic
 
 
 class _SlowOps:
-    """Seconds the sampled thread has spent in ops that were slow (longer than SLOW_CALL)."""
+    """Seconds the sampled thread has spent in symbolic code of its own in slow ops."""
 
     def __init__(self, thread_id: int) -> None:
         self.thread_id = thread_id
-        self.op: FrameType | None = None  # the op in dispatch at the last sample
-        self.since = 0.0
+        self.last = time.monotonic()
+        self.ops: dict[int, float] = {}  # ops in dispatch (frame ids) -> their own symbolic seconds
         self.finished = 0.0  # seconds of slow ops that have returned
 
-    def sample(self) -> float:
-        frame = sys._current_frames().get(self.thread_id)
-        op = _op_in_dispatch(frame)
-        del frame
+    def sample(self) -> tuple[float, bool]:
+        """(seconds of slow ops so far, whether the thread is in a slow op's symbolic code now)."""
+        ops, symbolic = _stack(sys._current_frames().get(self.thread_id))
         now = time.monotonic()
-        if op is not self.op:
-            if self.op is not None and now - self.since > SLOW_CALL:
-                self.finished += now - self.since
-            self.op, self.since = op, now
-        current = now - self.since if self.op is not None else 0.0
-        return self.finished + (current if current > SLOW_CALL else 0.0)
+        step, self.last = now - self.last, now
+        live = set(ops)
+        for op in [op for op in self.ops if op not in live]:  # returned since the last sample
+            spent = self.ops.pop(op)
+            self.finished += spent if spent > SLOW_OP else 0.0
+        innermost = ops[0] if ops else None
+        if innermost is not None:
+            self.ops[innermost] = self.ops.get(innermost, 0.0) + (step if symbolic else 0.0)
+        total = self.finished + sum(t for t in self.ops.values() if t > SLOW_OP)
+        return total, symbolic and innermost is not None and self.ops[innermost] > SLOW_OP
 
 
 def _raise_in(thread_id: int, exc: type[BaseException] | None) -> None:
@@ -88,25 +104,33 @@ def _raise_in(thread_id: int, exc: type[BaseException] | None) -> None:
 @contextlib.contextmanager
 def export_budget(seconds: float) -> Iterator[None]:
     """Raise ExportTooSlow in this thread once the export inside has spent `seconds` in slow
-    ops (0 or less: no budget)."""
+    ops' symbolic code (0 or less: no budget)."""
     if seconds <= 0:
         yield
         return
     target = threading.get_ident()
     slow = _SlowOps(target)
-    lock = threading.Lock()
-    state = {"active": True, "fired": False}
     done = threading.Event()
 
     def watch() -> None:
+        fired = -RETRY
         while not done.wait(POLL):
-            if slow.sample() > seconds:
-                with lock:
-                    if state["active"]:
-                        state["fired"] = True
-                        _raise_in(target, ExportTooSlow)
-                break
-        slow.op = None  # no frame of the export kept alive
+            total, in_slow_op = slow.sample()
+            if total > seconds and in_slow_op and time.monotonic() - fired >= RETRY:
+                _raise_in(target, ExportTooSlow)
+                fired = time.monotonic()
+
+    def stop() -> None:
+        """Stop the watchdog, then cancel a raise it made that has not landed yet; one that
+        lands meanwhile is dropped (the export finished, or is already being interrupted)."""
+        while True:
+            try:
+                done.set()
+                watcher.join()
+                _raise_in(target, None)
+                return
+            except ExportTooSlow:
+                continue
 
     watcher = threading.Thread(target=watch, name="gjit-export-budget", daemon=True)
     stacks = mode_stacks()
@@ -114,14 +138,11 @@ def export_budget(seconds: float) -> Iterator[None]:
     try:
         yield
     except ExportTooSlow:
+        stop()
         restore_mode_stacks(stacks)
         raise
     finally:
-        with lock:
-            state["active"] = False
-            if state["fired"]:  # raised already, or cancelled here: the export finished first
-                _raise_in(target, None)
-        done.set()
+        stop()
 
 
 def mode_stacks() -> tuple[int, int, dict]:
@@ -144,7 +165,7 @@ def restore_mode_stacks(before: tuple[int, int, dict]) -> None:
     for key, mode in infra.items():  # infra modes (fake, proxy) count in the dispatch stack's length
         now = torch._C._get_dispatch_mode(key)
         if now is not mode:
-            left.append(type(now).__name__)
+            left.append(f"{key.name}: {type(now).__name__ if now is not None else 'none'}")
             torch._C._unset_dispatch_mode(key)
             if mode is not None:
                 torch._C._set_dispatch_mode(mode)

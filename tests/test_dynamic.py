@@ -7,6 +7,7 @@ import logging
 import time
 
 import pytest
+import sympy
 import torch
 
 import gjit
@@ -559,17 +560,20 @@ def test_a_convolutions_dynamic_output_size_does_not_make_an_extern():
 
 
 @torch.library.custom_op("gjit_test::slow_when_dynamic", mutates_args=())
-def slow_when_dynamic(x: torch.Tensor) -> torch.Tensor:
+def slow_when_dynamic(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
     return x * 2
 
 
 @slow_when_dynamic.register_fake
-def _(x):
-    """Symbolic size reasoning gone slow (as Swin's window views): seconds while dim 1 is dynamic."""
-    if isinstance(x.shape[1], torch.SymInt):
+def _(x, dim=1):
+    """Symbolic size reasoning gone slow (as Swin's window views): seconds of sympy while `dim`
+    is dynamic."""
+    if isinstance(x.shape[dim], torch.SymInt):
+        n, k = x.shape[dim].node.expr, 0
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            time.sleep(0.01)
+            k += 1
+            sympy.expand((n + k) ** 12)  # a new expression each time: sympy's cache does not answer
     return torch.empty_like(x)
 
 
@@ -592,6 +596,33 @@ def test_an_export_past_its_budget_exports_the_batch_dims_only(caplog):
     assert len(cm.entries) == 2
     assert [[d.split(" = ")[0] for d in e.guards.dynamic_dims] for e in cm.entries] == [["x.size(0)"]] * 2
     assert mode_stacks() == stacks  # nothing left on torch's mode stacks
+
+
+def test_an_export_slow_in_its_batch_dim_too_is_static_from_then_on(caplog):
+    cm = gjit.compile(lambda x: slow_when_dynamic(x.sin(), 0) + 1)
+    with gjit.config.scope(dynamic_export_budget=1.0), caplog.at_level(logging.WARNING, "gjit.capture"):
+        for shape in ((4, 6), (5, 6), (6, 7)):
+            x = torch.randn(shape)
+            out, _ = run_compiled(cm, x)
+            assert_same(out, x.sin() * 2 + 1)
+    # one abandonment: the batch-dynamic export ran past the budget too, and later compiles are
+    # static without trying either again
+    assert gjit.stats()["dynamic_exports_abandoned"] == 1
+    assert sum("ran past" in r.getMessage() for r in caplog.records) == 2, caplog.text
+    assert cm.narrowed == "static" and len(cm.entries) == 3
+    assert all(not e.guards.dynamic_dims for e in cm.entries)
+
+
+def test_batch_dims_keep_marks_kv_lengths_and_int_inputs():
+    from gjit.guards.policy import batch_dims
+
+    marked, cache = torch.randn(2, 3, 4), torch.randn(2, 4, 5, 8)
+    gjit.mark_dynamic(marked, 2)
+    flat = [marked, 7, cache]
+    free = (None, None)
+    dims = {0: {0: free, 1: free, 2: (2, None)}, 1: {}, 2: {0: free, 1: free, 2: (1, None)}}
+    expected = {0: {0: free, 2: (2, None)}, 1: {}, 2: {0: free, 2: (1, None)}}
+    assert batch_dims(dims, flat, keep={(2, 2)}) == expected
 
 
 def slow_program(x):
