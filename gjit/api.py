@@ -396,17 +396,16 @@ class CompiledFunction:
                 from_one |= {(i, d) for d, (lo, _) in free.items() if lo == 1}
         # what an earlier process learned: this model's export ran past the budget
         hint = None
-        if dims and config.cache and self.narrowed is None:
+        if dims and config.cache and config.dynamic_export_budget > 0:
             hint = disk_cache.hint_key(self.model, flat)
-            record = disk_cache.read_hint(hint)
+            record = disk_cache.read_hint(hint) if hint is not None and self.narrowed is None else None
             if record is not None and record.get("narrowed") in ("batch", "static"):
                 self.narrowed = record["narrowed"]
                 what = "only the batch dims dynamic" if self.narrowed == "batch" else "static shapes"
                 log.warning("%s: %s earlier (on-disk hint); exporting %s", self._name(), TOO_SLOW, what)
-        if self.narrowed == "static":
-            dims, from_one = {}, set()
-        elif self.narrowed == "batch":
-            dims = batch_dims(dims, flat, from_one)
+        if self.narrowed is not None:  # static still keeps the user's marks and a KV cache's length
+            dims = batch_dims(dims, flat, from_one, batch=self.narrowed == "batch")
+            from_one = {(i, d) for i, d in from_one if d in dims.get(i, {})}
         cache_log.info("%s: no entry admits the call (in-memory cache miss); compiling", self._name())
         on_gpu = any(isinstance(v, torch.Tensor) and v.is_cuda for v in flat)
         options = CompileOptions.from_config(
@@ -418,9 +417,11 @@ class CompiledFunction:
             try:
                 fallback = batch_dims(dims, flat, from_one)
                 exported = capture(self.model, args, kwargs, dims, timings, frozenset(from_one), fallback)
-                if exported.narrowed and hint is not None:  # the next process starts narrower
-                    disk_cache.write_hint(hint, {"narrowed": exported.narrowed})
-                self.narrowed = exported.narrowed or self.narrowed
+                if exported.narrowed:
+                    if hint is not None and exported.narrowed != self.narrowed:  # the next process
+                        disk_cache.write_hint(hint, {"narrowed": exported.narrowed})  # starts there
+                    self.narrowed = exported.narrowed
+                    dims = fallback if exported.narrowed == "batch" else {}  # what export was asked
                 program = compile_program(exported, timings, options, example=flat)
             except DecompositionError as e:
                 if not dims:

@@ -422,15 +422,15 @@ def _export_narrower(
     "static"). Warns once, with what the callable exports from now on."""
     budget = f"{TOO_SLOW} ({config.dynamic_export_budget:g} s of slow ops)"
     stats.COUNTERS["dynamic_exports_abandoned"] += 1
+    too_slow = False
     if narrower:
         log.warning("%s: %s; exporting only the batch dims (dim 0) dynamic from now on", name, budget)
-        too_slow = False
         try:
             exported, oblivious = export_model(module, args, kwargs, narrower, timings, aliases, from_one)
             return exported, oblivious, "batch"
         except ExportTooSlow:
             too_slow = True
-        except Exception as e:
+        except Exception as e:  # a failure of its own: this entry static, the next tries again
             log.info("%s: the export with the batch dims dynamic failed (%s); static shapes", name, e)
         if too_slow:
             log.warning("%s: the batch-dynamic export ran past it too; static from now on", name)
@@ -440,7 +440,7 @@ def _export_narrower(
         exported, oblivious = export_model(module, args, kwargs, {}, timings, aliases)
     except Exception as e:
         raise CaptureError(_explain_failure(e, args, kwargs)) from e
-    return exported, oblivious, "static"
+    return exported, oblivious, "static" if too_slow or not narrower else "batch"
 
 
 def _not_about_shapes(e: Exception) -> bool:

@@ -13,7 +13,8 @@ frame, and the sample is symbolic when one of the innermost frames is sympy's or
 code. An op whose own symbolic samples add up to more than SLOW_OP seconds is the reasoning gone
 nonlinear; once such ops have taken `seconds` in all, the watchdog raises ExportTooSlow in the
 exporting thread, and only while it is inside such an op's symbolic code, so the exception lands
-in sympy, never in torch's code that restores process-wide state. Capture then exports again
+in sympy or torch's shape code (almost always: it arrives at the thread's next check for one),
+not in torch's code that restores process-wide state. Capture then exports again
 with fewer dynamic dims. Fast ops never count, nor does an op's time in the ops it decomposes into
 (nn.LSTM's one lstm op traces thousands), so a model that exports slowly because it has many ops
 is never interrupted. A raise that lands in a __del__ is swallowed by Python: the watchdog raises
@@ -82,7 +83,8 @@ class _SlowOps:
         """(seconds of slow ops so far, whether the thread is in a slow op's symbolic code now)."""
         ops, symbolic = _stack(sys._current_frames().get(self.thread_id))
         now = time.monotonic()
-        step, self.last = now - self.last, now
+        # a sample the GIL delayed (a long C call) bills at most a few polls to the op it finds
+        step, self.last = min(now - self.last, 4 * POLL), now
         live = set(ops)
         for op in [op for op in self.ops if op not in live]:  # returned since the last sample
             spent = self.ops.pop(op)
@@ -112,13 +114,14 @@ def export_budget(seconds: float) -> Iterator[None]:
     slow = _SlowOps(target)
     done = threading.Event()
 
+    fired: list[float] = []  # when the watchdog raised
+
     def watch() -> None:
-        fired = -RETRY
         while not done.wait(POLL):
             total, in_slow_op = slow.sample()
-            if total > seconds and in_slow_op and time.monotonic() - fired >= RETRY:
+            if total > seconds and in_slow_op and (not fired or time.monotonic() - fired[-1] >= RETRY):
                 _raise_in(target, ExportTooSlow)
-                fired = time.monotonic()
+                fired.append(time.monotonic())
 
     def stop() -> None:
         """Stop the watchdog, then cancel a raise it made that has not landed yet; one that
@@ -137,11 +140,14 @@ def export_budget(seconds: float) -> Iterator[None]:
     watcher.start()
     try:
         yield
-    except ExportTooSlow:
+    except BaseException as e:
         stop()
-        restore_mode_stacks(stacks)
+        if fired or isinstance(e, ExportTooSlow):  # another exception may carry it (a __del__'s)
+            restore_mode_stacks(stacks)
+        if fired and not isinstance(e, ExportTooSlow):
+            raise ExportTooSlow from e  # the budget ran out; what it interrupted failed otherwise
         raise
-    finally:
+    else:
         stop()
 
 

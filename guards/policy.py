@@ -85,18 +85,19 @@ def batch_dims(
     dims: dict[int, dict[int, tuple[int | None, int | None]]],
     flat: list[Any],
     keep: Collection[tuple[int, int]] = (),
+    batch: bool = True,
 ) -> dict:
     """`dims` narrowed to dim 0 of each tensor input (the batch, which size arithmetic through
-    floor division and modulo rarely involves), the dims the user marked, the `keep` pairs (a KV
-    cache's length) and int inputs: what gjit exports dynamic once an export with `dims` ran past
-    gjit.config.dynamic_export_budget."""
+    floor division and modulo rarely involves; `batch=False`: not even that), the dims the user
+    marked, the `keep` pairs (a KV cache's length) and int inputs: what gjit exports dynamic once
+    an export with `dims` ran past gjit.config.dynamic_export_budget."""
     out = {}
     for i, ranges in dims.items():
         if not isinstance(flat[i], torch.Tensor):
             out[i] = ranges  # an int input exported as a symbol
             continue
         marks = getattr(flat[i], MARKS, None) or {}
-        kept = {d: r for d, r in ranges.items() if d == 0 or d in marks or (i, d) in keep}
+        kept = {d: r for d, r in ranges.items() if (batch and d == 0) or d in marks or (i, d) in keep}
         if kept:
             out[i] = kept
     return out

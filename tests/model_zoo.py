@@ -218,6 +218,37 @@ MORE_MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple]]] = {
         "RobertaConfig", "RobertaModel", lambda: (token_ids(),), max_position_embeddings=40, **_ENCODER
     ),
     "whisper_encoder": _whisper_encoder,
+    "poolformer": _hf_tiny(
+        "PoolFormerConfig",
+        "PoolFormerModel",
+        lambda: (image(),),
+        hidden_sizes=[16, 32, 48, 64],
+        depths=[1, 1, 1, 1],
+    ),
+    "segformer": _hf_tiny(
+        "SegformerConfig",
+        "SegformerModel",
+        lambda: (image(),),
+        num_encoder_blocks=2,
+        depths=[1, 1],
+        sr_ratios=[2, 1],
+        hidden_sizes=[16, 32],
+        num_attention_heads=[1, 2],
+        patch_sizes=[7, 3],
+        strides=[4, 2],
+        mlp_ratios=[2, 2],
+    ),
+    "swin": _hf_tiny(
+        "SwinConfig",
+        "SwinModel",
+        lambda: (image(),),
+        image_size=32,
+        patch_size=4,
+        embed_dim=16,
+        depths=[1, 1],
+        num_heads=[2, 4],
+        window_size=4,
+    ),
 }
 
 
@@ -256,6 +287,10 @@ DESCRIPTIONS |= {
     "distilbert": "DistilBertModel",
     "roberta": "RobertaModel (padding-aware position ids)",
     "whisper_encoder": "WhisperModel's encoder (two Conv1d + GELU front end, sinusoidal positions)",
+    "poolformer": "PoolFormerModel (GroupNorm(1, C) over dynamic image sizes, average-pool token mixer)",
+    "segformer": "SegformerModel (overlapping patch convolutions, reduced-resolution attention, Mix-FFN)",
+    "swin": "SwinModel (shifted windows: padding to the window, window views, roll; export past its "
+    "budget with dynamic image sizes, so the batch dim only)",
 }
 
 

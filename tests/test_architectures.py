@@ -1,6 +1,6 @@
 """More architectures end to end: ViT, ResNet, ConvNeXt, T5, Qwen2, Mistral, Gemma, GPT-NeoX,
-DistilBERT, RoBERTa and the Whisper encoder (tests/model_zoo.py MORE_MODELS, tiny configs,
-random weights), on Triton, and two of them on CUDA C too.
+DistilBERT, RoBERTa, the Whisper encoder, PoolFormer, SegFormer and Swin (tests/model_zoo.py
+MORE_MODELS, tiny configs, random weights), on Triton, and two of them on CUDA C too.
 
 Where tests/test_models.py pins per-model extern and kernel counts for the five models of
 docs/models.md, this file checks what holds for any model: outputs match eager (the kernels run

@@ -613,6 +613,45 @@ def test_an_export_slow_in_its_batch_dim_too_is_static_from_then_on(caplog):
     assert all(not e.guards.dynamic_dims for e in cm.entries)
 
 
+def test_a_static_callable_keeps_the_dims_the_user_marked():
+    cm = gjit.compile(lambda x: slow_when_dynamic(x.sin(), 0) + 1)
+    with gjit.config.scope(dynamic_export_budget=1.0):
+        for cols in (6, 7, 8):
+            x = torch.randn(4, cols)
+            gjit.mark_dynamic(x, 1)
+            out, _ = run_compiled(cm, x)
+            assert_same(out, x.sin() * 2 + 1)
+    # the first entry is static (its export ran past the budget twice); the next keeps the mark
+    assert cm.narrowed == "static" and len(cm.entries) == 2
+    assert [[d.split(" = ")[0] for d in e.guards.dynamic_dims] for e in cm.entries] == [[], ["x.size(1)"]]
+
+
+@torch.library.custom_op("gjit_test::slow_then_wrapped", mutates_args=())
+def slow_then_wrapped(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@slow_then_wrapped.register_fake
+def _(x):
+    """Slow symbolic reasoning inside code that turns any exception into its own."""
+    try:
+        slow_when_dynamic(x, 1)
+    except BaseException as e:
+        raise RuntimeError("a failure of its own") from e
+    return torch.empty_like(x)
+
+
+def test_an_interruption_another_exception_carries_still_narrows():
+    cm = gjit.compile(lambda x: slow_then_wrapped(x.sin()) + 1)
+    with gjit.config.scope(dynamic_export_budget=1.0):
+        for rows in (4, 5):
+            x = torch.randn(rows, 6)
+            out, _ = run_compiled(cm, x)
+            assert_same(out, x.sin() * 2 + 1)
+    assert cm.narrowed == "batch" and len(cm.entries) == 1
+    assert gjit.stats()["dynamic_exports_abandoned"] == 1
+
+
 def test_batch_dims_keep_marks_kv_lengths_and_int_inputs():
     from gjit.guards.policy import batch_dims
 

@@ -418,21 +418,30 @@ def decoded(record: dict, name: str) -> Any:
 # ----------------------------------------------------------------------------------------------
 
 
-def hint_key(model: Any, flat: list[Any]) -> str:
-    """A model and a call's input kinds, before export: the model's class (a function's name and
-    place) with its parameters' names and shapes, each input's dtype and rank. A hint only
-    chooses which dims to export dynamic, so a key that two models share costs dynamism, never
-    correctness."""
-    if isinstance(model, torch.nn.Module):
-        kind = type(model)
-        params = [(n, list(p.shape)) for n, p in model.named_parameters()]
-    else:
-        kind, params = getattr(model, "__func__", model), []
-    code = getattr(kind, "__code__", None)
-    where = [code.co_filename, code.co_firstlineno] if code is not None else []
-    ident = [getattr(kind, "__module__", ""), getattr(kind, "__qualname__", repr(kind)), where, params]
-    inputs = [f"{t.dtype}:{t.dim()}" if isinstance(t, torch.Tensor) else type(t).__name__ for t in flat]
-    text = json.dumps([versions(), ident, inputs], sort_keys=True, default=str)
+def hint_key(model: Any, flat: list[Any]) -> str | None:
+    """A model and a call's input kinds, before export: the model's class (a function's module,
+    name and place; a method's owner's class) with its parameters' names and shapes, each input's
+    dtype and rank. None for a model without a stable name (a functools.partial, an object whose
+    parameters have no shape yet). A hint only chooses which dims to export dynamic, so a key two
+    models share costs dynamism, never correctness."""
+    try:
+        owner = getattr(model, "__self__", None)
+        module = model if isinstance(model, torch.nn.Module) else owner
+        kind = type(module) if isinstance(module, torch.nn.Module) else getattr(model, "__func__", model)
+        name = getattr(kind, "__qualname__", None)
+        if not isinstance(name, str):
+            return None
+        code = getattr(kind, "__code__", None)
+        where = [code.co_filename, code.co_firstlineno] if code is not None else []
+        params = []
+        if isinstance(module, torch.nn.Module):
+            params = [(n, list(p.shape)) for n, p in module.named_parameters()]
+        ident = [getattr(kind, "__module__", ""), name, getattr(model, "__name__", ""), where, params]
+        inputs = [f"{t.dtype}:{t.dim()}" if isinstance(t, torch.Tensor) else type(t).__name__ for t in flat]
+        text = json.dumps([versions(), ident, inputs], sort_keys=True, default=str)
+    except Exception as e:  # noqa: BLE001 - no hint is the answer for what cannot be named
+        cache_log.info("no capture hint for %s (%s: %s)", type(model).__name__, type(e).__name__, e)
+        return None
     return hashlib.sha256(text.encode()).hexdigest()
 
 
