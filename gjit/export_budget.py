@@ -144,7 +144,7 @@ def export_budget(seconds: float) -> Iterator[None]:
         stop()
         if fired or isinstance(e, ExportTooSlow):  # another exception may carry it (a __del__'s)
             restore_mode_stacks(stacks)
-        if fired and not isinstance(e, ExportTooSlow):
+        if fired and isinstance(e, Exception):  # a KeyboardInterrupt stays one
             raise ExportTooSlow from e  # the budget ran out; what it interrupted failed otherwise
         raise
     else:
