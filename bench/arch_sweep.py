@@ -22,17 +22,11 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-VOCAB, BATCH, SEQ = 128, 2, 8
+sys.path.insert(0, str(ROOT / "tests"))
+# the zoo's sizes and decoder config (tests/model_zoo.py), so the sweep's models are the zoo's kind
+from model_zoo import _DECODER as DEC  # noqa: E402
+from model_zoo import BATCH, SEQ, VOCAB  # noqa: E402
 
-DEC = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    max_position_embeddings=64,
-    use_cache=False,
-)
 GQA = dict(DEC, num_key_value_heads=2)
 ENC = dict(
     vocab_size=VOCAB,
@@ -321,8 +315,6 @@ def run_one(name: str) -> str:
     import transformers
 
     import gjit
-
-    sys.path.insert(0, str(ROOT / "tests"))
     from helpers import run_compiled
     from model_zoo import max_rel_err
 
