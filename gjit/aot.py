@@ -12,19 +12,22 @@ or stack use spills registers.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
-import multiprocessing
 import os
 import re
 import subprocess
-import warnings
 from typing import Any
 
 import triton
 
 from gjit import logs
-from gjit.codegen.toolchain.compile_only import compile_kernel, finish_warm_up, start_warm_up
+from gjit.codegen.toolchain.compile_only import (
+    build_pool,
+    compile_kernel,
+    finish_warm_up,
+    quiet_forks,
+    start_warm_up,
+)
 from gjit.config import config
 
 log = logs.logger("output_code")
@@ -146,10 +149,8 @@ def aot(
 
 def build_all(jobs: list[tuple[Any, str]], arch: int, out_dir: str, workers: int) -> list[KernelBinary]:
     """Every (kernel, source path) built for sm_<arch>, in order: in `workers` processes at once
-    (each kernel's Triton pipeline and ptxas run in its own process, as Inductor's compile
-    workers do), or in this process when there is one worker or one kernel. Workers are forked:
-    a build touches no tensor, and a fork starts in milliseconds where a fresh interpreter would
-    import torch and Triton again (seconds)."""
+    (each kernel's Triton pipeline and ptxas run in its own process: `build_pool`), or in this
+    process when there is one worker or one kernel."""
     seen: collections.Counter[str] = collections.Counter()
     builds = []  # two torch.cond branches may hold kernels of one name: one file each
     for kernel, path in jobs:
@@ -157,24 +158,20 @@ def build_all(jobs: list[tuple[Any, str]], arch: int, out_dir: str, workers: int
         suffix = f"_{seen[kernel.name]}" if seen[kernel.name] > 1 else ""
         builds.append((kernel, path, arch, out_dir, kernel.name + suffix))
     workers = max(1, min(workers, len(builds)))
-    if workers > 1 and multiprocessing.current_process().daemon:
-        log.info("gjit.aot: building in process (a daemonic process cannot start workers)")
-        workers = 1
-    if workers == 1:
+    pool = build_pool(workers) if workers > 1 else None
+    if pool is None:
+        if workers > 1:
+            log.info("gjit.aot: building in process (a daemonic process cannot start workers)")
         return [build(*job) for job in builds]
     finish_warm_up()  # once here, inherited by every fork, instead of once per worker per call
-    methods = multiprocessing.get_all_start_methods()
-    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-    with warnings.catch_warnings():  # Python 3.12+ warns on any fork of a threaded process
-        warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-            # the longest first (its source's length as the measure), so no worker is left with
-            # a big template at the end while the others are idle
-            order = sorted(range(len(builds)), key=lambda i: -len(builds[i][0].source))
-            futures = {i: pool.submit(build, *builds[i]) for i in order}
-            try:
-                return [futures[i].result() for i in range(len(builds))]
-            except BaseException:
-                for future in futures.values():  # the first failure is the error: do not wait for the rest
-                    future.cancel()
-                raise
+    with pool, quiet_forks():
+        # the longest first (its source's length as the measure), so no worker is left with
+        # a big template at the end while the others are idle
+        order = sorted(range(len(builds)), key=lambda i: -len(builds[i][0].source))
+        futures = {i: pool.submit(build, *builds[i]) for i in order}
+        try:
+            return [futures[i].result() for i in range(len(builds))]
+        except BaseException:
+            for future in futures.values():  # the first failure is the error: do not wait for the rest
+                future.cancel()
+            raise

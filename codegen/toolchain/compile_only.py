@@ -8,7 +8,12 @@ as Triton's launcher specializes them on a GPU when the sizes allow.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import multiprocessing
 import threading
+import warnings
+from collections.abc import Iterator
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -74,3 +79,26 @@ def finish_warm_up() -> None:
     start_warm_up()
     assert _warm_up is not None
     _warm_up.join()
+
+
+def build_pool(workers: int, spawn: bool = True) -> concurrent.futures.ProcessPoolExecutor | None:
+    """Processes that build kernels at once, as Inductor's compile workers do. Forked where the
+    platform can: a build touches no tensor and no device, and a fork starts in milliseconds where
+    a fresh interpreter imports torch and Triton again (seconds); else spawned when `spawn` allows.
+    None where no worker can start (a daemonic process, or no fork and no spawn allowed)."""
+    if multiprocessing.current_process().daemon:
+        return None
+    methods = multiprocessing.get_all_start_methods()
+    if "fork" not in methods and not spawn:
+        return None
+    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    return concurrent.futures.ProcessPoolExecutor(workers, mp_context=context)
+
+
+@contextlib.contextmanager
+def quiet_forks() -> Iterator[None]:
+    """Around the submits that start a pool's workers: Python 3.12+ warns on any fork of a
+    threaded process, and a build worker uses no thread it did not start."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*fork.*", category=DeprecationWarning)
+        yield
