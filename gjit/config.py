@@ -35,7 +35,8 @@
                                                          same inputs, report the error per kernel
     gjit.config.dump_dir              GJIT_DUMP_DIR      write every compile stage of each entry here
     gjit.config.compile_workers       GJIT_COMPILE_WORKERS  processes that build kernel binaries for a GPU
-                                                         target (gjit.aot) at once (default: usable CPUs)
+                                                         target at once: gjit.aot, and a graph's first
+                                                         call on a GPU (default: usable CPUs)
     gjit.config.dynamic_export_budget  GJIT_DYNAMIC_EXPORT_BUDGET  seconds an export with dynamic dims may
                                                          spend in ops slowed by symbolic size reasoning
                                                          (over 0.5 s each) before gjit exports the batch
@@ -227,7 +228,8 @@ class Config:
     compile_workers = _Knob(
         "GJIT_COMPILE_WORKERS",
         _env_int("GJIT_COMPILE_WORKERS", _usable_cpus()),
-        "worker processes that build a graph's kernel binaries for a GPU target at once (1: in process)",
+        "worker processes that build a graph's kernel binaries for a GPU target at once, for gjit.aot and "
+        "at a graph's first call on a GPU (gjit/runtime/prebuild.py; 1: built in process, one by one)",
     )
 
     dynamic_export_budget = _Knob(

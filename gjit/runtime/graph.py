@@ -26,6 +26,7 @@ from gjit.codegen.triton.pointwise import KERNEL_PRELUDE
 from gjit.config import config
 from gjit.runtime import cuda as runtime_cuda
 from gjit.runtime import interpret as interpret_libdevice
+from gjit.runtime import prebuild
 from gjit.wrapper import graph_device
 
 cache_log = logs.logger("cache")
@@ -126,6 +127,7 @@ class CompiledGraph:
     checker: Any = None  # GJIT_CHECK: a gjit.debug.check.RegionChecker the wrapper reports to
     last_check: list = dataclasses.field(default_factory=list)  # its rows for the latest call
     tuning: list[str] = dataclasses.field(default_factory=list)  # gjit/tuning.py's decisions, on a GPU
+    prebuilt: bool = False  # its first call on a GPU started its kernels' builds (gjit/runtime/prebuild.py)
     _calls: dict[str, Callable] = dataclasses.field(default_factory=dict)
 
     def write(self) -> None:
@@ -192,13 +194,29 @@ class CompiledGraph:
     def on_cuda(self) -> bool:
         return graph_device(self.graph_module.graph.nodes).type == "cuda"
 
+    def prebuild(self, call: Callable, graph_inputs: list[Any], sizes: tuple) -> prebuild.Prebuild | None:
+        """Start building this graph's Triton kernels in worker processes, for the first call of
+        its device wrapper `call` (gjit/runtime/prebuild.py). Never fails the call: whatever it
+        does not build, Triton's launcher builds at the launch."""
+        self.prebuilt = True
+        paths = {k.name: self.kernel_paths[k.name] for k in self.kernels if k.backend != "cuda"}
+        others = [k.name for k in self.kernels if k.backend == "cuda"]
+        try:
+            return prebuild.start(call, paths, others, list(self.subgraphs), graph_inputs, sizes)
+        except Exception as e:
+            cache_log.warning("gjit: building kernels in workers failed (%s); they build at launch", e)
+            return None
+
     def run_branch(self, operands: tuple) -> tuple:
         """A torch.cond branch called from the parent's wrapper."""
         return tuple(self.run(list(operands), ()))
 
     def run(self, graph_inputs: list[Any], sizes: tuple) -> list[Any]:
         if self.on_cuda or config.interpret:
-            out = list(self.call_fn(interpret=not self.on_cuda)(graph_inputs, sizes))
+            call = self.call_fn(interpret=not self.on_cuda)
+            if self.on_cuda and not self.prebuilt:
+                self.prebuild(call, graph_inputs, sizes)
+            out = list(call(graph_inputs, sizes))
             if self.checker is not None:
                 self.last_check = self.checker.finish(os.path.basename(self.wrapper_path))
             return out

@@ -1,0 +1,251 @@
+"""A graph's kernels built in worker processes before their first launch on a GPU
+(gjit/runtime/prebuild.py), checked without a GPU: Triton's launcher, on a driver that names an
+H100 (sm_90) and launches nothing, must find every kernel of the real first call in Triton's
+on-disk cache, where the workers put it."""
+
+import concurrent.futures
+import logging
+import threading
+import time
+
+import pytest
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+
+import gjit
+from gjit import tuning
+from gjit.runtime import graph as graph_module
+from gjit.runtime import prebuild
+from gjit.runtime.graph import CompiledGraph
+
+pytestmark = pytest.mark.compile_only
+
+
+class MlpNorm(torch.nn.Module):
+    """Three kernels: a matmul with its epilogue, a row reduction, a column reduction."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(32, 64)
+        self.norm = torch.nn.LayerNorm(64)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.fc(x))
+        return self.norm(h).softmax(-1), (h * 2).sum(0)
+
+
+@pytest.fixture
+def sm90(tmp_path, monkeypatch):
+    """Triton's launcher on an sm_90 target that launches nothing, with an empty on-disk cache."""
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "triton"))
+    monkeypatch.setattr(graph_module, "_KERNELS", {})  # no kernel compiled in memory by another test
+    monkeypatch.setattr(driver, "_active", prebuild.TargetDriver(GPUTarget("cuda", 90, 32)))
+
+
+def first_call(model, *args):
+    """The graph of `model`'s compiled entry, and its wrapper's inputs and sizes at the first call
+    (run in the interpreter and compared with eager)."""
+    seen = []
+    run = CompiledGraph.run
+
+    def spy(self, inputs, sizes):
+        seen.append((self, list(inputs), sizes))
+        return run(self, inputs, sizes)
+
+    with pytest.MonkeyPatch.context() as m, gjit.config.scope(interpret=True), torch.no_grad():
+        m.setattr(CompiledGraph, "run", spy)
+        out = gjit.compile(model)(*args)
+        expected = model(*args)
+    for a, b in zip(torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(expected)):
+        torch.testing.assert_close(a, b)
+    assert seen, "the compiled path did not run"
+    return seen[0]
+
+
+def jit_first_launches(graph, inputs, sizes, namespace) -> list[bool]:
+    """Each kernel launch of the real call, through Triton's launcher (`run(warmup=True)`: the
+    launch's own specialization and compile, nothing launched): whether it found its binary in
+    Triton's cache (True) or compiled it (False)."""
+    launches = []
+
+    def record(name, kernel):
+        class Recorder:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    launches.append((name, grid, args, kwargs))
+                    return kernel[grid](*args, **kwargs)
+
+                return launch
+
+        return Recorder()
+
+    with gjit.config.scope(interpret=True), tuning.kernels_wrapped(graph, record):
+        graph.run(inputs, sizes)
+    hits = []
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(triton.knobs.compilation, "listener", lambda **kw: hits.append(kw["cache_hit"]))
+        for name, grid, args, kwargs in launches:
+            kernel = namespace[name]
+            kernel = kernel.kernel if isinstance(kernel, prebuild.Awaiting) else kernel
+            kernel.run(*args, grid=grid, warmup=True, **kwargs)
+    return hits
+
+
+INPUTS = {
+    "contiguous": lambda: torch.randn(3, 40, 32),
+    "unaligned view": lambda: torch.randn(3, 40, 33)[..., 1:],  # 4 bytes past an aligned address
+    "size-1 batch": lambda: torch.randn(1, 16, 32),  # sizes of 1 and multiples of 16
+}
+
+
+@pytest.mark.parametrize("inputs", list(INPUTS))
+def test_every_first_launch_finds_its_binary_built_by_a_worker(sm90, inputs):
+    graph, args, sizes = first_call(MlpNorm().eval(), INPUTS[inputs]())
+    call = graph.call_fn(interpret=False)
+    before = gjit.stats().get("kernels_prebuilt", 0)
+    built = graph.prebuild(call, args, sizes)
+    assert built is not None and built.stopped == ""
+    assert len(built.launches) == 3 and len(built.builds) == 3 and not any(b.cached for b in built.builds)
+    assert gjit.stats()["kernels_prebuilt"] - before == 3
+    names = {k.name for k in graph.kernels}
+    assert {n for n, v in call.__globals__.items() if isinstance(v, prebuild.Awaiting)} == names
+    built.wait()
+    assert jit_first_launches(graph, args, sizes, call.__globals__) == [True] * 3
+
+
+def test_without_the_workers_the_first_launches_compile(sm90):
+    """The check above can fail: the same launches on an empty cache compile, one by one."""
+    graph, args, sizes = first_call(MlpNorm().eval(), INPUTS["contiguous"]())
+    call = graph.call_fn(interpret=False)
+    assert jit_first_launches(graph, args, sizes, call.__globals__) == [False] * 3
+
+
+def test_kernels_in_tritons_cache_start_no_worker(sm90):
+    graph, args, sizes = first_call(MlpNorm().eval(), INPUTS["contiguous"]())
+    graph.prebuild(graph.call_fn(interpret=False), args, sizes).wait()
+    graph._calls.clear()  # a new process's wrapper, say: Triton's cache has every kernel
+    call = graph.call_fn(interpret=False)
+    again = graph.prebuild(call, args, sizes)
+    assert [b.cached for b in again.builds] == [True] * 3 and not again.futures
+    assert not any(isinstance(v, prebuild.Awaiting) for v in call.__globals__.values())
+
+
+def test_the_fake_run_stops_at_data_and_later_kernels_build_at_launch(sm90, caplog):
+    def f(x):
+        y = torch.sin(x) * 2 + 1
+        picked = y[y > 1]  # nonzero: fake tensors have no data to size it
+        return torch.cos(picked) + picked.sum()
+
+    graph, args, sizes = first_call(f, torch.randn(64, 8))
+    with caplog.at_level(logging.INFO, logger="gjit.cache"):
+        built = graph.prebuild(graph.call_fn(interpret=False), args, sizes)
+    assert built is not None and built.stopped, built
+    first = built.launches and built.launches[0].name
+    assert [launch.name for launch in built.launches] == [first]  # the kernel before the nonzero
+    assert any("fake run stopped" in r.getMessage() for r in caplog.records)
+
+
+class Kernel:
+    """Stands in for a JITFunction: records the grids it is launched with."""
+
+    def __init__(self):
+        self.grids = []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return lambda *args, **kwargs: args
+
+
+def test_a_launch_waits_for_its_own_build_only_then_binds_the_kernel():
+    kernel, pending, done = Kernel(), concurrent.futures.Future(), concurrent.futures.Future()
+    done.set_result(0.1)
+    namespace = {}
+    namespace["a"] = prebuild.Awaiting(kernel, [done], namespace, "a")
+    namespace["b"] = prebuild.Awaiting(Kernel(), [pending], namespace, "b")
+    assert namespace["a"][(4,)](1, 2) == (1, 2)  # b's build still running: a does not wait for it
+    assert namespace["a"] is kernel and kernel.grids == [(4,)]
+    threading.Timer(0.2, pending.set_result, (0.2,)).start()
+    start = time.perf_counter()
+    namespace["b"][(1,)]()
+    assert time.perf_counter() - start >= 0.15 and isinstance(namespace["b"], Kernel)
+
+
+def test_a_failed_build_is_logged_and_the_launch_builds_it(caplog):
+    kernel, failed = Kernel(), concurrent.futures.Future()
+    failed.set_exception(RuntimeError("ptxas died"))
+    namespace = {}
+    namespace["k"] = prebuild.Awaiting(kernel, [failed], namespace, "k")
+    with caplog.at_level(logging.WARNING, logger="gjit.cache"):
+        namespace["k"][(2,)]()
+    assert kernel.grids == [(2,)] and "ptxas died" in caplog.text
+
+
+def test_one_worker_or_one_kernel_prebuilds_nothing(sm90):
+    graph, args, sizes = first_call(MlpNorm().eval(), INPUTS["contiguous"]())
+    call = graph.call_fn(interpret=False)
+    assert (
+        prebuild.start(
+            call, {k.name: graph.kernel_paths[k.name] for k in graph.kernels}, [], [], args, sizes, 1
+        )
+        is None
+    )
+    one = {graph.kernels[0].name: graph.kernel_paths[graph.kernels[0].name]}
+    assert prebuild.start(call, one, [], [], args, sizes, 4) is None
+
+
+WRAPPER = """
+def call(args, sizes):
+    x, = args
+    buf = gjit_alloc((4, 8), (8, 1), torch.float32, torch.device("cpu"))
+    k1[(1,)](x, buf, 32, XBLOCK=32)
+    c1[(1,)](buf)
+    view = aten.slice.Tensor(buf, 1, 1, 8)
+    k2[(2,)](view, x[1:], 1, XBLOCK=16, num_warps=2)
+    out = branch((buf,))
+    k1[(3,)](x, out, 32, XBLOCK=32)
+    return (out,)
+"""
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_the_fake_run_records_each_launch_as_the_launcher_will_see_it(mode):
+    namespace = {"torch": torch, "aten": torch.ops.aten, "k1": None, "k2": None, "c1": None, "branch": None}
+    namespace["gjit_alloc"] = lambda *a: pytest.fail("the fake run allocates real memory")
+    exec(WRAPPER, namespace)
+    with getattr(torch, mode)():
+        x = torch.randn(4, 8)
+        launches, stopped = prebuild.record_launches(
+            namespace["call"], ["k1", "k2"], ["c1"], ["branch"], [x], ()
+        )
+    at = x.data_ptr()
+    assert [(launch.name, launch.grid) for launch in launches] == [("k1", (1,)), ("k2", (2,))]
+    assert launches[0].args == [prebuild.Pointer(torch.float32, at), prebuild.Pointer(torch.float32, 0), 32]
+    # a view of a buffer 4 bytes into it; a view of an input 32 bytes past the input's address
+    assert launches[1].args == [
+        prebuild.Pointer(torch.float32, 4),
+        prebuild.Pointer(torch.float32, at + 32),
+        1,
+    ]
+    assert launches[1].kwargs == {"XBLOCK": 16, "num_warps": 2}
+    assert "torch.cond branch" in stopped  # the launch after the branch: not recorded
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_first_call_launches_what_the_workers_built(tmp_path, monkeypatch):
+    """The real path: CompiledGraph.run's first call on CUDA prebuilds, and every launch of this
+    process loads a binary a worker built (Triton's launcher compiles nothing itself)."""
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
+    monkeypatch.setattr(graph_module, "_KERNELS", {})
+    hits = []
+    monkeypatch.setattr(triton.knobs.compilation, "listener", lambda **kw: hits.append(kw["cache_hit"]))
+    model, x = MlpNorm().cuda().eval(), torch.randn(3, 40, 32, device="cuda")
+    before = gjit.stats().get("kernels_prebuilt", 0)
+    with gjit.config.scope(compile_workers=2, tune=False), torch.no_grad():
+        out = gjit.compile(model)(x)
+        expected = model(x)
+    assert gjit.stats()["kernels_prebuilt"] - before == 3
+    assert hits == [True] * 3
+    for a, b in zip(out, expected):
+        torch.testing.assert_close(a, b)
