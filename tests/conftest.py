@@ -51,3 +51,18 @@ def _fresh_counters():
     gjit.reset()
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def sm90(tmp_path, monkeypatch):
+    """Triton's launcher on an sm_90 target that launches nothing (gjit/runtime/prebuild.py's
+    TargetDriver), with an empty on-disk cache and no kernel compiled in memory by another test."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    from gjit.runtime import graph, prebuild
+
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "triton"))
+    monkeypatch.setattr(graph, "_KERNELS", {})
+    monkeypatch.setattr(driver, "_active", prebuild.TargetDriver(GPUTarget("cuda", 90, 32)))

@@ -11,8 +11,6 @@ import time
 import pytest
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.runtime.driver import driver
 
 import gjit
 from gjit import tuning
@@ -34,14 +32,6 @@ class MlpNorm(torch.nn.Module):
     def forward(self, x):
         h = torch.nn.functional.gelu(self.fc(x))
         return self.norm(h).softmax(-1), (h * 2).sum(0)
-
-
-@pytest.fixture
-def sm90(tmp_path, monkeypatch):
-    """Triton's launcher on an sm_90 target that launches nothing, with an empty on-disk cache."""
-    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "triton"))
-    monkeypatch.setattr(graph_module, "_KERNELS", {})  # no kernel compiled in memory by another test
-    monkeypatch.setattr(driver, "_active", prebuild.TargetDriver(GPUTarget("cuda", 90, 32)))
 
 
 def first_call(model, *args):

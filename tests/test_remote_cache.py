@@ -4,6 +4,7 @@ first compiles, the others hit), and every fault (server down at start or killed
 damaged, cut-short or foreign value, a full server, a wrong password) leaves every call correct,
 is counted and is logged once."""
 
+import base64
 import json
 import logging
 import os
@@ -15,6 +16,8 @@ import time
 
 import pytest
 import torch
+import triton
+from test_prebuild import INPUTS, MlpNorm, first_call, graph_module, jit_first_launches
 
 import gjit
 from gjit.runtime import remote_cache
@@ -340,3 +343,76 @@ def test_a_bad_timeout_setting_is_said_once_and_the_default_used(server, tmp_pat
     with caplog.at_level(logging.WARNING, logger="gjit.cache"), gjit.config.scope(remote_cache_timeout=0):
         compile_on_a_new_machine(tmp_path, "a", server.url())
     assert "timeout of 0" in caplog.text and gjit.stats().get("remote_cache_errors", 0) == 0
+
+
+# -- kernel binaries (gjit/runtime/prebuild.py, triton_binaries.py), on a driver that names sm_90 ------
+
+
+def binary_keys(server: Server) -> list[bytes]:
+    return sorted(server.client.keys(b"gjit:triton-binary-*"))
+
+
+def wait_for(condition, seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def first_launches_on_another_machine(graph, tmp_path, name: str, monkeypatch):
+    """Another machine's view of `graph`: an empty Triton cache, nothing compiled in memory, a new
+    wrapper. Returns the wrapper's namespace."""
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / name))
+    monkeypatch.setattr(graph_module, "_KERNELS", {})
+    graph._calls.clear()
+    return graph.call_fn(interpret=False).__globals__
+
+
+def test_kernel_binaries_a_machine_built_are_installed_on_the_next(server, tmp_path, sm90, monkeypatch):
+    graph, args, sizes = first_call(MlpNorm().eval(), INPUTS["contiguous"]())
+    with gjit.config.scope(remote_cache=server.url(), compile_workers=2):
+        built = graph.prebuild(graph.call_fn(interpret=False), args, sizes)
+        assert len(built.builds) == 3 and not built.fetched
+        built.wait()
+        wait_for(lambda: len(binary_keys(server)) == 3)  # each worker's binary, shared once it is built
+        namespace = first_launches_on_another_machine(graph, tmp_path, "second", monkeypatch)
+        before = dict(gjit.stats())
+        again = graph.prebuild(graph.call_fn(interpret=False), args, sizes)
+        moved = {
+            k: gjit.stats().get(k, 0) - before.get(k, 0) for k in ("remote_binary_hits", "kernels_prebuilt")
+        }
+    assert (
+        len(again.fetched) == 3
+        and not again.futures
+        and moved == {"remote_binary_hits": 3, "kernels_prebuilt": 0}
+    )
+    assert jit_first_launches(graph, args, sizes, namespace) == [True] * 3  # nothing compiled at launch
+
+
+@pytest.mark.parametrize("damage", ["another entry's value", "cut short", "a third file"])
+def test_a_damaged_binary_is_never_installed_and_the_workers_build_it(
+    server, tmp_path, sm90, monkeypatch, damage
+):
+    graph, args, sizes = first_call(MlpNorm().eval(), INPUTS["contiguous"]())
+    with gjit.config.scope(remote_cache=server.url(), compile_workers=2):
+        graph.prebuild(graph.call_fn(interpret=False), args, sizes).wait()
+        wait_for(lambda: len(binary_keys(server)) == 3)
+        first, other = binary_keys(server)[:2]
+        value = remote_cache.RemoteCache.unpack(remote_cache.current(), server.client.get(other))
+        if damage == "another entry's value":  # checksummed and well formed, filed under another name
+            server.client.set(first, pack(value))
+        elif damage == "cut short":
+            server.client.set(first, server.client.get(first)[:-100])
+        else:
+            record = json.loads(value)
+            record["entry"] = first.decode().removeprefix("gjit:triton-binary-")
+            record["files"]["evil.so"] = base64.b64encode(b"\x7fELF").decode()
+            server.client.set(first, pack(json.dumps(record)))
+        namespace = first_launches_on_another_machine(graph, tmp_path, "second", monkeypatch)
+        before = dict(gjit.stats())
+        again = graph.prebuild(graph.call_fn(interpret=False), args, sizes)
+        errors = gjit.stats().get("remote_cache_errors", 0) - before.get("remote_cache_errors", 0)
+        again.wait()
+    assert len(again.fetched) == 2 and sum(map(len, again.futures.values())) == 1 and errors == 1
+    assert not list((tmp_path / "second").rglob("evil.so"))
+    assert jit_first_launches(graph, args, sizes, namespace) == [True] * 3

@@ -10,9 +10,11 @@ one after another. At that first call, before the wrapper runs:
 2. Triton's own launcher says how each launch specializes (the binder and options of a real launch:
    16-byte aligned pointers, sizes divisible by 16 or equal to 1): `run(warmup=True)` with a
    `jit_cache_hook` that takes the serialized specialization instead of compiling;
-3. a specialization already in Triton's on-disk cache is left to it; the others are built by
-   `gjit.config.compile_workers` forked processes (`JITFunction.preload` of the serialization, for
-   the GPU's target), which write Triton's on-disk cache, as TorchInductor's compile workers do;
+3. a specialization already in Triton's on-disk cache is left to it; one the fleet's remote cache
+   (GJIT_REMOTE_CACHE) holds is checked and installed there (gjit/runtime/triton_binaries.py); the
+   others are built by `gjit.config.compile_workers` forked processes (`JITFunction.preload` of the
+   serialization, for the GPU's target), which write Triton's on-disk cache, as TorchInductor's
+   compile workers do, and each binary they build is shared to the remote cache;
 4. the wrapper's name for each kernel being built is bound to `Awaiting`: a launch waits for its
    own kernel's build only, then Triton's launcher finds the binary in its cache.
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import hashlib
+import functools
 import json
 import logging
 import threading
@@ -43,6 +45,7 @@ from gjit import logs, stats
 from gjit.codegen.toolchain.compile_only import build_pool, finish_warm_up, quiet_forks
 from gjit.codegen.toolchain.files import import_file
 from gjit.config import config
+from gjit.runtime import remote_cache, triton_binaries
 
 log = logs.logger("cache")
 
@@ -90,7 +93,8 @@ class Build:
     name: str  # the kernel's name in the wrapper (the first launch of this specialization)
     kernel: Any  # its JITFunction
     data: str  # Triton's serialized specialization
-    cached: bool  # already in Triton's on-disk cache
+    entry: tuple[str, str] | None  # its entry in Triton's on-disk cache: (name, metadata file)
+    cached: bool  # already there
 
 
 @dataclasses.dataclass
@@ -101,6 +105,7 @@ class Prebuild:
     builds: list[Build]
     stopped: str  # why the fake run stopped early ('' when it ran to the end)
     futures: dict[int, list[concurrent.futures.Future]]  # id(kernel) -> its builds
+    fetched: list[Build] = dataclasses.field(default_factory=list)  # installed from the remote cache
 
     def wait(self) -> None:
         for futures in self.futures.values():
@@ -179,7 +184,9 @@ def specializations(launches: list[Launch], namespace: dict[str, Any]) -> list[B
         key = (id(kernel), str(kwargs["key"]))
         if key not in builds:
             data = compile["specialization_data"]
-            builds[key] = Build(current[-1], kernel, data, in_triton_cache(kernel, compile, data))
+            entry = triton_binaries.entry_name(kernel, compile, data)
+            cached = entry is not None and triton_binaries.is_cached(*entry)
+            builds[key] = Build(current[-1], kernel, data, entry, cached)
         return True  # do not compile here
 
     triton.knobs.runtime.jit_cache_hook = hook
@@ -192,28 +199,6 @@ def specializations(launches: list[Launch], namespace: dict[str, Any]) -> list[B
     finally:
         triton.knobs.runtime.jit_cache_hook = previous
     return list(builds.values())
-
-
-def in_triton_cache(kernel: Any, compile: dict[str, Any], data: str) -> bool:
-    """Whether `triton.compile` would find this specialization in its on-disk cache: its key, as
-    compile computes it. A wrong answer costs time only (a build done twice, or done at launch)."""
-    from triton._C.libtriton import get_cache_invalidating_env_vars
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.cache import get_cache_key, get_cache_manager
-
-    knobs = triton.knobs
-    if knobs.compilation.always_compile or knobs.runtime.add_stages_inspection_hook is not None:
-        return False
-    spec = json.loads(data)
-    backend = make_backend(GPUTarget(**spec["target"]))
-    src = ASTSource(kernel, compile["signature"], compile["constants"], compile["configs"][0])
-    options = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["options"].items()}
-    options = backend.parse_options(dict(options, **src.parse_options()))
-    key = get_cache_key(src, backend, options, env_vars=get_cache_invalidating_env_vars())
-    digest = hashlib.sha256(key.encode("utf-8")).hexdigest()
-    name = f"{src.name[:150]}.json"
-    return name in (get_cache_manager(digest).get_group(name) or {})
 
 
 def build_one(path: str, name: str, data: str) -> float:
@@ -272,7 +257,9 @@ def start(
     kernels' names; `branches`: the torch.cond branch runners'. None when there is nothing to build
     in parallel."""
     workers = config.compile_workers if workers is None else workers
-    if workers < 2 or len(set(paths.values())) < 2:
+    remote = remote_cache.current()
+    parallel = workers >= 2 and len(set(paths.values())) >= 2
+    if not parallel and remote is None:
         return None
     namespace = call.__globals__
     launches, stopped = record_launches(call, list(paths), others, branches, inputs, sizes)
@@ -282,27 +269,72 @@ def start(
         )
     builds = specializations(launches, namespace)
     todo = [b for b in builds if not b.cached]
+    fetched = [b for b in todo if remote is not None and fetch(remote, b)]
+    todo = [b for b in todo if b not in fetched]
     futures: dict[int, list[concurrent.futures.Future]] = {}
-    if len(todo) >= 2:
-        pool = build_pool(min(workers, len(todo)), spawn=False)
-        if pool is not None:
-            finish_warm_up()  # Triton's one-time hashing, once, inherited by every worker
-            with quiet_forks():  # the workers fork at the first submit
-                for b in sorted(todo, key=lambda b: -len(b.kernel.src)):  # the longest first
-                    future = pool.submit(build_one, paths[b.name], b.kernel.fn.__name__, b.data)
-                    futures.setdefault(id(b.kernel), []).append(future)
-            pool.shutdown(wait=False)  # the queued builds still run; the workers exit after them
+    # in parallel; or one build, in a worker still when a remote cache is there to share its binary
+    wanted = todo and ((parallel and len(todo) >= 2) or remote is not None)
+    pool = build_pool(max(1, min(workers, len(todo))), spawn=False) if wanted else None
+    if pool is not None:
+        finish_warm_up()  # Triton's one-time hashing, once, inherited by every worker
+        with quiet_forks():  # the workers fork at the first submit
+            for b in sorted(todo, key=lambda b: -len(b.kernel.src)):  # the longest first
+                future = pool.submit(build_one, paths[b.name], b.kernel.fn.__name__, b.data)
+                if remote is not None:
+                    future.add_done_callback(functools.partial(publish, remote, b))
+                futures.setdefault(id(b.kernel), []).append(future)
+        pool.shutdown(wait=False)  # the queued builds still run; the workers exit after them
     for name in paths:
         kernel = namespace[name]
         if id(kernel) in futures:  # (an Awaiting already there has its builds: its id is not a key)
             namespace[name] = Awaiting(kernel, futures[id(kernel)], namespace, name)
     stats.COUNTERS["kernels_prebuilt"] += sum(map(len, futures.values()))
     log.info(
-        "gjit: %d kernel launch(es), %d specialization(s): %d in Triton's cache, %d building in %d worker(s)",
+        "gjit: %d kernel launch(es), %d specialization(s): %d in Triton's cache, %d from the remote cache, "
+        "%d building in %d worker(s)",
         len(launches),
         len(builds),
-        len(builds) - len(todo),
+        sum(b.cached for b in builds),
+        len(fetched),
         sum(map(len, futures.values())),
         workers,
     )
-    return Prebuild(launches, builds, stopped, futures)
+    return Prebuild(launches, builds, stopped, futures, fetched)
+
+
+REMOTE_PREFIX = "triton-binary-"  # then the name of Triton's cache entry (a sha256)
+
+
+def fetch(remote: remote_cache.RemoteCache, build: Build) -> bool:
+    """Install `build`'s binary from the fleet's remote cache into Triton's on-disk cache: whether
+    it was there and checked out (gjit/runtime/triton_binaries.py)."""
+    if build.entry is None:
+        return False
+    name = build.entry[0]
+    files: dict[str, bytes] = {}
+
+    def check(text: str) -> None:
+        files.update(triton_binaries.unpack(text, name))
+
+    if remote.get(REMOTE_PREFIX + name, check, counter="remote_binary") is None:
+        return False
+    try:
+        triton_binaries.install(name, files)
+    except OSError as e:  # an unwritable Triton cache: the workers build it, and cannot store it either
+        log.info("gjit: could not install the remote binary of %s (%s)", build.name, e)
+        return False
+    return True
+
+
+def publish(remote: remote_cache.RemoteCache, build: Build, future: concurrent.futures.Future) -> None:
+    """After a worker built `build`: its binary to the remote cache (queued for the background
+    writer; set if absent)."""
+    if build.entry is None or future.cancelled() or future.exception() is not None:
+        return
+    try:
+        text = triton_binaries.pack(*build.entry)
+    except OSError as e:
+        log.info("gjit: could not read the binary of %s to share it (%s)", build.name, e)
+        return
+    if text is not None:
+        remote.put(REMOTE_PREFIX + build.entry[0], text)

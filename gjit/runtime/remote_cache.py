@@ -104,11 +104,12 @@ class RemoteCache:
 
     # -- reads -------------------------------------------------------------------------------------
 
-    def get(self, key: str, check: Callable[[str], object]) -> str | None:
+    def get(self, key: str, check: Callable[[str], object], counter: str = "remote_cache") -> str | None:
         """The entry text stored under `key`, unpacked and accepted by `check` (which raises on an
-        entry that is not gjit's); None on a miss or any fault."""
+        entry that is not gjit's); None on a miss or any fault. Hits and misses are counted as
+        `counter`_hits and _misses (kernel binaries: remote_binary)."""
         if time.monotonic() < self.down_until:  # left alone after a connection failure
-            stats.COUNTERS["remote_cache_misses"] += 1
+            stats.COUNTERS[f"{counter}_misses"] += 1
             return None
         try:
             value = self.client.get(self.prefix + key)
@@ -117,7 +118,7 @@ class RemoteCache:
             self.fault(kind, f"{kind} ({e})", down)
             return None
         if value is None:
-            stats.COUNTERS["remote_cache_misses"] += 1
+            stats.COUNTERS[f"{counter}_misses"] += 1
             cache_log.info("remote miss: %s", key)
             return None
         try:
@@ -127,7 +128,7 @@ class RemoteCache:
             self.damaged.add(key)
             self.fault("damaged value", f"the value of {self.prefix + key} is not a gjit entry: {e}")
             return None
-        stats.COUNTERS["remote_cache_hits"] += 1
+        stats.COUNTERS[f"{counter}_hits"] += 1
         cache_log.info("remote hit: %s", key)
         return text
 

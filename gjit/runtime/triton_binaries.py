@@ -1,0 +1,116 @@
+"""Kernel binaries as values: one built specialization's entry of Triton's on-disk cache, packed as
+text to share (the fleet's remote cache) and checked before it is installed into another machine's
+Triton cache, where Triton's launcher then finds it.
+
+Triton's cache names an entry by the sha256 of its key: the kernel's source and dependencies, its
+specialization (signature, constants, divisibility), the target (`cuda`, arch, warp size), the
+compile options, Triton's own version hash and the environment variables that change codegen. So a
+value filed under that name is only ever found by a launch that would have built the same binary.
+
+A value holds the entry's metadata (JSON) and its binary (a cubin on NVIDIA), base64, in a JSON
+object with this format's name and the entry's name. It is installed only if it parses as that,
+names the entry it is filed under, holds exactly the metadata and binary files under plain names,
+and its metadata is a JSON object naming the same kernel. What a launch then loads is machine code:
+whoever can write the values can run code on the machines that read them (gjit/runtime/remote_cache.py
+says how to keep such a server private).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+from typing import Any
+
+import triton
+
+FORMAT = "gjit-triton-binary-1"
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+
+
+def entry_name(kernel: Any, compile: dict[str, Any], data: str) -> tuple[str, str] | None:
+    """(the name of Triton's cache entry, its metadata file's name) for this specialization of
+    `kernel`, as `triton.compile` computes them; None where this Triton's cache cannot be predicted
+    (an inspection hook changes the key, or it always compiles)."""
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.cache import get_cache_key
+
+    knobs = triton.knobs
+    if knobs.compilation.always_compile or knobs.runtime.add_stages_inspection_hook is not None:
+        return None
+    spec = json.loads(data)
+    backend = make_backend(GPUTarget(**spec["target"]))
+    src = ASTSource(kernel, compile["signature"], compile["constants"], compile["configs"][0])
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["options"].items()}
+    options = backend.parse_options(dict(options, **src.parse_options()))
+    key = get_cache_key(src, backend, options, env_vars=get_cache_invalidating_env_vars())
+    return hashlib.sha256(key.encode("utf-8")).hexdigest(), f"{src.name[:150]}.json"
+
+
+def is_cached(name: str, metadata: str) -> bool:
+    """Whether Triton's on-disk cache holds the entry `name` (with its metadata file)."""
+    from triton.runtime.cache import get_cache_manager
+
+    return metadata in (get_cache_manager(name).get_group(metadata) or {})
+
+
+def pack(name: str, metadata: str) -> str | None:
+    """The entry `name` of Triton's on-disk cache as a value (its metadata and binary), or None when
+    the cache does not hold it."""
+    from triton.runtime.cache import get_cache_manager
+
+    group = get_cache_manager(name).get_group(metadata) or {}
+    if metadata not in group:
+        return None
+    binary = _binary_file(group, metadata)
+    files = {}
+    for file in (metadata, binary):
+        with open(group[file], "rb") as f:
+            files[file] = base64.b64encode(f.read()).decode("ascii")
+    return json.dumps({"format": FORMAT, "entry": name, "metadata": metadata, "files": files}, sort_keys=True)
+
+
+def _binary_file(group: dict[str, str], metadata: str) -> str:
+    """The binary's file in a group: its extension is the target's (cubin, hsaco, ...)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    with open(group[metadata], encoding="utf-8") as f:
+        target = json.load(f)["target"]
+    ext = make_backend(GPUTarget(target["backend"], target["arch"], target["warp_size"])).binary_ext
+    return metadata[: -len(".json")] + "." + ext
+
+
+def unpack(text: str, name: str) -> dict[str, bytes]:
+    """The files of a value filed under entry `name`; raises ValueError on anything else."""
+    value = json.loads(text)
+    if not isinstance(value, dict) or value.get("format") != FORMAT:
+        raise ValueError(f"not a {FORMAT} value")
+    if value.get("entry") != name:
+        raise ValueError(f"a value of entry {value.get('entry')!r} filed under {name!r}")
+    metadata, files = value.get("metadata"), value.get("files")
+    if not isinstance(metadata, str) or not metadata.endswith(".json") or not isinstance(files, dict):
+        raise ValueError("no metadata file named")
+    stem = metadata[: -len(".json")]
+    if len(files) != 2 or metadata not in files or not all(_PLAIN_NAME.match(f) for f in files):
+        raise ValueError(f"files {sorted(files)}: the metadata and one binary of plain names expected")
+    if not all(f.startswith(stem + ".") and isinstance(v, str) for f, v in files.items()):
+        raise ValueError(f"files {sorted(files)} are not one kernel's")
+    out = {f: base64.b64decode(v.encode("ascii"), validate=True) for f, v in files.items()}
+    meta = json.loads(out[metadata].decode("utf-8"))
+    if not isinstance(meta, dict) or str(meta.get("name"))[:150] != stem or "target" not in meta:
+        raise ValueError("its metadata does not describe the kernel it is named after")
+    return out
+
+
+def install(name: str, files: dict[str, bytes]) -> None:
+    """Write checked files (`unpack`) as entry `name` of Triton's on-disk cache."""
+    from triton.runtime.cache import get_cache_manager
+
+    manager = get_cache_manager(name)
+    metadata = next(f for f in files if f.endswith(".json"))
+    paths = {file: manager.put(data, file, binary=True) for file, data in files.items()}
+    manager.put_group(metadata, paths)
