@@ -29,7 +29,7 @@ from gjit.guards import build_guards
 from gjit.guards.builder import shape_env_of, tf32_setting
 from gjit.heap import deferred_full_collections
 from gjit.in_place import as_functional
-from gjit.runtime import disk_cache, package, program_store
+from gjit.runtime import disk_cache, package, program_store, triton_binaries
 from gjit.runtime.package import PackageError
 
 log = logs.logger("cache")
@@ -37,10 +37,12 @@ log = logs.logger("cache")
 _SCALARS = (type(None), bool, int, float, str)
 
 
-def save(compiled: CompiledFunction, path: str, *, weights: bool = False) -> None:
+def save(compiled: CompiledFunction, path: str, *, weights: bool = False, binaries: bool = False) -> None:
     """Write every entry of `compiled` (call it first: entries are made by calls) to one package at
     `path`. weights=True also stores the parameters and buffers the entries read (safetensors), so
-    `gjit.load(path)` needs no model."""
+    `gjit.load(path)` needs no model. binaries=True also stores the GPU binaries of the kernels
+    whose first launches gjit's prebuild recorded (on a GPU: gjit/runtime/prebuild.py), which
+    `load` puts in Triton's on-disk cache, so a new process on the same GPU builds none of them."""
     if not isinstance(compiled, CompiledFunction):
         raise TypeError(f"gjit.save expects what gjit.compile returned, got {type(compiled).__name__}")
     if not compiled.entries:
@@ -65,8 +67,56 @@ def save(compiled: CompiledFunction, path: str, *, weights: bool = False) -> Non
     }
     if weights:
         members["weights.safetensors"] = _weights_bytes(state, _tied(state, state))
+    if binaries:
+        kernels = _binaries_of(compiled)
+        members |= {f"binaries/{name}.json": text.encode() for name, text in kernels.items()}
+        manifest["binaries"] = len(kernels)
     package.write(path, manifest, members)
     log.info("saved %d entries of %s to %s", len(records), compiled._name(), path)
+
+
+def _binaries_of(compiled: CompiledFunction) -> dict[str, str]:
+    """Triton's cache entries (name -> value, gjit/runtime/triton_binaries.py) of the kernels the
+    entries' first calls prebuilt, once their builds are done."""
+    out: dict[str, str] = {}
+    for entry in compiled.entries:
+        for graph in entry.program.graph.all_graphs():
+            built = graph.prebuild_result
+            if built is None:
+                continue
+            built.wait()
+            for b in built.builds:
+                text = triton_binaries.pack(*b.entry) if b.entry is not None else None
+                if text is not None:
+                    out[b.entry[0]] = text
+    if not out:
+        log.info(
+            "gjit.save(binaries=True): no kernel binary recorded (entries that ran on CPU, or first calls "
+            "that built their kernels in process): the package holds none"
+        )
+    return out
+
+
+def _install_binaries(members: dict[str, bytes]) -> None:
+    """The package's kernel binaries into Triton's on-disk cache (those it lacks), each checked
+    first: a value that is not one entry's metadata and binary refuses the package."""
+    for member, data in members.items():
+        if not member.startswith("binaries/"):
+            continue
+        name = member[len("binaries/") : -len(".json")]
+        try:
+            files = triton_binaries.unpack(data.decode("utf-8"), name)
+        except ValueError as e:
+            raise PackageError(f"its kernel binary {member} is damaged: {e}") from e
+        metadata = next(f for f in files if f.endswith(".json"))
+        if triton_binaries.is_cached(name, metadata):
+            continue
+        try:
+            triton_binaries.install(name, files)
+        except OSError as e:  # an unwritable Triton cache: Triton builds the kernel at its launch
+            log.info("gjit.load: kernel binary %s not installed (%s)", member, e)
+            continue
+        stats.COUNTERS["package_binaries_installed"] += 1
 
 
 def _tuned_on(compiled: CompiledFunction) -> str:
@@ -122,6 +172,7 @@ def _load(
     else:
         state = _weights_from_bytes(members["weights.safetensors"], manifest["state"])
     records = [json.loads(members[f"entries/{k}.json"]) for k in range(manifest["entries"])]
+    _install_binaries(members)
     if model is not None:
         kv_cache.register(model=model)
     if any("transformers." in r["spec"] for r in records):

@@ -15,7 +15,7 @@ import triton
 import gjit
 from gjit import tuning
 from gjit.runtime import graph as graph_module
-from gjit.runtime import prebuild
+from gjit.runtime import package, prebuild
 from gjit.runtime.graph import CompiledGraph
 
 pytestmark = pytest.mark.compile_only
@@ -37,6 +37,11 @@ class MlpNorm(torch.nn.Module):
 def first_call(model, *args):
     """The graph of `model`'s compiled entry, and its wrapper's inputs and sizes at the first call
     (run in the interpreter and compared with eager)."""
+    return compiled_first_call(model, *args)[1:]
+
+
+def compiled_first_call(model, *args):
+    """first_call's, after the callable gjit.compile made."""
     seen = []
     run = CompiledGraph.run
 
@@ -46,12 +51,13 @@ def first_call(model, *args):
 
     with pytest.MonkeyPatch.context() as m, gjit.config.scope(interpret=True), torch.no_grad():
         m.setattr(CompiledGraph, "run", spy)
-        out = gjit.compile(model)(*args)
+        compiled = gjit.compile(model)
+        out = compiled(*args)
         expected = model(*args)
     for a, b in zip(torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(expected)):
         torch.testing.assert_close(a, b)
     assert seen, "the compiled path did not run"
-    return seen[0]
+    return (compiled, *seen[0])
 
 
 def jit_first_launches(graph, inputs, sizes, namespace) -> list[bool]:
@@ -239,3 +245,40 @@ def test_on_a_gpu_the_first_call_launches_what_the_workers_built(tmp_path, monke
     assert hits == [True] * 3
     for a, b in zip(out, expected):
         torch.testing.assert_close(a, b)
+
+
+def test_a_package_carries_the_binaries_its_first_calls_built(sm90, tmp_path, monkeypatch):
+    model, x = MlpNorm().eval(), INPUTS["contiguous"]()
+    compiled, graph, args, sizes = compiled_first_call(model, x)
+    graph.prebuild(graph.call_fn(interpret=False), args, sizes)  # what its first call on a GPU does
+    gjit.save(compiled, str(tmp_path / "plain.gjit"))
+    gjit.save(compiled, str(tmp_path / "m.gjit"), binaries=True)
+    assert not [m for m in package.read(str(tmp_path / "plain.gjit"))[1] if m.startswith("binaries/")]
+    # a new machine with the same GPU: an empty Triton cache, nothing compiled in memory
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "new"))
+    monkeypatch.setattr(graph_module, "_KERNELS", {})
+    before = gjit.stats().get("package_binaries_installed", 0)
+    loaded = gjit.load(str(tmp_path / "m.gjit"), model=model)
+    assert gjit.stats()["package_binaries_installed"] - before == 3
+    with gjit.config.scope(interpret=True), torch.no_grad():
+        for a, b in zip(loaded(x), model(x)):
+            torch.testing.assert_close(a, b)
+    served = loaded.entries[0].program.graph
+    namespace = served.call_fn(interpret=False).__globals__
+    assert jit_first_launches(served, args, sizes, namespace) == [True] * 3
+    gjit.load(str(tmp_path / "m.gjit"), model=model)  # already in Triton's cache: none installed again
+    assert gjit.stats()["package_binaries_installed"] - before == 3
+
+
+def test_a_package_whose_binary_is_another_kernels_is_refused(sm90, tmp_path):
+    model, x = MlpNorm().eval(), INPUTS["contiguous"]()
+    compiled, graph, args, sizes = compiled_first_call(model, x)
+    graph.prebuild(graph.call_fn(interpret=False), args, sizes)
+    gjit.save(compiled, str(tmp_path / "m.gjit"), binaries=True)
+    manifest, members = package.read(str(tmp_path / "m.gjit"))
+    first, second = sorted(m for m in members if m.startswith("binaries/"))[:2]
+    members[first] = members[second]  # consistent hashes: only gjit's own check can find it
+    manifest = {k: v for k, v in manifest.items() if k not in ("format", "versions", "members")}
+    package.write(str(tmp_path / "m.gjit"), manifest, members)
+    with pytest.raises(gjit.PackageError, match="kernel binary .* is damaged: a value of entry"):
+        gjit.load(str(tmp_path / "m.gjit"), model=model)

@@ -128,6 +128,8 @@ class CompiledGraph:
     last_check: list = dataclasses.field(default_factory=list)  # its rows for the latest call
     tuning: list[str] = dataclasses.field(default_factory=list)  # gjit/tuning.py's decisions, on a GPU
     prebuilt: bool = False  # its first call on a GPU started its kernels' builds (gjit/runtime/prebuild.py)
+    # that prebuild: its launches' entries in Triton's on-disk cache (gjit.save(binaries=True))
+    prebuild_result: prebuild.Prebuild | None = None
     _calls: dict[str, Callable] = dataclasses.field(default_factory=dict)
 
     def write(self) -> None:
@@ -202,10 +204,16 @@ class CompiledGraph:
         paths = {k.name: self.kernel_paths[k.name] for k in self.kernels if k.backend != "cuda"}
         others = [k.name for k in self.kernels if k.backend == "cuda"]
         try:
-            return prebuild.start(call, paths, others, list(self.subgraphs), graph_inputs, sizes)
+            self.prebuild_result = prebuild.start(
+                call, paths, others, list(self.subgraphs), graph_inputs, sizes
+            )
         except Exception as e:
             cache_log.warning("gjit: building kernels in workers failed (%s); they build at launch", e)
-            return None
+        return self.prebuild_result
+
+    def all_graphs(self) -> list[CompiledGraph]:
+        """This graph and its torch.cond branches', recursively."""
+        return [self, *(g for sub in self.subgraphs.values() for g in sub.all_graphs())]
 
     def run_branch(self, operands: tuple) -> tuple:
         """A torch.cond branch called from the parent's wrapper."""
