@@ -168,7 +168,8 @@ def test_a_launch_waits_for_its_own_build_only_then_binds_the_kernel():
     assert time.perf_counter() - start >= 0.15 and isinstance(namespace["b"], Kernel)
 
 
-def test_a_failed_build_is_logged_and_the_launch_builds_it(caplog):
+def test_a_failed_build_is_logged_and_the_launch_builds_it(caplog, monkeypatch):
+    monkeypatch.setattr(prebuild, "_warned", False)  # the first failure of a process is a warning
     kernel, failed = Kernel(), concurrent.futures.Future()
     failed.set_exception(RuntimeError("ptxas died"))
     namespace = {}
@@ -282,3 +283,21 @@ def test_a_package_whose_binary_is_another_kernels_is_refused(sm90, tmp_path):
     package.write(str(tmp_path / "m.gjit"), manifest, members)
     with pytest.raises(gjit.PackageError, match="kernel binary .* is damaged: a value of entry"):
         gjit.load(str(tmp_path / "m.gjit"), model=model)
+
+
+def test_a_prebuild_that_fails_is_logged_once_and_leaves_the_call_alone(sm90, caplog, monkeypatch):
+    graph, args, sizes = first_call(MlpNorm().eval(), INPUTS["contiguous"]())
+    monkeypatch.setattr(prebuild, "_warned", False)
+
+    def broken(*a, **k):
+        raise KeyError("compile")  # say, another Triton's jit_cache_hook arguments
+
+    monkeypatch.setattr(prebuild, "specializations", broken)
+    call = graph.call_fn(interpret=False)
+    names = {k.name: call.__globals__[k.name] for k in graph.kernels}
+    with caplog.at_level(logging.INFO, logger="gjit.cache"):
+        assert graph.prebuild(call, args, sizes) is None
+        assert graph.prebuild(call, args, sizes) is None
+    failures = [r for r in caplog.records if "prebuilding the kernels failed" in r.getMessage()]
+    assert [r.levelno for r in failures] == [logging.WARNING, logging.INFO]
+    assert {k.name: call.__globals__[k.name] for k in graph.kernels} == names  # the kernels themselves

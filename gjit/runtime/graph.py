@@ -208,7 +208,7 @@ class CompiledGraph:
                 call, paths, others, list(self.subgraphs), graph_inputs, sizes
             )
         except Exception as e:
-            cache_log.warning("gjit: building kernels in workers failed (%s); they build at launch", e)
+            prebuild.note_failure("prebuilding the kernels", e)
         return self.prebuild_result
 
     def all_graphs(self) -> list[CompiledGraph]:

@@ -229,18 +229,23 @@ class Awaiting:
         return self.kernel[grid]
 
 
-_warned = False  # a build that fails in a worker is a warning once per process, then info
+_warned = False  # a failure is a warning once per process, then info
+
+
+def note_failure(what: str, e: Exception) -> None:
+    """`what` failed with `e`: the kernels concerned build at their launch, as without a prebuild."""
+    global _warned
+    level = logging.INFO if _warned else logging.WARNING
+    _warned = True
+    log.log(level, "gjit: %s failed (%s: %s); Triton builds at launch", what, type(e).__name__, e)
 
 
 def _wait(futures: list, name: str) -> None:
-    global _warned
     for future in futures:
         try:
             future.result()
         except Exception as e:  # the launch builds it and raises the real error if it fails there too
-            level = logging.INFO if _warned else logging.WARNING
-            _warned = True
-            log.log(level, "gjit: building %s in a worker failed (%s); Triton builds it at launch", name, e)
+            note_failure(f"building {name} in a worker", e)
 
 
 def start(
@@ -257,6 +262,12 @@ def start(
     kernels' names; `branches`: the torch.cond branch runners'. None when there is nothing to build
     in parallel."""
     workers = config.compile_workers if workers is None else workers
+    missing = _missing_from_triton()
+    if missing:
+        if missing not in _NOTED:
+            _NOTED.add(missing)
+            log.info("gjit: kernels build at their launch: this Triton has no %s", missing)
+        return None
     remote = remote_cache.current()
     parallel = workers >= 2 and len(set(paths.values())) >= 2
     if not parallel and remote is None:
@@ -300,6 +311,24 @@ def start(
         workers,
     )
     return Prebuild(launches, builds, stopped, futures, fetched)
+
+
+_NOTED: set[str] = set()
+
+
+@functools.cache
+def _missing_from_triton() -> str:
+    """What this Triton lacks of the API the prebuild uses ('' when nothing)."""
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    if not hasattr(getattr(getattr(triton, "knobs", None), "runtime", None), "jit_cache_hook"):
+        return "triton.knobs.runtime.jit_cache_hook"
+    if not hasattr(JITFunction, "preload"):
+        return "JITFunction.preload"
+    if not hasattr(driver, "set_active"):
+        return "triton.runtime.driver.set_active"
+    return ""
 
 
 REMOTE_PREFIX = "triton-binary-"  # then the name of Triton's cache entry (a sha256)
