@@ -124,15 +124,8 @@ def measure(name: str, workers: list[int], repeat: int) -> None:
         for n in workers:
             namespace = fresh(graph)
             start = time.perf_counter()
-            prebuild.start(
-                graph.call_fn(interpret=False),
-                {k.name: graph.kernel_paths[k.name] for k in graph.kernels},
-                [],
-                list(graph.subgraphs),
-                inputs,
-                sizes,
-                workers=n,
-            )
+            with gjit.config.scope(compile_workers=n):
+                graph.prebuild(graph.call_fn(interpret=False), inputs, sizes)
             at_launch += launch_all(namespace, launches)
             rows.setdefault(f"{n} workers", []).append(time.perf_counter() - start)
     serial = statistics.median(rows["in turn"])

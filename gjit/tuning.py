@@ -300,6 +300,8 @@ def record(
 
         return Probe()
 
+    if graph.on_cuda and not graph.prebuilt:  # the builds start before the probes wrap the kernels
+        graph.prebuild(graph.call_fn(interpret=False), graph_inputs, sizes)
     with kernels_wrapped(graph, probe):
         graph.run(graph_inputs, sizes)
     return keys, kept

@@ -4,6 +4,8 @@ H100 (sm_90) and launches nothing, must find every kernel of the real first call
 on-disk cache, where the workers put it."""
 
 import concurrent.futures
+import dataclasses
+import json
 import logging
 import threading
 import time
@@ -182,14 +184,12 @@ def test_a_failed_build_is_logged_and_the_launch_builds_it(caplog, monkeypatch):
 def test_one_worker_or_one_kernel_prebuilds_nothing(sm90):
     graph, args, sizes = first_call(MlpNorm().eval(), INPUTS["contiguous"]())
     call = graph.call_fn(interpret=False)
-    assert (
-        prebuild.start(
-            call, {k.name: graph.kernel_paths[k.name] for k in graph.kernels}, [], [], args, sizes, 1
-        )
-        is None
-    )
-    one = {graph.kernels[0].name: graph.kernel_paths[graph.kernels[0].name]}
-    assert prebuild.start(call, one, [], [], args, sizes, 4) is None
+    with gjit.config.scope(compile_workers=1):
+        assert graph.prebuild(call, args, sizes) is None
+    graph, args, sizes = first_call(lambda x: torch.sin(x) + 1, torch.randn(8, 8))
+    assert len(graph.kernels) == 1
+    with gjit.config.scope(compile_workers=4):
+        assert graph.prebuild(graph.call_fn(interpret=False), args, sizes) is None
 
 
 WRAPPER = """
@@ -301,3 +301,117 @@ def test_a_prebuild_that_fails_is_logged_once_and_leaves_the_call_alone(sm90, ca
     failures = [r for r in caplog.records if "prebuilding the kernels failed" in r.getMessage()]
     assert [r.levelno for r in failures] == [logging.WARNING, logging.INFO]
     assert {k.name: call.__globals__[k.name] for k in graph.kernels} == names  # the kernels themselves
+
+
+def test_a_prebuild_while_tunings_probes_wrap_the_kernels_still_builds_them(sm90):
+    graph, args, sizes = first_call(MlpNorm().eval(), INPUTS["contiguous"]())
+
+    class Probe:  # like gjit/tuning.py's: a launch through it, no Triton launcher of its own
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return self.kernel[grid]
+
+    with tuning.kernels_wrapped(graph, lambda name, kernel: Probe(kernel)):
+        built = graph.prebuild(graph.call_fn(interpret=False), args, sizes)
+        built.wait()
+    assert len(built.builds) == 3 and sum(map(len, built.futures.values())) == 3
+
+
+def test_tritons_hook_is_restored_and_other_threads_launch_as_usual(sm90, monkeypatch):
+    """While a prebuild holds Triton's jit_cache_hook, a launch in another thread compiles (the
+    hook answers only for the prebuild's own thread), and the hook found before is put back."""
+    graph, args, sizes = first_call(MlpNorm().eval(), INPUTS["contiguous"]())
+    call = graph.call_fn(interpret=False)
+    names = [k.name for k in graph.kernels]
+    kernels = {n: call.__globals__[n] for n in names}
+    launches, _ = prebuild.record_launches(call, names, [], [], args, sizes)
+    elsewhere = []
+
+    class FromAnotherThread:  # a "kernel" whose specialization runs a real launch in another thread
+        def run(self, *args, **kwargs):
+            first = launches[0]
+            thread = threading.Thread(
+                target=lambda: elsewhere.append(
+                    kernels[first.name].run(*first.args, grid=first.grid, warmup=True, **first.kwargs)
+                )
+            )
+            thread.start()
+            thread.join()
+
+    seen = []
+    user_hook = lambda **kw: seen.append(kw["fn"].jit_function) and None  # noqa: E731
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", user_hook)
+    builds = prebuild.specializations(
+        [*launches, dataclasses.replace(launches[0], name="x")], kernels | {"x": FromAnotherThread()}
+    )
+    assert len(builds) == 3 and triton.knobs.runtime.jit_cache_hook is user_hook
+    assert elsewhere and elsewhere[0] is not None  # compiled there, not skipped by the prebuild's hook
+    assert seen == [kernels[launches[0].name]]  # the user's hook still saw that launch
+    workers = [threading.Thread(target=prebuild.specializations, args=(launches, kernels)) for _ in range(4)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    assert triton.knobs.runtime.jit_cache_hook is user_hook
+
+
+def test_a_triton_whose_serialization_names_no_target_still_prebuilds(sm90, monkeypatch):
+    """Triton 3.4-3.6 leave the target out of the specialization data: the parent's is used."""
+    serialize = triton.runtime.jit.serialize_specialization_data
+
+    def without_target(*args, **kwargs):
+        data = json.loads(serialize(*args, **kwargs))
+        data.pop("target", None)
+        return json.dumps(data)
+
+    monkeypatch.setattr(triton.runtime.jit, "serialize_specialization_data", without_target)
+    graph, args, sizes = first_call(MlpNorm().eval(), INPUTS["contiguous"]())
+    call = graph.call_fn(interpret=False)
+    built = graph.prebuild(call, args, sizes)
+    built.wait()
+    assert sum(map(len, built.futures.values())) == 3
+    assert jit_first_launches(graph, args, sizes, call.__globals__) == [True] * 3
+
+
+EXIT_SCRIPT = """
+import time, types
+from gjit.runtime import prebuild
+
+def slow(*args):
+    time.sleep(2)
+
+prebuild.build_one = slow
+kernel = types.SimpleNamespace(fn=types.SimpleNamespace(__name__="k"))
+todo = [prebuild.Build("k", kernel, "", ("cuda", 90, 32), None, False) for _ in range(6)]
+futures = prebuild._submit(todo, {"k": "k.py"}, 1, None)
+time.sleep(0.5)  # the first build runs; five wait in the queue
+print(sum(map(len, futures.values())), time.time(), flush=True)
+"""
+
+
+def test_exit_does_not_wait_for_queued_builds():
+    """A process that ends (a crash, Ctrl-C) during a first call's builds ends after the builds
+    running then, not after the whole queue (here 2 s, not 12 s)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=60)
+    ended = time.time()
+    assert out.returncode == 0, out.stderr
+    submitted, at = out.stdout.split()
+    assert submitted == "6"
+    assert ended - float(at) < 6  # the running build's rest (1.5 s), not five more (10 s)
+
+
+def test_a_build_that_hangs_is_given_up_and_prebuilds_stop(monkeypatch, caplog):
+    monkeypatch.setattr(prebuild, "WAIT_SECONDS", 0.2)
+    monkeypatch.setattr(prebuild, "_off", "")
+    kernel, hung = Kernel(), concurrent.futures.Future()  # a worker that never answers
+    namespace = {}
+    namespace["k"] = prebuild.Awaiting(kernel, [hung], namespace, "k")
+    with caplog.at_level(logging.INFO, logger="gjit.cache"):
+        namespace["k"][(1,)]()
+    assert kernel.grids == [(1,)] and "took over" in prebuild._off  # launched: Triton builds it
+    assert prebuild.start(None, {}, {}, [], [], [], ()) is None  # no more prebuilds in this process

@@ -201,12 +201,14 @@ class CompiledGraph:
         its device wrapper `call` (gjit/runtime/prebuild.py). Never fails the call: whatever it
         does not build, Triton's launcher builds at the launch."""
         self.prebuilt = True
-        paths = {k.name: self.kernel_paths[k.name] for k in self.kernels if k.backend != "cuda"}
+        triton_kernels = [k for k in self.kernels if k.backend != "cuda"]
+        paths = {k.name: self.kernel_paths[k.name] for k in triton_kernels}
         others = [k.name for k in self.kernels if k.backend == "cuda"]
         try:
-            self.prebuild_result = prebuild.start(
-                call, paths, others, list(self.subgraphs), graph_inputs, sizes
-            )
+            # the JITFunctions themselves: the wrapper's names may be wrapped (tuning's probes)
+            kernels = {k.name: load_kernel(paths[k.name], k.code_of or k.name, False) for k in triton_kernels}
+            branches = list(self.subgraphs)
+            self.prebuild_result = prebuild.start(call, kernels, paths, others, branches, graph_inputs, sizes)
         except Exception as e:
             prebuild.note_failure("prebuilding the kernels", e)
         return self.prebuild_result

@@ -25,7 +25,9 @@ specialization) or never started (the fake run stopped at an op fake tensors can
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
+import concurrent.futures.process
 import dataclasses
 import functools
 import json
@@ -93,6 +95,7 @@ class Build:
     name: str  # the kernel's name in the wrapper (the first launch of this specialization)
     kernel: Any  # its JITFunction
     data: str  # Triton's serialized specialization
+    target: tuple  # the GPU's (backend, arch, warp size)
     entry: tuple[str, str] | None  # its entry in Triton's on-disk cache: (name, metadata file)
     cached: bool  # already there
 
@@ -108,8 +111,9 @@ class Prebuild:
     fetched: list[Build] = dataclasses.field(default_factory=list)  # installed from the remote cache
 
     def wait(self) -> None:
-        for futures in self.futures.values():
-            _wait(futures, "")
+        names = {id(b.kernel): b.name for b in self.builds}
+        for kernel, futures in self.futures.items():
+            _wait(futures, names.get(kernel, "a kernel"))
 
 
 class _Stop(Exception):
@@ -169,12 +173,19 @@ def record_launches(
     return launches, ""
 
 
-def specializations(launches: list[Launch], namespace: dict[str, Any]) -> list[Build]:
-    """Each distinct specialization of the launches' kernels, as Triton's launcher computes it on
-    this device, skipping those it has already compiled in this process."""
+_HOOK_LOCK = threading.Lock()  # one prebuild at a time installs Triton's jit_cache_hook
+
+
+def specializations(launches: list[Launch], kernels: dict[str, Any]) -> list[Build]:
+    """Each distinct specialization of the launches' kernels (`kernels`: name -> JITFunction), as
+    Triton's launcher computes it on this device, skipping those it has already compiled in this
+    process. A launch Triton's launcher cannot specialize here is left to build at its launch."""
+    from triton.runtime.driver import driver
+
     builds: dict[tuple[int, str], Build] = {}
     me = threading.get_ident()
-    previous = triton.knobs.runtime.jit_cache_hook
+    target = driver.active.get_current_target()
+    target = (target.backend, target.arch, target.warp_size)
     current: list[str] = []
 
     def hook(*args: Any, **kwargs: Any) -> Any:
@@ -184,40 +195,52 @@ def specializations(launches: list[Launch], namespace: dict[str, Any]) -> list[B
         key = (id(kernel), str(kwargs["key"]))
         if key not in builds:
             data = compile["specialization_data"]
-            entry = triton_binaries.entry_name(kernel, compile, data)
+            try:
+                entry = triton_binaries.entry_name(kernel, compile, data, target)
+            except Exception as e:  # another Triton's cache key: unknown, so built (time only)
+                log.debug("gjit: Triton's cache entry of %s unknown (%s)", current[-1], e)
+                entry = None
             cached = entry is not None and triton_binaries.is_cached(*entry)
-            builds[key] = Build(current[-1], kernel, data, entry, cached)
+            builds[key] = Build(current[-1], kernel, data, target, entry, cached)
         return True  # do not compile here
 
-    triton.knobs.runtime.jit_cache_hook = hook
-    try:
-        for launch in launches:
-            current.append(launch.name)
-            kernel = namespace[launch.name]
-            kernel = kernel.kernel if isinstance(kernel, Awaiting) else kernel
-            kernel.run(*launch.args, grid=launch.grid, warmup=True, **launch.kwargs)
-    finally:
-        triton.knobs.runtime.jit_cache_hook = previous
+    with _HOOK_LOCK:  # no other prebuild saves this hook as its `previous`, or restores under it
+        previous = triton.knobs.runtime.jit_cache_hook
+        triton.knobs.runtime.jit_cache_hook = hook
+        try:
+            for launch in launches:
+                current.append(launch.name)
+                try:
+                    kernels[launch.name].run(*launch.args, grid=launch.grid, warmup=True, **launch.kwargs)
+                except Exception as e:  # this launch builds at launch; the others still prebuild
+                    log.info("gjit: prebuilding %s: %s: %s", launch.name, type(e).__name__, e)
+        finally:
+            if triton.knobs.runtime.jit_cache_hook is hook:
+                triton.knobs.runtime.jit_cache_hook = previous
     return list(builds.values())
 
 
-def build_one(path: str, name: str, data: str) -> float:
+def build_one(path: str, name: str, data: str, target: tuple) -> float:
     """In a worker: build one serialized specialization of the kernel defined as `name` in `path`
-    into Triton's on-disk cache; returns the seconds it took."""
+    for `target` (backend, arch, warp size) into Triton's on-disk cache; returns the seconds it took."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
 
     start = time.perf_counter()
     triton.knobs.runtime.jit_cache_hook = None  # the parent's, inherited by the fork
-    driver.set_active(TargetDriver(GPUTarget(**json.loads(data)["target"])))
+    gpu = GPUTarget(*target)
+    driver.set_active(TargetDriver(gpu))
+    spec = json.loads(data)
+    spec.setdefault("target", dict(gpu.__dict__))  # Triton 3.4-3.6 serialize no target
     kernel = getattr(import_file(path), name)  # the parent's module name: part of the serialization
-    kernel.preload(data)
+    kernel.preload(json.dumps(spec))
     return time.perf_counter() - start
 
 
 class Awaiting:
-    """A wrapper's kernel whose builds run in workers: its first launch waits for them (only),
-    then the wrapper's name is bound to the kernel itself."""
+    """A wrapper's kernel whose builds run in workers: its first launch waits for them (the builds
+    of this kernel's specializations, no other kernel's), then the wrapper's name is bound to the
+    kernel itself."""
 
     def __init__(self, kernel: Any, futures: list, namespace: dict[str, Any], name: str):
         self.kernel, self.futures, self.namespace, self.name = kernel, futures, namespace, name
@@ -229,10 +252,14 @@ class Awaiting:
         return self.kernel[grid]
 
 
+WAIT_SECONDS = 300.0  # a launch waits this long for its build (queue included), then builds it itself
+MAX_WORKERS = 32  # as Inductor's compile workers: more cost memory and forks for little
 _warned = False  # a failure is a warning once per process, then info
+_off = ""  # why prebuilds are off for the rest of the process ('' while they are on)
+_pending: set[concurrent.futures.Future] = set()  # builds not done: cancelled when the process exits
 
 
-def note_failure(what: str, e: Exception) -> None:
+def note_failure(what: str, e: BaseException) -> None:
     """`what` failed with `e`: the kernels concerned build at their launch, as without a prebuild."""
     global _warned
     level = logging.INFO if _warned else logging.WARNING
@@ -240,16 +267,42 @@ def note_failure(what: str, e: Exception) -> None:
     log.log(level, "gjit: %s failed (%s: %s); Triton builds at launch", what, type(e).__name__, e)
 
 
+def _turn_off(why: str) -> None:
+    """No more prebuilds in this process (a worker died or hung, no worker could start)."""
+    global _off
+    if not _off:
+        _off = why
+        log.info("gjit: no more kernel prebuilds in this process: %s", why)
+
+
 def _wait(futures: list, name: str) -> None:
     for future in futures:
         try:
-            future.result()
-        except Exception as e:  # the launch builds it and raises the real error if it fails there too
+            future.result(timeout=WAIT_SECONDS)
+        except concurrent.futures.TimeoutError as e:
+            _turn_off(f"building {name} took over {WAIT_SECONDS:.0f} s")
+            note_failure(f"waiting for {name}'s build", e)
+        except concurrent.futures.process.BrokenProcessPool as e:
+            _turn_off("a build worker died")
             note_failure(f"building {name} in a worker", e)
+        except (Exception, concurrent.futures.CancelledError) as e:  # the launch builds it (and raises)
+            note_failure(f"building {name} in a worker", e)
+
+
+def _cancel_pending() -> None:
+    """At exit: builds not started are dropped (a running one finishes), so exit does not wait
+    for a whole model's queue."""
+    for future in list(_pending):
+        future.cancel()
+
+
+# before concurrent.futures' own exit handler joins the pools (threading runs these last first)
+getattr(threading, "_register_atexit", atexit.register)(_cancel_pending)
 
 
 def start(
     call: Callable,
+    kernels: dict[str, Any],
     paths: dict[str, str],
     others: list[str],
     branches: list[str],
@@ -258,46 +311,36 @@ def start(
     workers: int | None = None,
 ) -> Prebuild | None:
     """Prebuild the kernels of the device wrapper `call` for its first call (`inputs`, `sizes`).
-    `paths`: each Triton kernel's name in the wrapper -> its source file; `others`: the CUDA C
-    kernels' names; `branches`: the torch.cond branch runners'. None when there is nothing to build
-    in parallel."""
-    workers = config.compile_workers if workers is None else workers
-    missing = _missing_from_triton()
+    `kernels`: each Triton kernel's name in the wrapper -> its JITFunction, `paths` -> its source
+    file; `others`: the CUDA C kernels' names; `branches`: the torch.cond branch runners'. None
+    when there is nothing to build in parallel or nothing to share."""
+    workers = min(config.compile_workers if workers is None else workers, MAX_WORKERS)
+    missing = _off or _missing_from_triton()
     if missing:
         if missing not in _NOTED:
             _NOTED.add(missing)
-            log.info("gjit: kernels build at their launch: this Triton has no %s", missing)
+            log.info("gjit: kernels build at their launch: %s", missing)
         return None
     remote = remote_cache.current()
     parallel = workers >= 2 and len(set(paths.values())) >= 2
     if not parallel and remote is None:
         return None
-    namespace = call.__globals__
     launches, stopped = record_launches(call, list(paths), others, branches, inputs, sizes)
     if stopped:
         log.info(
             "gjit: prebuilding kernels: the fake run stopped at %s; later kernels build at launch", stopped
         )
-    builds = specializations(launches, namespace)
+    builds = specializations(launches, kernels)
     todo = [b for b in builds if not b.cached]
-    fetched = [b for b in todo if remote is not None and fetch(remote, b)]
+    fetched = [b for b in todo if remote is not None and b.entry and triton_binaries.fetch(remote, *b.entry)]
     todo = [b for b in todo if b not in fetched]
-    futures: dict[int, list[concurrent.futures.Future]] = {}
     # in parallel; or one build, in a worker still when a remote cache is there to share its binary
     wanted = todo and ((parallel and len(todo) >= 2) or remote is not None)
-    pool = build_pool(max(1, min(workers, len(todo))), spawn=False) if wanted else None
-    if pool is not None:
-        finish_warm_up()  # Triton's one-time hashing, once, inherited by every worker
-        with quiet_forks():  # the workers fork at the first submit
-            for b in sorted(todo, key=lambda b: -len(b.kernel.src)):  # the longest first
-                future = pool.submit(build_one, paths[b.name], b.kernel.fn.__name__, b.data)
-                if remote is not None:
-                    future.add_done_callback(functools.partial(publish, remote, b))
-                futures.setdefault(id(b.kernel), []).append(future)
-        pool.shutdown(wait=False)  # the queued builds still run; the workers exit after them
+    futures = _submit(todo, paths, max(1, min(workers, len(todo))), remote) if wanted else {}
+    namespace = call.__globals__
     for name in paths:
-        kernel = namespace[name]
-        if id(kernel) in futures:  # (an Awaiting already there has its builds: its id is not a key)
+        kernel = kernels[name]
+        if id(kernel) in futures and namespace.get(name) is kernel:  # (not while tuning wraps it)
             namespace[name] = Awaiting(kernel, futures[id(kernel)], namespace, name)
     stats.COUNTERS["kernels_prebuilt"] += sum(map(len, futures.values()))
     log.info(
@@ -311,6 +354,45 @@ def start(
         workers,
     )
     return Prebuild(launches, builds, stopped, futures, fetched)
+
+
+def _submit(
+    todo: list[Build], paths: dict[str, str], workers: int, remote: remote_cache.RemoteCache | None
+) -> dict[int, list[concurrent.futures.Future]]:
+    """`todo` handed to `workers` forked processes, the longest source first (so no worker is left
+    with a big template at the end while the others idle: tiny Llama's first launches were ready
+    in 1.52 s this way, 1.67 s in launch order, on 2 workers): id(kernel) -> its builds' futures.
+    Nothing when no worker can start."""
+    futures: dict[int, list[concurrent.futures.Future]] = {}
+    try:
+        pool = build_pool(workers, spawn=False)
+    except Exception as e:  # noqa: BLE001 - no process can start: the launches build
+        _turn_off(f"no build worker could start ({type(e).__name__}: {e})")
+        return {}
+    if pool is None:
+        _turn_off("no fork here (or a daemonic process): build workers cannot start")
+        return {}
+    finish_warm_up()  # Triton's one-time hashing, once, inherited by every worker
+    try:
+        with quiet_forks():  # the workers fork at the first submit
+            for b in sorted(todo, key=lambda b: -len(b.kernel.src)):
+                future = pool.submit(build_one, paths[b.name], b.kernel.fn.__name__, b.data, b.target)
+                _pending.add(future)
+                future.add_done_callback(_pending.discard)
+                if remote is not None and b.entry is not None:
+                    future.add_done_callback(functools.partial(_publish, remote, b.entry))
+                futures.setdefault(id(b.kernel), []).append(future)
+    except Exception as e:  # noqa: BLE001 - a fork that failed: what was submitted still runs
+        _turn_off(f"starting build workers failed ({type(e).__name__}: {e})")
+    pool.shutdown(wait=False)  # the queued builds still run; the workers exit after them
+    return futures
+
+
+def _publish(
+    remote: remote_cache.RemoteCache, entry: tuple[str, str], future: concurrent.futures.Future
+) -> None:
+    if not future.cancelled() and future.exception() is None:
+        triton_binaries.publish(remote, *entry)
 
 
 _NOTED: set[str] = set()
@@ -329,41 +411,3 @@ def _missing_from_triton() -> str:
     if not hasattr(driver, "set_active"):
         return "triton.runtime.driver.set_active"
     return ""
-
-
-REMOTE_PREFIX = "triton-binary-"  # then the name of Triton's cache entry (a sha256)
-
-
-def fetch(remote: remote_cache.RemoteCache, build: Build) -> bool:
-    """Install `build`'s binary from the fleet's remote cache into Triton's on-disk cache: whether
-    it was there and checked out (gjit/runtime/triton_binaries.py)."""
-    if build.entry is None:
-        return False
-    name = build.entry[0]
-    files: dict[str, bytes] = {}
-
-    def check(text: str) -> None:
-        files.update(triton_binaries.unpack(text, name))
-
-    if remote.get(REMOTE_PREFIX + name, check, counter="remote_binary") is None:
-        return False
-    try:
-        triton_binaries.install(name, files)
-    except OSError as e:  # an unwritable Triton cache: the workers build it, and cannot store it either
-        log.info("gjit: could not install the remote binary of %s (%s)", build.name, e)
-        return False
-    return True
-
-
-def publish(remote: remote_cache.RemoteCache, build: Build, future: concurrent.futures.Future) -> None:
-    """After a worker built `build`: its binary to the remote cache (queued for the background
-    writer; set if absent)."""
-    if build.entry is None or future.cancelled() or future.exception() is not None:
-        return
-    try:
-        text = triton_binaries.pack(*build.entry)
-    except OSError as e:
-        log.info("gjit: could not read the binary of %s to share it (%s)", build.name, e)
-        return
-    if text is not None:
-        remote.put(REMOTE_PREFIX + build.entry[0], text)

@@ -25,14 +25,19 @@ from typing import Any
 
 import triton
 
+from gjit import logs
+
+log = logs.logger("cache")
+
 FORMAT = "gjit-triton-binary-1"
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 
 
-def entry_name(kernel: Any, compile: dict[str, Any], data: str) -> tuple[str, str] | None:
+def entry_name(kernel: Any, compile: dict[str, Any], data: str, target: tuple) -> tuple[str, str] | None:
     """(the name of Triton's cache entry, its metadata file's name) for this specialization of
-    `kernel`, as `triton.compile` computes them; None where this Triton's cache cannot be predicted
-    (an inspection hook changes the key, or it always compiles)."""
+    `kernel` (Triton's launcher's `compile` hook arguments and serialization) on `target` (backend,
+    arch, warp size), as `triton.compile` computes them; None where this Triton's cache cannot be
+    predicted (an inspection hook changes the key, or it always compiles)."""
     from triton._C.libtriton import get_cache_invalidating_env_vars
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -42,7 +47,7 @@ def entry_name(kernel: Any, compile: dict[str, Any], data: str) -> tuple[str, st
     if knobs.compilation.always_compile or knobs.runtime.add_stages_inspection_hook is not None:
         return None
     spec = json.loads(data)
-    backend = make_backend(GPUTarget(**spec["target"]))
+    backend = make_backend(GPUTarget(*target))
     src = ASTSource(kernel, compile["signature"], compile["constants"], compile["configs"][0])
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["options"].items()}
     options = backend.parse_options(dict(options, **src.parse_options()))
@@ -114,3 +119,36 @@ def install(name: str, files: dict[str, bytes]) -> None:
     metadata = next(f for f in files if f.endswith(".json"))
     paths = {file: manager.put(data, file, binary=True) for file, data in files.items()}
     manager.put_group(metadata, paths)
+
+
+REMOTE_PREFIX = "triton-binary-"  # then the name of Triton's cache entry (a sha256)
+
+
+def fetch(remote: Any, name: str, metadata: str) -> bool:
+    """Install entry `name` from the fleet's remote cache (gjit/runtime/remote_cache.py) into
+    Triton's on-disk cache: whether the server had it and it checked out."""
+    files: dict[str, bytes] = {}
+
+    def check(text: str) -> None:
+        files.update(unpack(text, name))
+
+    if remote.get(REMOTE_PREFIX + name, check, counter="remote_binary") is None:
+        return False
+    try:
+        install(name, files)
+    except OSError as e:  # an unwritable Triton cache: it is built, and cannot be stored either
+        log.info("gjit: could not install the remote binary %s (%s)", name, e)
+        return False
+    return True
+
+
+def publish(remote: Any, name: str, metadata: str) -> None:
+    """Entry `name` of Triton's on-disk cache to the remote cache (queued for its background writer,
+    set if absent)."""
+    try:
+        text = pack(name, metadata)
+    except OSError as e:
+        log.info("gjit: could not read the binary %s to share it (%s)", name, e)
+        return
+    if text is not None:
+        remote.put(REMOTE_PREFIX + name, text)
