@@ -230,20 +230,23 @@ def test_the_fake_run_records_each_launch_as_the_launcher_will_see_it(mode):
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_the_first_call_launches_what_the_workers_built(tmp_path, monkeypatch):
-    """The real path: CompiledGraph.run's first call on CUDA prebuilds, and every launch of this
-    process loads a binary a worker built (Triton's launcher compiles nothing itself)."""
+@pytest.mark.parametrize("tune", [False, True])
+def test_on_a_gpu_the_first_call_launches_what_the_workers_built(tmp_path, monkeypatch, tune):
+    """The real path: CompiledGraph.run's first call on CUDA prebuilds (tuning's first run too),
+    and without tuning every launch of this process loads a binary a worker built (Triton's
+    launcher compiles nothing itself; tuning compiles its other configurations here)."""
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
     monkeypatch.setattr(graph_module, "_KERNELS", {})
     hits = []
     monkeypatch.setattr(triton.knobs.compilation, "listener", lambda **kw: hits.append(kw["cache_hit"]))
     model, x = MlpNorm().cuda().eval(), torch.randn(3, 40, 32, device="cuda")
     before = gjit.stats().get("kernels_prebuilt", 0)
-    with gjit.config.scope(compile_workers=2, tune=False), torch.no_grad():
+    with gjit.config.scope(compile_workers=2, tune=tune), torch.no_grad():
         out = gjit.compile(model)(x)
         expected = model(x)
-    assert gjit.stats()["kernels_prebuilt"] - before == 3
-    assert hits == [True] * 3
+    assert gjit.stats()["kernels_prebuilt"] - before >= 3
+    if not tune:
+        assert hits == [True] * 3
     for a, b in zip(out, expected):
         torch.testing.assert_close(a, b)
 
