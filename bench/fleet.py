@@ -9,6 +9,14 @@ each with a shared redis-server (GJIT_REMOTE_CACHE) and without it; with it, the
 twice: on the server the 8 filled, then on an emptied one. A process reports the time
 from the start of its compile to its first output (CPU: the eager fallback runs the graph) and
 whether it compiled (decomposed) or was served by the remote.
+
+    .venv/bin/python bench/fleet.py --binaries        # GPU kernel binaries through the same server
+
+With --binaries each process instead measures what a first call on a GPU adds: its kernels for
+an H100 (sm_90) with an empty Triton cache of its own, through gjit's prebuild (workers, and the
+remote cache's binaries when there is one) and Triton's launcher (bench/first_launch.py's replay
+on a driver that names sm_90, no GPU needed): the seconds until every launch's binary is ready,
+the kernels built in the process, and the binaries it installed from the server.
 """
 
 from __future__ import annotations
@@ -49,19 +57,48 @@ print(json.dumps({"first": first, "compiled": stats.get("decompositions", 0) > 0
 """
 
 
+CHILD_BINARIES = """
+import json, sys, time
+import gjit
+sys.path.insert(0, sys.argv[3])
+import first_launch
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+from gjit.codegen.toolchain.compile_only import finish_warm_up
+from gjit.runtime import prebuild
+graph, inputs, sizes, launches = first_launch.first_call(*first_launch.build(sys.argv[1]))
+driver.set_active(prebuild.TargetDriver(GPUTarget("cuda", 90, 32)))
+finish_warm_up()  # Triton's one-time hashing, which a GPU process pays either way
+namespace = graph.call_fn(interpret=False).__globals__
+begin = time.perf_counter()
+graph.prebuild(graph.call_fn(interpret=False), inputs, sizes)
+at_launch = first_launch.launch_all(namespace, launches)
+first = time.perf_counter() - begin
+stats = gjit.stats()
+built = stats.get("kernels_prebuilt", 0) + at_launch
+print(json.dumps({"first": first, "compiled": built > 0, "built": built,
+                  "remote_hits": stats.get("remote_binary_hits", 0)}))
+"""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+BINARIES = False  # --binaries: the children measure their GPU kernel binaries instead
+
+
 def launch(model: str, cache_dir: str, url: str | None) -> subprocess.Popen:
     env = dict(os.environ, GJIT_CACHE="1", GJIT_CACHE_DIR=cache_dir)
+    env["TRITON_CACHE_DIR"] = os.path.join(cache_dir, "triton")  # each process: a new machine's
     env.pop("GJIT_INTERPRET", None)
     env.pop("GJIT_REMOTE_CACHE", None)
     if url:
         env["GJIT_REMOTE_CACHE"] = url
-    argv = [sys.executable, "-c", CHILD, model, os.path.join(ROOT, "tests")]
+    child = CHILD_BINARIES if BINARIES else CHILD
+    argv = [sys.executable, "-c", child, model, os.path.join(ROOT, "tests"), os.path.join(ROOT, "bench")]
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -99,7 +136,10 @@ def main() -> None:
     parser.add_argument("--model", default="gpt2-sdpa")
     parser.add_argument("--processes", type=int, default=8)
     parser.add_argument("--at-once", type=int, default=4)
+    parser.add_argument("--binaries", action="store_true", help="GPU kernel binaries (sm_90), see above")
     opts = parser.parse_args()
+    global BINARIES
+    BINARIES = opts.binaries
     server = shutil.which("redis-server")
     if server is None:
         sys.exit("bench/fleet.py needs redis-server (apt-get install redis-server)")
@@ -117,8 +157,12 @@ def main() -> None:
     finally:
         redis.kill()
     print(f"model {opts.model}: {opts.processes} processes one after another, then {opts.at_once} at once")
-    print("| cache | phase | first output s (each process) | median | compiled |")
-    print("|---|---|---|---:|---:|")
+    if BINARIES:
+        print("| cache | phase | sm_90 binaries ready s (each process) | median | built | installed |")
+        print("|---|---|---|---:|---:|---:|")
+    else:
+        print("| cache | phase | first output s (each process) | median | compiled |")
+        print("|---|---|---|---:|---:|")
     for label, runs in table.items():
         for phase in ("sequential", "at once", "at once, empty server"):
             rs = [r for r in runs if r["phase"] == phase]
@@ -127,7 +171,12 @@ def main() -> None:
             times = ", ".join(f"{r['first']:.2f}" for r in rs)
             median = statistics.median(r["first"] for r in rs)
             compiled = sum(r["compiled"] for r in rs)
-            print(f"| {label} | {phase} | {times} | {median:.2f} | {compiled} of {len(rs)} |")
+            if BINARIES:
+                built = ", ".join(str(r["built"]) for r in rs)
+                hits = ", ".join(str(r["remote_hits"]) for r in rs)
+                print(f"| {label} | {phase} | {times} | {median:.2f} | {built} | {hits} |")
+            else:
+                print(f"| {label} | {phase} | {times} | {median:.2f} | {compiled} of {len(rs)} |")
 
 
 if __name__ == "__main__":
