@@ -416,3 +416,78 @@ def test_a_damaged_binary_is_never_installed_and_the_workers_build_it(
     assert len(again.fetched) == 2 and sum(map(len, again.futures.values())) == 1 and errors == 1
     assert not list((tmp_path / "second").rglob("evil.so"))
     assert jit_first_launches(graph, args, sizes, namespace) == [True] * 3
+
+
+# -- packages in the remote cache: gjit.save(cm, "remote:<name>"), gjit.load("remote:<name>") --------
+
+
+PACKAGE_PROCESS = f"""
+import json, sys, torch, gjit
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_remote_cache import model, args
+loaded = gjit.load(sys.argv[1])
+out = loaded(*args())
+torch.testing.assert_close(out, model(*args()))
+print(json.dumps({{k: v for k, v in gjit.stats().items() if isinstance(v, int)}}))
+"""
+
+
+def test_a_package_saved_to_the_remote_serves_another_machine_with_no_export(server, tmp_path):
+    with gjit.config.scope(cache=False, remote_cache=server.url(), interpret=True):
+        compiled = gjit.compile(model)
+        compiled(*args())
+        gjit.save(compiled, "remote:fleet/model-v1", weights=True)
+    assert server.client.exists(b"gjit:package-fleet/model-v1")
+    env = dict(
+        os.environ, GJIT_REMOTE_CACHE=server.url(), GJIT_CACHE_DIR=str(tmp_path / "other"), GJIT_INTERPRET="1"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", PACKAGE_PROCESS, "remote:fleet/model-v1"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    moved = json.loads(out.stdout.strip().splitlines()[-1])
+    assert moved["package_loads"] == 1 and moved.get("exports", 0) == 0 and moved["eager_runs"] == 0, moved
+
+
+def test_remote_package_faults_are_clear_errors(server, tmp_path):
+    with gjit.config.scope(cache=False, remote_cache=server.url(), interpret=True):
+        compiled = gjit.compile(model)
+        compiled(*args())
+        gjit.save(compiled, "remote:m", weights=True)
+        with pytest.raises(gjit.PackageError, match="holds no package of that name"):
+            gjit.load("remote:other")
+        with pytest.raises(gjit.PackageError, match="a name of letters"):
+            gjit.load("remote:")
+        value = server.client.get(b"gjit:package-m")
+        server.client.set(b"gjit:package-m", value[:-50])
+        with pytest.raises(gjit.PackageError, match="damaged: checksum mismatch"):
+            gjit.load("remote:m")
+        server.client.set(b"gjit:package-m", pack("not a zip"))
+        with pytest.raises(gjit.PackageError, match="not a readable gjit package"):
+            gjit.load("remote:m")
+    with gjit.config.scope(remote_cache=""):
+        with pytest.raises(gjit.PackageError, match="no usable remote cache"):
+            gjit.save(compiled, "remote:m")
+    down = f"redis://127.0.0.1:{free_port()}/0"
+    with gjit.config.scope(remote_cache=down, remote_cache_timeout="0.2"):
+        with pytest.raises(gjit.PackageError, match="could not be written: .*unreachable"):
+            gjit.save(compiled, "remote:m")
+
+
+def test_a_remote_package_saved_with_a_password_never_shows_it(tmp_path):
+    server = Server(password="s3cret-pw")
+    try:
+        with gjit.config.scope(cache=False, remote_cache=server.url("wrong-pw"), interpret=True):
+            compiled = gjit.compile(model)
+            compiled(*args())
+            with pytest.raises(gjit.PackageError) as error:
+                gjit.save(compiled, "remote:m")
+        assert "authentication" in str(error.value) and "wrong-pw" not in str(error.value)
+        with gjit.config.scope(cache=False, remote_cache=server.url("s3cret-pw"), interpret=True):
+            gjit.save(compiled, "remote:m", weights=True)
+            assert gjit.load("remote:m")(*args()).shape == (8, 12)
+    finally:
+        server.kill()

@@ -18,10 +18,12 @@ import hashlib
 import io
 import json
 import os
+import re
 import zipfile
 from typing import Any
 
 from gjit.codegen.toolchain.files import atomic_write
+from gjit.runtime import remote_cache
 from gjit.runtime.disk_cache import versions
 
 FORMAT = 1
@@ -32,8 +34,27 @@ class PackageError(Exception):
     """A package that cannot be written, or one that is refused on load (the message says why)."""
 
 
+REMOTE = "remote:"  # a path naming a package in the fleet's remote cache (GJIT_REMOTE_CACHE)
+_NAME = re.compile(r"^[A-Za-z0-9_.:/\-]{1,200}$")
+
+
+def _remote(path: str) -> tuple[remote_cache.RemoteCache, str]:
+    """(the configured remote cache, the key) of a "remote:<name>" path."""
+    name = path[len(REMOTE) :]
+    if not _NAME.match(name):
+        raise PackageError(f"{path!r}: after 'remote:' a name of letters, digits and ._:/- is expected")
+    remote = remote_cache.current()
+    if remote is None:
+        raise PackageError(
+            f"{path}: no usable remote cache (set GJIT_REMOTE_CACHE=redis://... or gjit.config.remote_cache; "
+            "a warning above says why a configured one is not used)"
+        )
+    return remote, "package-" + name
+
+
 def write(path: str, manifest: dict, members: dict[str, bytes]) -> None:
-    """Write the archive atomically; `manifest` gets the format, versions and member hashes."""
+    """Write the archive atomically, to a file or (path "remote:<name>") to the fleet's remote
+    cache; `manifest` gets the format, versions and member hashes."""
     manifest = {
         **manifest,
         "format": FORMAT,
@@ -45,13 +66,30 @@ def write(path: str, manifest: dict, members: dict[str, bytes]) -> None:
         archive.writestr(MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
         for name, data in sorted(members.items()):
             archive.writestr(name, data)
+    if str(path).startswith(REMOTE):
+        remote, key = _remote(str(path))
+        try:
+            remote.store(key, buffer.getvalue())
+        except remote_cache.RemoteCacheError as e:
+            raise PackageError(f"{path} could not be written: {e}") from None
+        return
     atomic_write(os.path.abspath(os.fspath(path)), buffer.getvalue())
 
 
 def read(path: str) -> tuple[dict, dict[str, bytes]]:
     """(manifest, members) of a package that passed every check above."""
+    source: Any = os.fspath(path)
+    if str(path).startswith(REMOTE):
+        remote, key = _remote(str(path))
+        try:
+            data = remote.load(key)
+        except remote_cache.RemoteCacheError as e:
+            raise PackageError(f"{path} could not be read: {e}") from None
+        if data is None:
+            raise PackageError(f"{path}: the remote cache holds no package of that name")
+        source = io.BytesIO(data)
     try:
-        with zipfile.ZipFile(os.fspath(path)) as archive:
+        with zipfile.ZipFile(source) as archive:
             names = archive.namelist()
             data = {name: archive.read(name) for name in names}  # checks each member's CRC
     except FileNotFoundError:

@@ -52,6 +52,10 @@ RETRY_SECONDS = 30.0  # after a connection failure, how long lookups skip the se
 QUEUE_SIZE = 64  # entries waiting to be written; more are dropped (counted), never block a call
 
 
+class RemoteCacheError(Exception):
+    """A package could not be written to or read from the server (the message says why)."""
+
+
 class _Fault(Exception):
     """A value from the server that is not a gjit entry."""
 
@@ -133,6 +137,13 @@ class RemoteCache:
         return text
 
     def unpack(self, value: bytes) -> str:
+        raw = self.unpack_bytes(value)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise _Fault("not UTF-8 text") from e
+
+    def unpack_bytes(self, value: bytes) -> bytes:
         if len(value) > self.max_bytes + len(MAGIC) + 65:
             raise _Fault(f"{len(value)} bytes, over the limit of {self.max_bytes}")
         if not value.startswith(MAGIC):
@@ -147,10 +158,7 @@ class RemoteCache:
             raise _Fault(f"does not decompress ({e})") from e
         if len(raw) > self.max_bytes or not inflate.eof:
             raise _Fault(f"more than {self.max_bytes} bytes uncompressed")
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise _Fault("not UTF-8 text") from e
+        return raw
 
     # -- writes ------------------------------------------------------------------------------------
 
@@ -162,8 +170,7 @@ class RemoteCache:
                 "value too large", f"an entry of {len(raw)} bytes is over the limit of {self.max_bytes}"
             )
             return
-        packed = zlib.compress(raw, 6)
-        value = MAGIC + hashlib.sha256(packed).hexdigest().encode() + b"\n" + packed
+        value = _packed(raw)
         with self.lock:
             if self.writer is None or not self.writer.is_alive():
                 self.writer = threading.Thread(target=self.write_loop, name="gjit-remote-cache", daemon=True)
@@ -197,6 +204,35 @@ class RemoteCache:
         stats.COUNTERS["remote_cache_writes" if written else "remote_cache_already_there"] += 1
         cache_log.info("remote store: %s (%s)", key, "written" if written else "already there")
 
+    # -- what a user saves (gjit.save(compiled, "remote:<name>")): now, or an error -----------------
+
+    def store(self, key: str, data: bytes) -> None:
+        """Write `data` under `key` at once, replacing what is there; RemoteCacheError on a fault."""
+        if len(data) > self.max_bytes:
+            raise RemoteCacheError(
+                f"{len(data)} bytes, over the limit of {self.max_bytes} (GJIT_REMOTE_CACHE_MAX_BYTES)"
+            )
+        try:
+            self.client.set(self.prefix + key, _packed(data))
+        except Exception as e:  # noqa: BLE001 - any client failure: said, with the password masked
+            kind, _ = self.classify(e)
+            raise RemoteCacheError(_masked(f"{_safe_url(self.url)}: {kind} ({e})", self.url)) from None
+
+    def load(self, key: str) -> bytes | None:
+        """The bytes stored under `key` (None when nothing is); RemoteCacheError on a fault or a
+        value that does not check out."""
+        try:
+            value = self.client.get(self.prefix + key)
+        except Exception as e:  # noqa: BLE001
+            kind, _ = self.classify(e)
+            raise RemoteCacheError(_masked(f"{_safe_url(self.url)}: {kind} ({e})", self.url)) from None
+        if value is None:
+            return None
+        try:
+            return self.unpack_bytes(value)
+        except _Fault as e:
+            raise RemoteCacheError(f"the value of {self.prefix + key} is damaged: {e}") from None
+
     def flush(self, timeout: float = 5.0) -> None:
         """Wait (at most `timeout` seconds) for queued writes."""
         if self.writer is None or not self.writer.is_alive():
@@ -204,6 +240,12 @@ class RemoteCache:
         deadline = time.monotonic() + timeout
         while self.pending.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.01)
+
+
+def _packed(raw: bytes) -> bytes:
+    """A value: this format's header, the sha256 of the compressed bytes, the compressed bytes."""
+    packed = zlib.compress(raw, 6)
+    return MAGIC + hashlib.sha256(packed).hexdigest().encode() + b"\n" + packed
 
 
 def _masked(text: str, url: str) -> str:
