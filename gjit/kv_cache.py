@@ -36,6 +36,7 @@ except ImportError:
     class _IntWrapper:  # torch before 2.7: ints are not exported as symbols, nothing is wrapped
         pass
 
+
 log = logs.logger("capture")
 
 _REGISTERED: set[type] = set()

@@ -86,7 +86,11 @@ def _binaries_of(compiled: CompiledFunction) -> dict[str, str]:
                 continue
             built.wait()
             for b in built.builds:
-                text = triton_binaries.pack(*b.entry) if b.entry is not None else None
+                try:
+                    text = triton_binaries.pack(*b.entry) if b.entry is not None else None
+                except Exception as e:  # noqa: BLE001 - an unreadable or odd cache entry: left out
+                    log.info("gjit.save: the binary of %s is left out (%s)", b.name, e)
+                    continue
                 if text is not None:
                     out[b.entry[0]] = text
     if not out:
@@ -98,23 +102,42 @@ def _binaries_of(compiled: CompiledFunction) -> dict[str, str]:
 
 
 def _install_binaries(members: dict[str, bytes]) -> None:
-    """The package's kernel binaries into Triton's on-disk cache (those it lacks), each checked
-    first: a value that is not one entry's metadata and binary refuses the package."""
-    for member, data in members.items():
-        if not member.startswith("binaries/"):
-            continue
+    """The package's kernel binaries into Triton's on-disk cache: each checked first (a member that
+    is not one entry's metadata and binary refuses the package), then those built for this GPU
+    that Triton's cache lacks are installed. Without a GPU, or on another kind, none are."""
+    names = [m for m in members if m.startswith("binaries/")]
+    if not names:
+        return
+    binaries = {}
+    for member in names:
         name = member[len("binaries/") : -len(".json")]
         try:
-            files = triton_binaries.unpack(data.decode("utf-8"), name)
+            binaries[name] = triton_binaries.unpack(members[member].decode("utf-8"), name)
         except ValueError as e:
             raise PackageError(f"its kernel binary {member} is damaged: {e}") from e
-        metadata = next(f for f in files if f.endswith(".json"))
-        if triton_binaries.is_cached(name, metadata):
+    try:
+        from triton.runtime.driver import driver
+
+        here = driver.active.get_current_target()
+        here = (here.backend, here.arch, here.warp_size)
+    except Exception as e:  # noqa: BLE001 - no GPU driver: nothing to launch the binaries on
+        log.info("gjit.load: no GPU here (%s): the package's kernel binaries are not installed", e)
+        return
+    for name, binary in binaries.items():
+        if binary.target != here:
+            log.info(
+                "gjit.load: kernel binary %s is for %s, not this GPU's %s: not installed",
+                name,
+                binary.target,
+                here,
+            )
             continue
         try:
-            triton_binaries.install(name, files)
+            if triton_binaries.is_cached(name, binary.metadata):
+                continue
+            triton_binaries.install(name, binary)
         except OSError as e:  # an unwritable Triton cache: Triton builds the kernel at its launch
-            log.info("gjit.load: kernel binary %s not installed (%s)", member, e)
+            log.info("gjit.load: kernel binary %s not installed (%s)", name, e)
             continue
         stats.COUNTERS["package_binaries_installed"] += 1
 

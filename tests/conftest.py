@@ -56,7 +56,8 @@ def _fresh_counters():
 @pytest.fixture
 def sm90(tmp_path, monkeypatch):
     """Triton's launcher on an sm_90 target that launches nothing (gjit/runtime/prebuild.py's
-    TargetDriver), with an empty on-disk cache and no kernel compiled in memory by another test."""
+    TargetDriver), with an empty on-disk cache, no kernel compiled in memory by another test, and
+    2 build workers."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
@@ -66,3 +67,8 @@ def sm90(tmp_path, monkeypatch):
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "triton"))
     monkeypatch.setattr(graph, "_KERNELS", {})
     monkeypatch.setattr(driver, "_active", prebuild.TargetDriver(GPUTarget("cuda", 90, 32)))
+    # prebuild's process-wide state as a fresh process has it
+    for name, fresh in (("_warned", False), ("_off", ""), ("_no_workers", ""), ("_entry_names_wrong", False)):
+        monkeypatch.setattr(prebuild, name, fresh)
+    with gjit.config.scope(compile_workers=2):  # parallel builds whatever the machine's CPU count
+        yield

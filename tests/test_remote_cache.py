@@ -491,3 +491,18 @@ def test_a_remote_package_saved_with_a_password_never_shows_it(tmp_path):
             assert gjit.load("remote:m")(*args()).shape == (8, 12)
     finally:
         server.kill()
+
+
+def test_a_binary_for_another_gpu_is_not_installed(server, tmp_path, sm90):
+    from gjit.runtime import triton_binaries
+
+    graph, args, sizes = first_call(MlpNorm().eval(), INPUTS["contiguous"]())
+    with gjit.config.scope(remote_cache=server.url()):
+        built = graph.prebuild(graph.call_fn(interpret=False), args, sizes)
+        built.wait()
+        wait_for(lambda: len(binary_keys(server)) == 3)
+        name, metadata = built.builds[0].entry
+        before = gjit.stats().get("remote_cache_errors", 0)
+        assert not triton_binaries.fetch(remote_cache.current(), name, metadata, ("cuda", 80, 32))
+        assert gjit.stats()["remote_cache_errors"] == before + 1
+        assert triton_binaries.fetch(remote_cache.current(), name, metadata, ("cuda", 90, 32))

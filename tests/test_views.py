@@ -403,4 +403,3 @@ def test_as_strided_past_the_values_elements_is_never_a_kernel_read():
     with pytest.raises(RuntimeError, match="out of bounds"), gjit.config.scope(interpret=True):
         cm(x)
     assert [e.op for e in gjit.explain(cm, x).externs] == ["aten.as_strided.default"]
-

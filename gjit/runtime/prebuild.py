@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import threading
 import time
 import types
@@ -187,16 +188,19 @@ def specializations(launches: list[Launch], kernels: dict[str, Any]) -> list[Bui
     target = driver.active.get_current_target()
     target = (target.backend, target.arch, target.warp_size)
     current: list[str] = []
+    closed = False  # once this prebuild is done: another thread may have put the hook back
 
     def hook(*args: Any, **kwargs: Any) -> Any:
-        if threading.get_ident() != me:  # another thread's launch: as if this hook were not set
+        if closed or threading.get_ident() != me:  # another launch: as if this hook were not set
             return previous(*args, **kwargs) if previous is not None else None
         kernel, compile = kwargs["fn"].jit_function, kwargs["compile"]
         key = (id(kernel), str(kwargs["key"]))
         if key not in builds:
             data = compile["specialization_data"]
             try:
-                entry = triton_binaries.entry_name(kernel, compile, data, target)
+                entry = (
+                    None if _entry_names_wrong else triton_binaries.entry_name(kernel, compile, data, target)
+                )
             except Exception as e:  # another Triton's cache key: unknown, so built (time only)
                 log.debug("gjit: Triton's cache entry of %s unknown (%s)", current[-1], e)
                 entry = None
@@ -215,6 +219,7 @@ def specializations(launches: list[Launch], kernels: dict[str, Any]) -> list[Bui
                 except Exception as e:  # this launch builds at launch; the others still prebuild
                     log.info("gjit: prebuilding %s: %s: %s", launch.name, type(e).__name__, e)
         finally:
+            closed = True
             if triton.knobs.runtime.jit_cache_hook is hook:
                 triton.knobs.runtime.jit_cache_hook = previous
     return list(builds.values())
@@ -257,6 +262,19 @@ MAX_WORKERS = 32  # as Inductor's compile workers: more cost memory and forks fo
 _warned = False  # a failure is a warning once per process, then info
 _off = ""  # why prebuilds are off for the rest of the process ('' while they are on)
 _pending: set[concurrent.futures.Future] = set()  # builds not done: cancelled when the process exits
+_no_workers = ""  # why no build worker can start in this process ('' while they can)
+_entry_names_wrong = False  # a worker's build was not where entry_name said: names are not used
+
+
+def _after_fork_in_child() -> None:
+    """A fork (the user's, or a build worker) starts with no prebuild in flight: a lock another
+    thread held at the fork would be held forever."""
+    global _HOOK_LOCK
+    _HOOK_LOCK = threading.Lock()
+    _pending.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def note_failure(what: str, e: BaseException) -> None:
@@ -276,9 +294,10 @@ def _turn_off(why: str) -> None:
 
 
 def _wait(futures: list, name: str) -> None:
+    deadline = time.monotonic() + WAIT_SECONDS  # for all of the kernel's builds together
     for future in futures:
         try:
-            future.result(timeout=WAIT_SECONDS)
+            future.result(timeout=max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError as e:
             _turn_off(f"building {name} took over {WAIT_SECONDS:.0f} s")
             note_failure(f"waiting for {name}'s build", e)
@@ -322,7 +341,7 @@ def start(
             log.info("gjit: kernels build at their launch: %s", missing)
         return None
     remote = remote_cache.current()
-    parallel = workers >= 2 and len(set(paths.values())) >= 2
+    parallel = workers >= 2 and len(set(paths.values())) >= 2 and not _no_workers
     if not parallel and remote is None:
         return None
     launches, stopped = record_launches(call, list(paths), others, branches, inputs, sizes)
@@ -332,7 +351,11 @@ def start(
         )
     builds = specializations(launches, kernels)
     todo = [b for b in builds if not b.cached]
-    fetched = [b for b in todo if remote is not None and b.entry and triton_binaries.fetch(remote, *b.entry)]
+    fetched = [
+        b
+        for b in todo
+        if remote is not None and b.entry and triton_binaries.fetch(remote, *b.entry, b.target)
+    ]
     todo = [b for b in todo if b not in fetched]
     # in parallel; or one build, in a worker still when a remote cache is there to share its binary
     wanted = todo and ((parallel and len(todo) >= 2) or remote is not None)
@@ -363,14 +386,17 @@ def _submit(
     with a big template at the end while the others idle: tiny Llama's first launches were ready
     in 1.52 s this way, 1.67 s in launch order, on 2 workers): id(kernel) -> its builds' futures.
     Nothing when no worker can start."""
+    global _no_workers
     futures: dict[int, list[concurrent.futures.Future]] = {}
     try:
         pool = build_pool(workers, spawn=False)
     except Exception as e:  # noqa: BLE001 - no process can start: the launches build
         _turn_off(f"no build worker could start ({type(e).__name__}: {e})")
+        note_failure("starting build workers", e)
         return {}
-    if pool is None:
-        _turn_off("no fork here (or a daemonic process): build workers cannot start")
+    if pool is None:  # the remote cache's binaries still serve
+        _no_workers = "no fork here, or a daemonic process"
+        log.info("gjit: kernels build at their launch: build workers cannot start (%s)", _no_workers)
         return {}
     finish_warm_up()  # Triton's one-time hashing, once, inherited by every worker
     try:
@@ -379,19 +405,34 @@ def _submit(
                 future = pool.submit(build_one, paths[b.name], b.kernel.fn.__name__, b.data, b.target)
                 _pending.add(future)
                 future.add_done_callback(_pending.discard)
-                if remote is not None and b.entry is not None:
-                    future.add_done_callback(functools.partial(_publish, remote, b.entry))
+                if b.entry is not None:
+                    future.add_done_callback(functools.partial(_built, remote, b.entry))
                 futures.setdefault(id(b.kernel), []).append(future)
     except Exception as e:  # noqa: BLE001 - a fork that failed: what was submitted still runs
         _turn_off(f"starting build workers failed ({type(e).__name__}: {e})")
+        note_failure("starting build workers", e)
     pool.shutdown(wait=False)  # the queued builds still run; the workers exit after them
     return futures
 
 
-def _publish(
-    remote: remote_cache.RemoteCache, entry: tuple[str, str], future: concurrent.futures.Future
+def _built(
+    remote: remote_cache.RemoteCache | None, entry: tuple[str, str], future: concurrent.futures.Future
 ) -> None:
-    if not future.cancelled() and future.exception() is None:
+    """After a worker's build (in the pool's thread): the binary must be where entry_name said
+    (else names are not used from then on, said once); with a remote cache, it is shared."""
+    global _entry_names_wrong
+    if future.cancelled() or future.exception() is not None:
+        return
+    try:
+        there = triton_binaries.is_cached(*entry)
+    except Exception:  # noqa: BLE001
+        there = False
+    if not there:
+        if not _entry_names_wrong:
+            _entry_names_wrong = True
+            log.info("gjit: a built kernel is not at the Triton cache entry predicted for it: not predicting")
+        return
+    if remote is not None:
         triton_binaries.publish(remote, *entry)
 
 

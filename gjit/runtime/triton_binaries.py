@@ -18,6 +18,7 @@ says how to keep such a server private).
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 import re
@@ -89,53 +90,81 @@ def _binary_file(group: dict[str, str], metadata: str) -> str:
     return metadata[: -len(".json")] + "." + ext
 
 
-def unpack(text: str, name: str) -> dict[str, bytes]:
-    """The files of a value filed under entry `name`; raises ValueError on anything else."""
+@dataclasses.dataclass
+class Binary:
+    """A checked value: its metadata file's name, its files, and the target it was built for."""
+
+    metadata: str
+    files: dict[str, bytes]
+    target: tuple  # (backend, arch, warp size)
+
+
+def unpack(text: str, name: str) -> Binary:
+    """The files of a value filed under entry `name`: exactly Triton's metadata of that entry (its
+    `hash` is the entry's name) and one binary of its target's kind, under plain names. Raises
+    ValueError on anything else."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
     value = json.loads(text)
     if not isinstance(value, dict) or value.get("format") != FORMAT:
         raise ValueError(f"not a {FORMAT} value")
     if value.get("entry") != name:
         raise ValueError(f"a value of entry {value.get('entry')!r} filed under {name!r}")
     metadata, files = value.get("metadata"), value.get("files")
-    if not isinstance(metadata, str) or not metadata.endswith(".json") or not isinstance(files, dict):
-        raise ValueError("no metadata file named")
-    stem = metadata[: -len(".json")]
-    if len(files) != 2 or metadata not in files or not all(_PLAIN_NAME.match(f) for f in files):
-        raise ValueError(f"files {sorted(files)}: the metadata and one binary of plain names expected")
-    if not all(f.startswith(stem + ".") and isinstance(v, str) for f, v in files.items()):
-        raise ValueError(f"files {sorted(files)} are not one kernel's")
+    if not isinstance(metadata, str) or not metadata.endswith(".json") or not _PLAIN_NAME.fullmatch(metadata):
+        raise ValueError("no metadata file of a plain name")
+    if not isinstance(files, dict) or metadata not in files or len(files) != 2:
+        listed = sorted(files) if isinstance(files, dict) else files
+        raise ValueError(f"files {listed}: the metadata and one binary expected")
+    if not all(isinstance(v, str) for v in files.values()):
+        raise ValueError("a file that is not base64 text")
     out = {f: base64.b64decode(v.encode("ascii"), validate=True) for f, v in files.items()}
     meta = json.loads(out[metadata].decode("utf-8"))
-    if not isinstance(meta, dict) or str(meta.get("name"))[:150] != stem or "target" not in meta:
-        raise ValueError("its metadata does not describe the kernel it is named after")
-    return out
+    stem = metadata[: -len(".json")]
+    if not isinstance(meta, dict) or meta.get("hash") != name or str(meta.get("name"))[:150] != stem:
+        raise ValueError("its metadata is not the entry's it is filed under")
+    target = meta.get("target")
+    if not isinstance(target, dict) or not {"backend", "arch", "warp_size"} <= set(target):
+        raise ValueError("its metadata names no target")
+    built_for = (target["backend"], target["arch"], target["warp_size"])
+    try:
+        ext = make_backend(GPUTarget(*built_for)).binary_ext
+    except Exception as e:  # noqa: BLE001 - a target this Triton has no backend for
+        raise ValueError(f"a target this Triton cannot build for: {built_for}") from e
+    binary = next(f for f in out if f != metadata)
+    if binary != f"{stem}.{ext}":
+        raise ValueError(f"its binary {binary!r} is not {stem}.{ext}")
+    return Binary(metadata, out, built_for)
 
 
-def install(name: str, files: dict[str, bytes]) -> None:
-    """Write checked files (`unpack`) as entry `name` of Triton's on-disk cache."""
+def install(name: str, binary: Binary) -> None:
+    """Write a checked value (`unpack`) as entry `name` of Triton's on-disk cache."""
     from triton.runtime.cache import get_cache_manager
 
     manager = get_cache_manager(name)
-    metadata = next(f for f in files if f.endswith(".json"))
-    paths = {file: manager.put(data, file, binary=True) for file, data in files.items()}
-    manager.put_group(metadata, paths)
+    paths = {file: manager.put(data, file, binary=True) for file, data in binary.files.items()}
+    manager.put_group(binary.metadata, paths)
 
 
 REMOTE_PREFIX = "triton-binary-"  # then the name of Triton's cache entry (a sha256)
 
 
-def fetch(remote: Any, name: str, metadata: str) -> bool:
-    """Install entry `name` from the fleet's remote cache (gjit/runtime/remote_cache.py) into
-    Triton's on-disk cache: whether the server had it and it checked out."""
-    files: dict[str, bytes] = {}
+def fetch(remote: Any, name: str, metadata: str, target: tuple) -> bool:
+    """Install entry `name` (for `target`) from the fleet's remote cache (gjit/runtime/remote_cache.py)
+    into Triton's on-disk cache: whether the server had it and it checked out."""
+    found: list[Binary] = []
 
     def check(text: str) -> None:
-        files.update(unpack(text, name))
+        binary = unpack(text, name)
+        if binary.target != tuple(target):
+            raise ValueError(f"built for {binary.target}, not {tuple(target)}")
+        found.append(binary)
 
     if remote.get(REMOTE_PREFIX + name, check, counter="remote_binary") is None:
         return False
     try:
-        install(name, files)
+        install(name, found[0])
     except OSError as e:  # an unwritable Triton cache: it is built, and cannot be stored either
         log.info("gjit: could not install the remote binary %s (%s)", name, e)
         return False
@@ -147,7 +176,7 @@ def publish(remote: Any, name: str, metadata: str) -> None:
     set if absent)."""
     try:
         text = pack(name, metadata)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - an unreadable or odd cache entry: not shared
         log.info("gjit: could not read the binary %s to share it (%s)", name, e)
         return
     if text is not None:
