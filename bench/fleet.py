@@ -17,6 +17,12 @@ an H100 (sm_90) with an empty Triton cache of its own, through gjit's prebuild (
 remote cache's binaries when there is one) and Triton's launcher (bench/first_launch.py's replay
 on a driver that names sm_90, no GPU needed): the seconds until every launch's binary is ready,
 the kernels built in the process, and the binaries it installed from the server.
+
+    .venv/bin/python bench/fleet.py --package         # a package through the same server
+
+With --package a process first asks the server for the model's package (gjit.load("remote:...")):
+served from it, nothing is exported or compiled; without one (the first process, or no server) it
+compiles and saves its package to the server for the others.
 """
 
 from __future__ import annotations
@@ -81,13 +87,41 @@ print(json.dumps({"first": first, "compiled": built > 0, "built": built,
 """
 
 
+CHILD_PACKAGE = """
+import json, sys, time
+import torch, gjit
+sys.path.insert(0, sys.argv[2])
+import model_zoo
+name = sys.argv[1]
+model, args = model_zoo.MODELS[name]() if name != "mlp" else (None, None)
+if model is None:
+    torch.manual_seed(0)
+    Linear = torch.nn.Linear
+    model = torch.nn.Sequential(Linear(256, 1024), torch.nn.GELU(), Linear(1024, 256)).eval()
+    args = (torch.randn(16, 256),)
+with torch.no_grad():
+    begin = time.perf_counter()
+    try:
+        gjit.load("remote:bench-" + name, model=model)(*args)
+        compiled = False
+    except gjit.PackageError:  # none yet (or no server): compile, and share the package
+        cm = gjit.compile(model)
+        cm(*args)
+        compiled = True
+        if gjit.config.remote_cache:
+            gjit.save(cm, "remote:bench-" + name)
+    first = time.perf_counter() - begin
+print(json.dumps({"first": first, "compiled": compiled, "remote_hits": 0}))
+"""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-BINARIES = False  # --binaries: the children measure their GPU kernel binaries instead
+MODE = ""  # "binaries" (--binaries) or "package" (--package): what the children do instead
 
 
 def launch(model: str, cache_dir: str, url: str | None) -> subprocess.Popen:
@@ -97,7 +131,7 @@ def launch(model: str, cache_dir: str, url: str | None) -> subprocess.Popen:
     env.pop("GJIT_REMOTE_CACHE", None)
     if url:
         env["GJIT_REMOTE_CACHE"] = url
-    child = CHILD_BINARIES if BINARIES else CHILD
+    child = {"binaries": CHILD_BINARIES, "package": CHILD_PACKAGE}.get(MODE, CHILD)
     argv = [sys.executable, "-c", child, model, os.path.join(ROOT, "tests"), os.path.join(ROOT, "bench")]
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -137,9 +171,10 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=8)
     parser.add_argument("--at-once", type=int, default=4)
     parser.add_argument("--binaries", action="store_true", help="GPU kernel binaries (sm_90), see above")
+    parser.add_argument("--package", action="store_true", help="packages through the server, see above")
     opts = parser.parse_args()
-    global BINARIES
-    BINARIES = opts.binaries
+    global MODE
+    MODE = "binaries" if opts.binaries else "package" if opts.package else ""
     server = shutil.which("redis-server")
     if server is None:
         sys.exit("bench/fleet.py needs redis-server (apt-get install redis-server)")
@@ -157,7 +192,7 @@ def main() -> None:
     finally:
         redis.kill()
     print(f"model {opts.model}: {opts.processes} processes one after another, then {opts.at_once} at once")
-    if BINARIES:
+    if MODE == "binaries":
         print("| cache | phase | sm_90 binaries ready s (each process) | median | built | installed |")
         print("|---|---|---|---:|---:|---:|")
     else:
@@ -171,7 +206,7 @@ def main() -> None:
             times = ", ".join(f"{r['first']:.2f}" for r in rs)
             median = statistics.median(r["first"] for r in rs)
             compiled = sum(r["compiled"] for r in rs)
-            if BINARIES:
+            if MODE == "binaries":
                 built = ", ".join(str(r["built"]) for r in rs)
                 hits = ", ".join(str(r["remote_hits"]) for r in rs)
                 print(f"| {label} | {phase} | {times} | {median:.2f} | {built} | {hits} |")
