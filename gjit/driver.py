@@ -182,7 +182,10 @@ def compile_program(
     tests what codegen emits now."""
     key = None
     if not config.cache and config.remote_cache:
-        cache.remote_cache.note_disabled("GJIT_CACHE=0 turns the disk cache off, and the remote tier with it")
+        cache.remote_cache.note_disabled(
+            "GJIT_CACHE=0 turns the disk cache off, and the remote tier's entries with it "
+            '(packages saved to "remote:<name>" still load)'
+        )
     if config.cache and not options.check:
         gm = exported.program.graph_module
         with timed("cache", timings):

@@ -8,6 +8,7 @@ import base64
 import json
 import logging
 import os
+import pathlib
 import shutil
 import socket
 import subprocess
@@ -459,11 +460,12 @@ def test_remote_package_faults_are_clear_errors(server, tmp_path):
         gjit.save(compiled, "remote:m", weights=True)
         with pytest.raises(gjit.PackageError, match="holds no package of that name"):
             gjit.load("remote:other")
-        with pytest.raises(gjit.PackageError, match="a name of letters"):
-            gjit.load("remote:")
+        for bad in ("remote:", "remote:a\n", "remote:a b"):
+            with pytest.raises(gjit.PackageError, match="a name of letters"):
+                gjit.load(bad)
         value = server.client.get(b"gjit:package-m")
         server.client.set(b"gjit:package-m", value[:-50])
-        with pytest.raises(gjit.PackageError, match="damaged: checksum mismatch"):
+        with pytest.raises(gjit.PackageError, match="does not check out: checksum mismatch"):
             gjit.load("remote:m")
         server.client.set(b"gjit:package-m", pack("not a zip"))
         with pytest.raises(gjit.PackageError, match="not a readable gjit package"):
@@ -471,10 +473,16 @@ def test_remote_package_faults_are_clear_errors(server, tmp_path):
     with gjit.config.scope(remote_cache=""):
         with pytest.raises(gjit.PackageError, match="no usable remote cache"):
             gjit.save(compiled, "remote:m")
+        with pytest.raises(gjit.PackageError, match="no usable remote cache"):
+            gjit.load("remote:m")
+        gjit.save(compiled, pathlib.Path(tmp_path / "remote:m"), weights=True)  # a Path is a file
+        assert (tmp_path / "remote:m").is_file()
     down = f"redis://127.0.0.1:{free_port()}/0"
     with gjit.config.scope(remote_cache=down, remote_cache_timeout="0.2"):
         with pytest.raises(gjit.PackageError, match="could not be written: .*unreachable"):
             gjit.save(compiled, "remote:m")
+        with pytest.raises(gjit.PackageError, match="could not be read: .*unreachable"):
+            gjit.load("remote:m")
 
 
 def test_a_remote_package_saved_with_a_password_never_shows_it(tmp_path):
@@ -486,6 +494,20 @@ def test_a_remote_package_saved_with_a_password_never_shows_it(tmp_path):
             with pytest.raises(gjit.PackageError) as error:
                 gjit.save(compiled, "remote:m")
         assert "authentication" in str(error.value) and "wrong-pw" not in str(error.value)
+        # whatever a client error says, the password in it is masked, on save and on load
+        with gjit.config.scope(cache=False, remote_cache=server.url("s3cret-pw")):
+            remote = remote_cache.current()
+
+            def leaky(*args, **kwargs):
+                raise redis.exceptions.ConnectionError("refused for default:s3cret-pw@127.0.0.1")
+
+            bulk = remote.bulk()
+            bulk.set, bulk.get = leaky, leaky
+            for call in (lambda: gjit.save(compiled, "remote:m"), lambda: gjit.load("remote:m")):
+                with pytest.raises(gjit.PackageError) as error:
+                    call()
+                assert "s3cret-pw" not in str(error.value) and "***" in str(error.value)
+            remote.bulk_client = None
         with gjit.config.scope(cache=False, remote_cache=server.url("s3cret-pw"), interpret=True):
             gjit.save(compiled, "remote:m", weights=True)
             assert gjit.load("remote:m")(*args()).shape == (8, 12)

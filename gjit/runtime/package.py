@@ -38,10 +38,15 @@ REMOTE = "remote:"  # a path naming a package in the fleet's remote cache (GJIT_
 _NAME = re.compile(r"^[A-Za-z0-9_.:/\-]{1,200}$")
 
 
+def is_remote(path: Any) -> bool:
+    """A "remote:<name>" string (a pathlib.Path is always a file, even one named so)."""
+    return isinstance(path, str) and path.startswith(REMOTE)
+
+
 def _remote(path: str) -> tuple[remote_cache.RemoteCache, str]:
     """(the configured remote cache, the key) of a "remote:<name>" path."""
     name = path[len(REMOTE) :]
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise PackageError(f"{path!r}: after 'remote:' a name of letters, digits and ._:/- is expected")
     remote = remote_cache.current()
     if remote is None:
@@ -66,8 +71,8 @@ def write(path: str, manifest: dict, members: dict[str, bytes]) -> None:
         archive.writestr(MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
         for name, data in sorted(members.items()):
             archive.writestr(name, data)
-    if str(path).startswith(REMOTE):
-        remote, key = _remote(str(path))
+    if is_remote(path):
+        remote, key = _remote(path)
         try:
             remote.store(key, buffer.getvalue())
         except remote_cache.RemoteCacheError as e:
@@ -79,8 +84,8 @@ def write(path: str, manifest: dict, members: dict[str, bytes]) -> None:
 def read(path: str) -> tuple[dict, dict[str, bytes]]:
     """(manifest, members) of a package that passed every check above."""
     source: Any = os.fspath(path)
-    if str(path).startswith(REMOTE):
-        remote, key = _remote(str(path))
+    if is_remote(path):
+        remote, key = _remote(path)
         try:
             data = remote.load(key)
         except remote_cache.RemoteCacheError as e:

@@ -41,6 +41,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
+from typing import Any
 
 from gjit import logs, stats
 from gjit.config import config
@@ -77,6 +78,7 @@ class RemoteCache:
         # keys whose value here failed verification: the next write replaces it (not SET NX), or
         # one damaged write would turn the tier off for that graph across the fleet
         self.damaged: set[str] = set()
+        self.bulk_client: Any = None  # packages' client (bulk())
 
     # -- faults ------------------------------------------------------------------------------------
 
@@ -206,32 +208,51 @@ class RemoteCache:
 
     # -- what a user saves (gjit.save(compiled, "remote:<name>")): now, or an error -----------------
 
+    BULK_TIMEOUT = 120.0  # seconds a package's transfer may take (the connect stays short)
+
+    def bulk(self) -> Any:
+        """A client for packages: the same server, a long read/write timeout (a package of tens of
+        MB takes longer than an entry lookup's timeout), the same short connect timeout."""
+        if self.bulk_client is None:
+            timeout = self.client.connection_pool.connection_kwargs.get("socket_connect_timeout")
+            self.bulk_client = self.redis.Redis.from_url(
+                self.url, socket_timeout=self.BULK_TIMEOUT, socket_connect_timeout=timeout
+            )
+        return self.bulk_client
+
+    def client_error(self, e: Exception) -> RemoteCacheError:
+        """A client failure as an error to raise, the password masked; a server that is down is
+        left alone by the lookups for a while, as after any connection failure."""
+        kind, down = self.classify(e)
+        if down:
+            self.down_until = time.monotonic() + RETRY_SECONDS
+        return RemoteCacheError(_masked(f"{_safe_url(self.url)}: {kind} ({e})", self.url))
+
     def store(self, key: str, data: bytes) -> None:
         """Write `data` under `key` at once, replacing what is there; RemoteCacheError on a fault."""
-        if len(data) > self.max_bytes:
+        value = _packed(data)
+        if len(data) > self.max_bytes or len(value) > self.max_bytes + len(MAGIC) + 65:
             raise RemoteCacheError(
                 f"{len(data)} bytes, over the limit of {self.max_bytes} (GJIT_REMOTE_CACHE_MAX_BYTES)"
             )
         try:
-            self.client.set(self.prefix + key, _packed(data))
+            self.bulk().set(self.prefix + key, value)
         except Exception as e:  # noqa: BLE001 - any client failure: said, with the password masked
-            kind, _ = self.classify(e)
-            raise RemoteCacheError(_masked(f"{_safe_url(self.url)}: {kind} ({e})", self.url)) from None
+            raise self.client_error(e) from None
 
     def load(self, key: str) -> bytes | None:
         """The bytes stored under `key` (None when nothing is); RemoteCacheError on a fault or a
         value that does not check out."""
         try:
-            value = self.client.get(self.prefix + key)
+            value = self.bulk().get(self.prefix + key)
         except Exception as e:  # noqa: BLE001
-            kind, _ = self.classify(e)
-            raise RemoteCacheError(_masked(f"{_safe_url(self.url)}: {kind} ({e})", self.url)) from None
+            raise self.client_error(e) from None
         if value is None:
             return None
         try:
             return self.unpack_bytes(value)
-        except _Fault as e:
-            raise RemoteCacheError(f"the value of {self.prefix + key} is damaged: {e}") from None
+        except _Fault as e:  # damaged, or over this process's GJIT_REMOTE_CACHE_MAX_BYTES
+            raise RemoteCacheError(f"the value of {self.prefix + key} does not check out: {e}") from None
 
     def flush(self, timeout: float = 5.0) -> None:
         """Wait (at most `timeout` seconds) for queued writes."""
