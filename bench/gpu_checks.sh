@@ -32,6 +32,11 @@ GJIT_TEST_DEVICE=cuda timeout "${DEVICE_TESTS_S:-200}" $PY -m pytest -q -p no:ca
     >"$OUT/device_tests.log" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/device_tests.log" | tail -40
 
+step "start-up on the GPU: cold (kernels built in workers, and in 1), warm, package, next to torch.compile"
+timeout "${START_S:-300}" $PY bench/warm_start.py --device cuda --json "$OUT/warm_start_cuda.json" \
+    2>"$OUT/warm_start_cuda.err" | head -8
+tail -3 "$OUT/warm_start_cuda.err"
+
 step "python -m gjit.bench ($MODE)"
 if [ "$MODE" = full ]; then
     timeout "${BENCH_S:-400}" $PY -m gjit.bench --full --json "$OUT/bench.json" --png "$OUT/bench.png" 2>"$OUT/bench.err"
