@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 # the zoo's sizes and decoder config (tests/model_zoo.py), so the sweep's models are the zoo's kind
 from model_zoo import _DECODER as DEC  # noqa: E402
-from model_zoo import BATCH, SEQ, VOCAB  # noqa: E402
+from model_zoo import _POOLFORMER, _SEGFORMER, _SWIN, BATCH, SEQ, VOCAB  # noqa: E402
 
 GQA = dict(DEC, num_key_value_heads=2)
 ENC = dict(
@@ -233,33 +233,9 @@ MODELS: dict[str, tuple[str, str, str, dict]] = {
     "dinov2": ("Dinov2Config", "Dinov2Model", "image", VIT),
     "clip_vision": ("CLIPVisionConfig", "CLIPVisionModel", "image", VIT),
     "siglip_vision": ("SiglipVisionConfig", "SiglipVisionModel", "image", VIT),
-    "swin": (
-        "SwinConfig",
-        "SwinModel",
-        "image",
-        dict(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4),
-    ),
-    "segformer": (
-        "SegformerConfig",
-        "SegformerModel",
-        "image",
-        dict(
-            num_encoder_blocks=2,
-            depths=[1, 1],
-            sr_ratios=[2, 1],
-            hidden_sizes=[16, 32],
-            num_attention_heads=[1, 2],
-            patch_sizes=[7, 3],
-            strides=[4, 2],
-            mlp_ratios=[2, 2],
-        ),
-    ),
-    "poolformer": (
-        "PoolFormerConfig",
-        "PoolFormerModel",
-        "image",
-        dict(hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1]),
-    ),
+    "swin": ("SwinConfig", "SwinModel", "image", _SWIN),
+    "segformer": ("SegformerConfig", "SegformerModel", "image", _SEGFORMER),
+    "poolformer": ("PoolFormerConfig", "PoolFormerModel", "image", _POOLFORMER),
     "mobilenet_v2": (
         "MobileNetV2Config",
         "MobileNetV2Model",

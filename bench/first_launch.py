@@ -38,56 +38,22 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import gjit  # noqa: E402
 import model_zoo  # noqa: E402
-from gjit import tuning  # noqa: E402
 from gjit.codegen.toolchain.compile_only import finish_warm_up  # noqa: E402
 from gjit.runtime import graph as graph_module  # noqa: E402
 from gjit.runtime import prebuild  # noqa: E402
+from helpers import first_graph_call, kernel_launches, through_tritons_launcher  # noqa: E402
 
 MODELS = ("gpt2-sdpa", "bert-sdpa", "llama-sdpa", "gpt2-12")
 
 
 def build(name: str):
-    if name == "gpt2-12":  # as deep as GPT-2 small, tiny widths (bench/warm_start.py's)
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        torch.manual_seed(0)
-        config = GPT2Config(vocab_size=model_zoo.VOCAB, n_positions=32, n_embd=64, n_layer=12, n_head=4)
-        return GPT2LMHeadModel(config).eval(), (model_zoo.token_ids(),)
-    return model_zoo.MODELS[name]()
+    return model_zoo.gpt2_12() if name == "gpt2-12" else model_zoo.MODELS[name]()
 
 
 def first_call(model, args):
     """The entry's graph, its wrapper's inputs and sizes, and the kernel launches of a real call."""
-    seen = []
-    run = graph_module.CompiledGraph.run
-
-    def spy(self, inputs, sizes):
-        seen.append((self, list(inputs), sizes))
-        return run(self, inputs, sizes)
-
-    graph_module.CompiledGraph.run = spy
-    try:
-        with gjit.config.scope(interpret=True), torch.no_grad():
-            gjit.compile(model)(*args)
-    finally:
-        graph_module.CompiledGraph.run = run
-    graph, inputs, sizes = seen[0]
-    launches = []
-
-    def record(name, kernel):
-        class Recorder:
-            def __getitem__(self, grid):
-                def launch(*a, **kw):
-                    launches.append((name, grid, a, kw))
-                    return kernel[grid](*a, **kw)
-
-                return launch
-
-        return Recorder()
-
-    with gjit.config.scope(interpret=True), tuning.kernels_wrapped(graph, record), torch.no_grad():
-        graph.run(inputs, sizes)
-    return graph, inputs, sizes, launches
+    _, graph, inputs, sizes = first_graph_call(model, *args)
+    return graph, inputs, sizes, kernel_launches(graph, inputs, sizes)
 
 
 def fresh(graph) -> dict:
@@ -100,15 +66,7 @@ def fresh(graph) -> dict:
 
 def launch_all(namespace, launches) -> int:
     """Every launch through Triton's launcher; how many compiled there (missed Triton's cache)."""
-    compiled = []
-    triton.knobs.compilation.listener = lambda **kw: compiled.append(not kw["cache_hit"])
-    try:
-        for name, grid, args, kwargs in launches:
-            namespace[name][grid]  # an Awaiting waits for its build here and binds the kernel
-            namespace[name].run(*args, grid=grid, warmup=True, **kwargs)
-    finally:
-        triton.knobs.compilation.listener = None
-    return sum(compiled)
+    return through_tritons_launcher(namespace, launches).count(False)
 
 
 def measure(name: str, workers: list[int], repeat: int) -> None:

@@ -40,7 +40,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-CHILD = """
+BUILD = """
 import json, sys, time
 import torch, gjit
 sys.path.insert(0, sys.argv[2])
@@ -53,6 +53,9 @@ if name == "mlp":
     args = (torch.randn(16, 256),)
 else:
     model, args = model_zoo.MODELS[name]()
+"""
+
+CHILD = BUILD + """
 with torch.no_grad():
     begin = time.perf_counter()
     gjit.compile(model)(*args)
@@ -87,18 +90,7 @@ print(json.dumps({"first": first, "compiled": built > 0, "built": built,
 """
 
 
-CHILD_PACKAGE = """
-import json, sys, time
-import torch, gjit
-sys.path.insert(0, sys.argv[2])
-import model_zoo
-name = sys.argv[1]
-model, args = model_zoo.MODELS[name]() if name != "mlp" else (None, None)
-if model is None:
-    torch.manual_seed(0)
-    Linear = torch.nn.Linear
-    model = torch.nn.Sequential(Linear(256, 1024), torch.nn.GELU(), Linear(1024, 256)).eval()
-    args = (torch.randn(16, 256),)
+CHILD_PACKAGE = BUILD + """
 with torch.no_grad():
     begin = time.perf_counter()
     try:

@@ -55,10 +55,7 @@ import model_zoo
 
 def build(name):
     if name == "gpt2-12":  # a model as deep as GPT-2 small (tiny widths): 12 layers
-        from transformers import GPT2Config, GPT2LMHeadModel
-        torch.manual_seed(0)
-        config = GPT2Config(vocab_size=model_zoo.VOCAB, n_positions=32, n_embd=64, n_layer=12, n_head=4)
-        return GPT2LMHeadModel(config).eval(), (model_zoo.token_ids(),)
+        return model_zoo.gpt2_12()
     if name != "mlp":
         return model_zoo.MODELS[name]()
     torch.manual_seed(0)

@@ -116,10 +116,7 @@ def _install_binaries(members: dict[str, bytes]) -> None:
         except ValueError as e:
             raise PackageError(f"its kernel binary {member} is damaged: {e}") from e
     try:
-        from triton.runtime.driver import driver
-
-        here = driver.active.get_current_target()
-        here = (here.backend, here.arch, here.warp_size)
+        here = triton_binaries.this_target()
     except Exception as e:  # noqa: BLE001 - no GPU driver: nothing to launch the binaries on
         log.info("gjit.load: no GPU here (%s): the package's kernel binaries are not installed", e)
         return

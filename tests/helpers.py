@@ -123,3 +123,72 @@ def check_against_float64(fn: Any, *args: Any, reference_fn: Any = None) -> tupl
 
 def kernel_count(cm: gjit.CompiledFunction, *args: Any, **kwargs: Any) -> int:
     return len(gjit.explain(cm, *args, **kwargs).kernels)
+
+
+# -- a first call's kernel launches, through Triton's launcher (gjit/runtime/prebuild.py) ------------
+
+
+def first_graph_call(model: Any, *args: Any) -> tuple:
+    """A first call of `model` compiled (kernels in Triton's interpreter), compared with eager:
+    (the callable gjit.compile made, its entry's graph, the graph's inputs and sizes at that call).
+    Fails when the compiled path did not run."""
+    from unittest import mock
+
+    from gjit.runtime.graph import CompiledGraph
+
+    seen = []
+    run = CompiledGraph.run
+
+    def spy(self: CompiledGraph, inputs: list, sizes: tuple) -> list:
+        seen.append((self, list(inputs), sizes))
+        return run(self, inputs, sizes)
+
+    with mock.patch.object(CompiledGraph, "run", spy), gjit.config.scope(interpret=True), torch.no_grad():
+        compiled = gjit.compile(model)
+        out = compiled(*args)
+        expected = model(*args)
+    for a, b in zip(pytree.tree_leaves(out), pytree.tree_leaves(expected)):
+        torch.testing.assert_close(a, b)
+    assert seen, "the compiled path did not run"
+    return (compiled, *seen[0])
+
+
+def kernel_launches(graph: Any, inputs: list, sizes: tuple) -> list[tuple]:
+    """The Triton kernel launches of a real call of `graph` (run in the interpreter), in order:
+    (the kernel's name in the wrapper, grid, args, kwargs)."""
+    from gjit import tuning
+
+    launches = []
+
+    def record(name: str, kernel: Any) -> Any:
+        class Recorder:
+            def __getitem__(self, grid: Any) -> Any:
+                def launch(*args: Any, **kwargs: Any) -> Any:
+                    launches.append((name, grid, args, kwargs))
+                    return kernel[grid](*args, **kwargs)
+
+                return launch
+
+        return Recorder()
+
+    with gjit.config.scope(interpret=True), tuning.kernels_wrapped(graph, record), torch.no_grad():
+        graph.run(inputs, sizes)
+    return launches
+
+
+def through_tritons_launcher(namespace: dict, launches: list[tuple]) -> list[bool]:
+    """Each launch through Triton's launcher, `run(warmup=True)`: the launch's own specialization,
+    compile and on-disk cache, nothing launched (an Awaiting waits for its build first and binds
+    the kernel). Whether each found its binary in Triton's cache (True) or compiled it (False)."""
+    import triton
+
+    hits: list[bool] = []
+    previous = triton.knobs.compilation.listener
+    triton.knobs.compilation.listener = lambda **kw: hits.append(kw["cache_hit"])
+    try:
+        for name, grid, args, kwargs in launches:
+            namespace[name][grid]  # an Awaiting waits here, then the name is the kernel itself
+            namespace[name].run(*args, grid=grid, warmup=True, **kwargs)
+    finally:
+        triton.knobs.compilation.listener = previous
+    return hits

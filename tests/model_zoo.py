@@ -126,6 +126,31 @@ _ENCODER = dict(
 )
 
 
+# tiny vision configs the zoo shares with bench/arch_sweep.py
+_POOLFORMER = dict(hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1])
+_SEGFORMER = dict(
+    num_encoder_blocks=2,
+    depths=[1, 1],
+    sr_ratios=[2, 1],
+    hidden_sizes=[16, 32],
+    num_attention_heads=[1, 2],
+    patch_sizes=[7, 3],
+    strides=[4, 2],
+    mlp_ratios=[2, 2],
+)
+_SWIN = dict(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4)
+
+
+def gpt2_12() -> tuple[torch.nn.Module, tuple]:
+    """A model as deep as GPT-2 small, of tiny widths: 12 layers, GPT-2's defaults otherwise (its
+    DynamicCache returned). The start-up benches' deep model; not in MODELS."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=12, n_head=4)
+    return GPT2LMHeadModel(config).eval(), (token_ids(),)
+
+
 def _whisper_encoder() -> tuple[torch.nn.Module, tuple]:
     from transformers import WhisperConfig, WhisperModel
 
@@ -218,37 +243,9 @@ MORE_MODELS: dict[str, Callable[[], tuple[torch.nn.Module, tuple]]] = {
         "RobertaConfig", "RobertaModel", lambda: (token_ids(),), max_position_embeddings=40, **_ENCODER
     ),
     "whisper_encoder": _whisper_encoder,
-    "poolformer": _hf_tiny(
-        "PoolFormerConfig",
-        "PoolFormerModel",
-        lambda: (image(),),
-        hidden_sizes=[16, 32, 48, 64],
-        depths=[1, 1, 1, 1],
-    ),
-    "segformer": _hf_tiny(
-        "SegformerConfig",
-        "SegformerModel",
-        lambda: (image(),),
-        num_encoder_blocks=2,
-        depths=[1, 1],
-        sr_ratios=[2, 1],
-        hidden_sizes=[16, 32],
-        num_attention_heads=[1, 2],
-        patch_sizes=[7, 3],
-        strides=[4, 2],
-        mlp_ratios=[2, 2],
-    ),
-    "swin": _hf_tiny(
-        "SwinConfig",
-        "SwinModel",
-        lambda: (image(),),
-        image_size=32,
-        patch_size=4,
-        embed_dim=16,
-        depths=[1, 1],
-        num_heads=[2, 4],
-        window_size=4,
-    ),
+    "poolformer": _hf_tiny("PoolFormerConfig", "PoolFormerModel", lambda: (image(),), **_POOLFORMER),
+    "segformer": _hf_tiny("SegformerConfig", "SegformerModel", lambda: (image(),), **_SEGFORMER),
+    "swin": _hf_tiny("SwinConfig", "SwinModel", lambda: (image(),), **_SWIN),
 }
 
 

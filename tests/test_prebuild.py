@@ -19,7 +19,7 @@ import gjit
 from gjit import tuning
 from gjit.runtime import graph as graph_module
 from gjit.runtime import package, prebuild, triton_binaries
-from gjit.runtime.graph import CompiledGraph
+from helpers import first_graph_call, kernel_launches, through_tritons_launcher
 
 pytestmark = pytest.mark.compile_only
 
@@ -40,56 +40,13 @@ class MlpNorm(torch.nn.Module):
 def first_call(model, *args):
     """The graph of `model`'s compiled entry, and its wrapper's inputs and sizes at the first call
     (run in the interpreter and compared with eager)."""
-    return compiled_first_call(model, *args)[1:]
-
-
-def compiled_first_call(model, *args):
-    """first_call's, after the callable gjit.compile made."""
-    seen = []
-    run = CompiledGraph.run
-
-    def spy(self, inputs, sizes):
-        seen.append((self, list(inputs), sizes))
-        return run(self, inputs, sizes)
-
-    with pytest.MonkeyPatch.context() as m, gjit.config.scope(interpret=True), torch.no_grad():
-        m.setattr(CompiledGraph, "run", spy)
-        compiled = gjit.compile(model)
-        out = compiled(*args)
-        expected = model(*args)
-    for a, b in zip(torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(expected)):
-        torch.testing.assert_close(a, b)
-    assert seen, "the compiled path did not run"
-    return (compiled, *seen[0])
+    return first_graph_call(model, *args)[1:]
 
 
 def jit_first_launches(graph, inputs, sizes, namespace) -> list[bool]:
-    """Each kernel launch of the real call, through Triton's launcher (`run(warmup=True)`: the
-    launch's own specialization and compile, nothing launched): whether it found its binary in
-    Triton's cache (True) or compiled it (False)."""
-    launches = []
-
-    def record(name, kernel):
-        class Recorder:
-            def __getitem__(self, grid):
-                def launch(*args, **kwargs):
-                    launches.append((name, grid, args, kwargs))
-                    return kernel[grid](*args, **kwargs)
-
-                return launch
-
-        return Recorder()
-
-    with gjit.config.scope(interpret=True), tuning.kernels_wrapped(graph, record):
-        graph.run(inputs, sizes)
-    hits = []
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(triton.knobs.compilation, "listener", lambda **kw: hits.append(kw["cache_hit"]))
-        for name, grid, args, kwargs in launches:
-            kernel = namespace[name]
-            kernel = kernel.kernel if isinstance(kernel, prebuild.Awaiting) else kernel
-            kernel.run(*args, grid=grid, warmup=True, **kwargs)
-    return hits
+    """Each kernel launch of the real call, through Triton's launcher: whether it found its binary
+    in Triton's cache (True) or compiled it (False)."""
+    return through_tritons_launcher(namespace, kernel_launches(graph, inputs, sizes))
 
 
 INPUTS = {
@@ -254,7 +211,7 @@ def test_on_a_gpu_the_first_call_launches_what_the_workers_built(tmp_path, monke
 
 def test_a_package_carries_the_binaries_its_first_calls_built(sm90, tmp_path, monkeypatch):
     model, x = MlpNorm().eval(), INPUTS["contiguous"]()
-    compiled, graph, args, sizes = compiled_first_call(model, x)
+    compiled, graph, args, sizes = first_graph_call(model, x)
     graph.prebuild(graph.call_fn(interpret=False), args, sizes)  # what its first call on a GPU does
     gjit.save(compiled, str(tmp_path / "plain.gjit"))
     gjit.save(compiled, str(tmp_path / "m.gjit"), binaries=True)
@@ -277,7 +234,7 @@ def test_a_package_carries_the_binaries_its_first_calls_built(sm90, tmp_path, mo
 
 def test_a_package_whose_binary_is_another_kernels_is_refused(sm90, tmp_path):
     model, x = MlpNorm().eval(), INPUTS["contiguous"]()
-    compiled, graph, args, sizes = compiled_first_call(model, x)
+    compiled, graph, args, sizes = first_graph_call(model, x)
     graph.prebuild(graph.call_fn(interpret=False), args, sizes)
     gjit.save(compiled, str(tmp_path / "m.gjit"), binaries=True)
     manifest, members = package.read(str(tmp_path / "m.gjit"))
@@ -491,7 +448,7 @@ def test_a_package_for_another_gpu_or_an_unwritable_triton_cache_installs_nothin
     from triton.runtime.driver import driver
 
     model, x = MlpNorm().eval(), INPUTS["contiguous"]()
-    compiled, graph, args, sizes = compiled_first_call(model, x)
+    compiled, graph, args, sizes = first_graph_call(model, x)
     graph.prebuild(graph.call_fn(interpret=False), args, sizes)
     gjit.save(compiled, str(tmp_path / "m.gjit"), binaries=True)
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "new"))

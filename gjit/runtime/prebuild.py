@@ -181,12 +181,9 @@ def specializations(launches: list[Launch], kernels: dict[str, Any]) -> list[Bui
     """Each distinct specialization of the launches' kernels (`kernels`: name -> JITFunction), as
     Triton's launcher computes it on this device, skipping those it has already compiled in this
     process. A launch Triton's launcher cannot specialize here is left to build at its launch."""
-    from triton.runtime.driver import driver
-
     builds: dict[tuple[int, str], Build] = {}
     me = threading.get_ident()
-    target = driver.active.get_current_target()
-    target = (target.backend, target.arch, target.warp_size)
+    target = triton_binaries.this_target()
     current: list[str] = []
     closed = False  # once this prebuild is done: another thread may have put the hook back
 
@@ -264,6 +261,7 @@ _off = ""  # why prebuilds are off for the rest of the process ('' while they ar
 _pending: set[concurrent.futures.Future] = set()  # builds not done: cancelled when the process exits
 _no_workers = ""  # why no build worker can start in this process ('' while they can)
 _entry_names_wrong = False  # a worker's build was not where entry_name said: names are not used
+_NOTED: set[str] = set()  # why prebuilds are not done, each said once
 
 
 def _after_fork_in_child() -> None:
@@ -434,9 +432,6 @@ def _built(
         return
     if remote is not None:
         triton_binaries.publish(remote, *entry)
-
-
-_NOTED: set[str] = set()
 
 
 @functools.cache

@@ -79,15 +79,29 @@ def pack(name: str, metadata: str) -> str | None:
     return json.dumps({"format": FORMAT, "entry": name, "metadata": metadata, "files": files}, sort_keys=True)
 
 
-def _binary_file(group: dict[str, str], metadata: str) -> str:
-    """The binary's file in a group: its extension is the target's (cubin, hsaco, ...)."""
+def this_target() -> tuple:
+    """(backend, arch, warp size) of the GPU Triton's active driver launches on; raises without one."""
+    from triton.runtime.driver import driver
+
+    target = driver.active.get_current_target()
+    return (target.backend, target.arch, target.warp_size)
+
+
+def _binary_name(stem: str, target: dict) -> str:
+    """The binary's file name in an entry built for `target` (metadata's form): its extension is
+    the target's (cubin, hsaco, ...)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
 
+    ext = make_backend(GPUTarget(target["backend"], target["arch"], target["warp_size"])).binary_ext
+    return f"{stem}.{ext}"
+
+
+def _binary_file(group: dict[str, str], metadata: str) -> str:
+    """The binary's file in a group of Triton's cache, from its metadata's target."""
     with open(group[metadata], encoding="utf-8") as f:
         target = json.load(f)["target"]
-    ext = make_backend(GPUTarget(target["backend"], target["arch"], target["warp_size"])).binary_ext
-    return metadata[: -len(".json")] + "." + ext
+    return _binary_name(metadata[: -len(".json")], target)
 
 
 @dataclasses.dataclass
@@ -103,9 +117,6 @@ def unpack(text: str, name: str) -> Binary:
     """The files of a value filed under entry `name`: exactly Triton's metadata of that entry (its
     `hash` is the entry's name) and one binary of its target's kind, under plain names. Raises
     ValueError on anything else."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-
     value = json.loads(text)
     if not isinstance(value, dict) or value.get("format") != FORMAT:
         raise ValueError(f"not a {FORMAT} value")
@@ -129,12 +140,12 @@ def unpack(text: str, name: str) -> Binary:
         raise ValueError("its metadata names no target")
     built_for = (target["backend"], target["arch"], target["warp_size"])
     try:
-        ext = make_backend(GPUTarget(*built_for)).binary_ext
+        expected = _binary_name(stem, target)
     except Exception as e:  # noqa: BLE001 - a target this Triton has no backend for
         raise ValueError(f"a target this Triton cannot build for: {built_for}") from e
     binary = next(f for f in out if f != metadata)
-    if binary != f"{stem}.{ext}":
-        raise ValueError(f"its binary {binary!r} is not {stem}.{ext}")
+    if binary != expected:
+        raise ValueError(f"its binary {binary!r} is not {expected}")
     return Binary(metadata, out, built_for)
 
 
