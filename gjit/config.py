@@ -37,6 +37,9 @@
     gjit.config.compile_workers       GJIT_COMPILE_WORKERS  processes that build kernel binaries for a GPU
                                                          target at once: gjit.aot, and a graph's first
                                                          call on a GPU (default: usable CPUs)
+    gjit.config.prebound_launches     GJIT_PREBOUND_LAUNCHES=0  on a GPU, launch every kernel through
+                                                         Triton's JITFunction.run instead of the compiled
+                                                         kernel bound at its first launch (A/B timing)
     gjit.config.dynamic_export_budget  GJIT_DYNAMIC_EXPORT_BUDGET  seconds an export with dynamic dims may
                                                          spend in ops slowed by symbolic size reasoning
                                                          (over 0.5 s each) before gjit exports the batch
@@ -230,6 +233,13 @@ class Config:
         _env_int("GJIT_COMPILE_WORKERS", _usable_cpus()),
         "worker processes that build a graph's kernel binaries for a GPU target at once, for gjit.aot and "
         "at a graph's first call on a GPU (gjit/runtime/prebuild.py; 1: built in process, one by one)",
+    )
+
+    prebound_launches = _Knob(
+        "GJIT_PREBOUND_LAUNCHES",
+        _env_bool("GJIT_PREBOUND_LAUNCHES", True),
+        "on a GPU, a kernel's later launches call the compiled kernel its first launch of that "
+        "specialization bound (gjit/runtime/launch.py); off: Triton's JITFunction.run every launch",
     )
 
     dynamic_export_budget = _Knob(

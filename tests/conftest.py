@@ -1,3 +1,4 @@
+import gc
 import os
 
 import pytest
@@ -72,3 +73,28 @@ def sm90(tmp_path, monkeypatch):
         monkeypatch.setattr(prebuild, name, fresh)
     with gjit.config.scope(compile_workers=2):  # parallel builds whatever the machine's CPU count
         yield
+
+
+@pytest.fixture
+def null_cuda(tmp_path, monkeypatch):
+    """Triton's own CUDA driver and C launcher over a libcuda that launches nothing
+    (tests/null_cuda.py): kernels build for sm_90 into an empty on-disk cache, every launch runs
+    Triton's whole host path and is counted. No kernel compiled in memory by another test."""
+    import triton
+    from triton.runtime.driver import driver
+
+    from gjit.runtime import graph
+    from null_cuda import null_driver
+
+    kernels: dict = {}
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "triton"))
+    monkeypatch.setattr(graph, "_KERNELS", kernels)
+    monkeypatch.setattr(driver, "_active", null_driver())
+    yield driver.active
+    # the binaries loaded through the stub unload through it, now, while it is the active driver
+    # (a kernel still referenced, by a generated module say, would unload at exit without it)
+    from triton.compiler.compiler import CompiledKernel
+
+    for obj in gc.get_objects():
+        if type(obj) is CompiledKernel and obj.module is not None:
+            obj.__del__()

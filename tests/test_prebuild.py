@@ -286,7 +286,7 @@ def test_tritons_hook_is_restored_and_other_threads_launch_as_usual(sm90, monkey
     graph, args, sizes = first_call(MlpNorm().eval(), INPUTS["contiguous"]())
     call = graph.call_fn(interpret=False)
     names = [k.name for k in graph.kernels]
-    kernels = {n: call.__globals__[n] for n in names}
+    kernels = {n: call.__globals__[n].fn for n in names}  # the JITFunctions behind the launchers
     launches, _ = prebuild.record_launches(call, names, [], [], args, sizes)
     elsewhere = []
 

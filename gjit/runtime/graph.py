@@ -20,13 +20,14 @@ import torch
 import triton
 
 from gjit import logs
-from gjit.codegen.common import KernelSource
+from gjit.codegen.common import KernelSource, next_power_of_2
 from gjit.codegen.toolchain.files import import_file, write_source
 from gjit.codegen.triton.pointwise import KERNEL_PRELUDE
 from gjit.config import config
 from gjit.runtime import cuda as runtime_cuda
 from gjit.runtime import interpret as interpret_libdevice
 from gjit.runtime import prebuild
+from gjit.runtime.launch import Launcher
 from gjit.wrapper import graph_device
 
 cache_log = logs.logger("cache")
@@ -144,7 +145,7 @@ class CompiledGraph:
         self.wrapper_path = write_source("wrappers", "wrapper", self.wrapper_source)
 
     def call_fn(self, interpret: bool) -> Callable:
-        key = "interpret" if interpret else "device"
+        key = "interpret" if interpret else "device" if config.prebound_launches else "device, Triton's launches"
         if key not in self._calls:
             own = [k for k in self.kernels if k.code_of is None]
             cuda = [
@@ -161,10 +162,14 @@ class CompiledGraph:
             # a region whose kernel is an earlier one's code launches that kernel's object, under
             # its own name (one build; tuning's probes still see each region's launch)
             kernels |= {k.name: kernels[k.code_of] for k in self.kernels if k.code_of is not None}
+            if not interpret and config.prebound_launches:  # each name its own launch site
+                triton_names = {k.name for k in self.kernels if k.backend != "cuda"}
+                kernels |= {name: Launcher(kernels[name]) for name in triton_names}
             # math: size expressions torch's printer writes as math.ceil(...), math.floor(...)
             extra = {
                 "gjit_alloc": gjit_alloc,
                 "gjit_alloc_poisoned": gjit_alloc_poisoned,
+                "next_power_of_2": next_power_of_2,  # a looped reduction's block (not Triton's: slow)
                 "math": math,
                 **kernels,
             }

@@ -242,7 +242,7 @@ def build_one(path: str, name: str, data: str, target: tuple) -> float:
 class Awaiting:
     """A wrapper's kernel whose builds run in workers: its first launch waits for them (the builds
     of this kernel's specializations, no other kernel's), then the wrapper's name is bound to the
-    kernel itself."""
+    kernel itself (or its pre-bound launcher)."""
 
     def __init__(self, kernel: Any, futures: list, namespace: dict[str, Any], name: str):
         self.kernel, self.futures, self.namespace, self.name = kernel, futures, namespace, name
@@ -360,9 +360,10 @@ def start(
     futures = _submit(todo, paths, max(1, min(workers, len(todo))), remote) if wanted else {}
     namespace = call.__globals__
     for name in paths:
-        kernel = kernels[name]
-        if id(kernel) in futures and namespace.get(name) is kernel:  # (not while tuning wraps it)
-            namespace[name] = Awaiting(kernel, futures[id(kernel)], namespace, name)
+        kernel, launched = kernels[name], namespace.get(name)
+        # the kernel or its pre-bound launcher (gjit/runtime/launch.py), not while tuning wraps it
+        if id(kernel) in futures and (launched is kernel or getattr(launched, "fn", None) is kernel):
+            namespace[name] = Awaiting(launched, futures[id(kernel)], namespace, name)
     stats.COUNTERS["kernels_prebuilt"] += sum(map(len, futures.values()))
     log.info(
         "gjit: %d kernel launch(es), %d specialization(s): %d in Triton's cache, %d from the remote cache, "
