@@ -96,6 +96,12 @@ class ExprPrinter:
         if isinstance(expr, sympy.floor) and isinstance(expr.args[0], sympy.Mul):
             num, den = sympy.fraction(expr.args[0])
             return f"{self.paren(num)} // {self.paren(den)}"
+        if isinstance(expr, (sympy.floor, sympy.ceiling)) and isinstance(expr.args[0], sympy.Add):
+            # floor(15/16 + n/16), sympy's form of a ceiling division: over one integer denominator
+            num, den = sympy.fraction(sympy.together(expr.args[0]))
+            if den.is_Integer and den > 0 and num.is_integer:
+                num, den = self.paren(num), self.paren(den)
+                return f"{num} // {den}" if isinstance(expr, sympy.floor) else f"({num} + {den} - 1) // {den}"
         if isinstance(expr, sympy.core.relational.Relational):
             return f"{self.paren(expr.lhs)} {expr.rel_op} {self.paren(expr.rhs)}"
         if isinstance(expr, sympy.And):

@@ -146,8 +146,7 @@ class WrapperWriter:
             stride = ", ".join(self.sym(s) for s in lay.stride)
             fn = "gjit_alloc_poisoned" if self.poison else "gjit_alloc"
             comma = "," if len(lay.size) == 1 else ""
-            device = f"torch.device({str(self.device)!r})"
-            self.lines.append(f"{name} = {fn}(({size}{comma}), ({stride}{comma}), {lay.dtype}, {device})")
+            self.lines.append(f"{name} = {fn}(({size}{comma}), ({stride}{comma}), {lay.dtype}, gjit_device)")
             self.defined.add(name)
         numel = self.sym(kernel.numel)
         args = [*kernel.in_args, *kernel.out_args, *(s.name for s in kernel.size_args)]
@@ -165,7 +164,12 @@ class WrapperWriter:
         for k, expr in kernel.launch_blocks.items():
             self.lines.append(f"{k} = {expr}")
             blocks[k] = k
-        grid = f"(triton.cdiv(xnumel, {blocks['XBLOCK']}),)"
+        # integer math, not triton.cdiv: a call of it from Python costs microseconds each launch
+        xblock = blocks["XBLOCK"]
+        if not xblock.isdigit():
+            grid = f"((xnumel + {xblock} - 1) // {xblock},)"
+        else:
+            grid = "(xnumel,)" if xblock == "1" else f"((xnumel + {int(xblock) - 1}) // {xblock},)"
         if kernel.num_warps != 4:
             blocks["num_warps"] = str(kernel.num_warps)
         if kernel.num_stages is not None:
@@ -228,9 +232,9 @@ class WrapperWriter:
             "# gjit wrapper: binds sizes, runs externs and views through ATen, launches kernels",
             f"# kernels: {kernel_names or '(none)'}",
             "import torch",
-            "import triton",
             "",
             "aten = torch.ops.aten",
+            f"gjit_device = torch.device({str(self.device)!r})  # of every buffer the wrapper allocates",
             "",
             "",
             "def call(args, sizes):",

@@ -192,7 +192,7 @@ class CudaReductionWriter(ReductionPlan, CudaEmitter):
                 # thread); the registers hold the longest row the guard admits
                 limit = max(self.options.persistent_max, rhint)
                 self.per_thread = -(-limit // THREADS)
-                launch_blocks = {"RBLOCK": f"max(32, min({THREADS}, triton.next_power_of_2(rnumel)))"}
+                launch_blocks = {"RBLOCK": f"max(32, min({THREADS}, next_power_of_2(rnumel)))"}
                 row_max = self.per_thread * THREADS
                 why = f"persistent reduction: a row fits {self.per_thread} per thread: {rnumel} <= {row_max}"
                 self.assumptions.append((sympy.Le(rnumel, row_max), why))

@@ -234,7 +234,7 @@ class ReductionWriter(ReductionPlan, KernelWriter):
             # Triton specializes the constexpr), valid while a row fits one block
             limit = max(self.options.persistent_max, rblock)
             launch_blocks = {
-                "RBLOCK": "triton.next_power_of_2(rnumel)",
+                "RBLOCK": "next_power_of_2(rnumel)",
                 "XBLOCK": f"max(1, min({xhint}, 1024 // RBLOCK))",
             }
             self.assumptions.append(
