@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import operator
 import os
 from typing import Any
 
@@ -187,7 +188,7 @@ class CapturedProgram:
     aliases: CacheAliases = dataclasses.field(default_factory=CacheAliases)  # returned caches that are inputs
     # (flat input, dim) traced size-obliviously with a floor of 1 (export's range holds for them)
     from_one: frozenset[tuple[int, int]] = frozenset()
-    _getters: list | None = None
+    _feed: _Feed | None = None  # gathers a call's graph inputs (built at the first call)
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:
@@ -217,9 +218,9 @@ class CapturedProgram:
         return getattr(self.module.get_submodule(owner), attr)
 
     def graph_inputs(self, flat_user: list[Any]) -> list[Any]:
-        if self._getters is None:
-            self._getters = [self._getter(kind, key) for kind, key in self.input_sources]
-        return [get(flat_user) for get in self._getters]
+        if self._feed is None:
+            self._feed = _Feed(self)
+        return self._feed(flat_user)
 
     def state_sources(self) -> list[tuple[torch.nn.Module, str, Any, str]]:
         """(owning module, attribute, export's value, qualified name) of every parameter and buffer read live:
@@ -234,17 +235,6 @@ class CapturedProgram:
                 out.append((self.module.get_submodule(owner_name), attr, val, key))
         return out
 
-    def _getter(self, kind: str, key: Any):
-        """A per-call reader of one graph input. Parameters and buffers are read from their
-        owning submodule on every call (so new weights are seen) without re-walking the path."""
-        if kind == "user":
-            return lambda flat: flat[key]
-        if kind == "constant" or self.module is None:
-            value = self.state_tensor(kind, key)
-            return lambda flat: value
-        owner_name, _, attr = key.rpartition(".")
-        owner = self.module.get_submodule(owner_name)
-        return state_reader(owner, attr)
 
     def finish(self, flat_user: list[Any], flat_out: list[Any]) -> Any:
         """Apply recorded mutations, then rebuild the user's output pytree. An output that is (a
@@ -275,6 +265,43 @@ def _as_mutated_input(out: Any, mutated: list[tuple[torch.Tensor, torch.Tensor]]
             offset = target.storage_offset() + out.storage_offset() - new.storage_offset()
             return target.as_strided(out.shape, out.stride(), offset)
     return out
+
+
+class _Feed:
+    """A call's graph inputs: the parameters and buffers read live from their owning modules' dicts
+    on every call (so new weights are seen) in one C-level pass, the constants, the user's inputs,
+    put in the graph's order. A parameter gone from its module's dict (a plain attribute now) is
+    read through getattr."""
+
+    def __init__(self, program: CapturedProgram):
+        live, fixed, users = [], [], []
+        for position, (kind, key) in enumerate(program.input_sources):
+            if kind == "user":
+                users.append((position, key))
+            elif kind == "constant" or program.module is None:
+                fixed.append((position, program.state_tensor(kind, key)))
+            else:
+                owner_name, _, attr = key.rpartition(".")
+                owner = program.module.get_submodule(owner_name)
+                table = next((t for t in (owner._parameters, owner._buffers) if attr in t), {})
+                live.append((position, owner, attr, table))
+        self.owners = [owner for _, owner, _, _ in live]
+        self.attrs = [attr for _, _, attr, _ in live]
+        self.tables = [table for _, _, _, table in live]
+        self.fixed = [value for _, value in fixed]
+        self.users = [key for _, key in users]
+        positions = [p for p, *_ in live] + [p for p, _ in fixed] + [p for p, _ in users]
+        perm = sorted(range(len(positions)), key=positions.__getitem__)  # graph order -> values index
+        self.order = None if perm == list(range(len(perm))) else perm
+
+    def __call__(self, flat_user: list[Any]) -> list[Any]:
+        try:
+            live = list(map(operator.getitem, self.tables, self.attrs))
+        except KeyError:
+            where = zip(self.tables, self.attrs, self.owners)
+            live = [t[a] if a in t else getattr(o, a) for t, a, o in where]
+        values = live + self.fixed + [flat_user[i] for i in self.users]
+        return values if self.order is None else [values[i] for i in self.order]
 
 
 def state_reader(owner: torch.nn.Module, attr: str):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 import types
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -42,6 +43,9 @@ class Guard:
     actual: str  # Python expression whose value explains a failure
     input_index: int | None = None  # a failed type/rank check of this input hides its later ones
     kind: str = ""  # type | dtype | device | rank | size | stride | range | shape | scalar | kernel
+    # where the check runs: "both" (the hot function and the slow path that explains a miss),
+    # "hot" (only the first: one check that stands for the slow path's finer ones), "explain"
+    where: str = "both"
 
 
 @dataclasses.dataclass
@@ -61,7 +65,8 @@ class GuardSet:
 
     @property
     def guards(self) -> list[Guard]:
-        return [s for s in self.steps if isinstance(s, Guard)]
+        """The checks as a user reads them (not the hot path's combined ones)."""
+        return [s for s in self.steps if isinstance(s, Guard) and s.where != "hot"]
 
     def failures(self, flat_inputs: Sequence[Any]) -> list[str]:
         """Every failing guard with its expected condition and the actual value (the slow path)."""
@@ -74,7 +79,7 @@ class GuardSet:
                 except Exception:
                     pass  # a check that needs this name fails and is reported below
                 continue
-            if step.input_index in broken:
+            if step.where == "hot" or step.input_index in broken:
                 continue
             try:
                 ok = bool(eval(step.code, env))  # noqa: S307
@@ -101,7 +106,7 @@ class GuardSet:
                 sym = next((s for s in self.symbols if s.name == step.name), None)
                 if sym is not None:
                     lines.append(f"{sym.name} := {self.symbol_sources[sym]}")
-            else:
+            elif step.where != "hot":
                 lines.append(f"{step.kind:6s} {step.description}")
         return "\n".join(lines)
 
@@ -382,17 +387,50 @@ def _aliasing(b: _Builder, flat: Sequence[Any], mutated: set[int]) -> None:
 
 def _state(b: _Builder, state: Sequence[tuple[Any, str, torch.Tensor, str]]) -> None:
     """Parameters and buffers are read live: one that was replaced must still fit the kernels.
-    The hot path compares identities; a new tensor is checked once, then remembered."""
+    The hot path is one check of every identity at once (C-level maps over the owners' dicts:
+    a 12-layer model has some 150); a new tensor is checked once, then remembered. The slow path
+    explains a miss parameter by parameter."""
     if not state:
         return
-    b.namespace["state_ids"] = [id(getattr(owner, attr)) for owner, attr, _, _ in state]
-    b.namespace["state_fits"] = functools.partial(_state_fits, b.namespace["state_ids"], state)
+    ids = [id(getattr(owner, attr)) for owner, attr, _, _ in state]
+    b.namespace["state_ids"] = ids
+    b.namespace["state_fits"] = functools.partial(_state_fits, ids, state)
+    b.namespace["state_same"] = _same_state(ids, state)
+    b.guard("state_same()", "the parameters and buffers fit", "None", None, "state", True)
+    b.later[-1].where = "hot"
     for k, (owner, attr, _, fqn) in enumerate(state):
         b.namespace[f"owner{k}"] = owner
         b.namespace[f"read{k}"] = state_reader(owner, attr)
         code = f"id(read{k}(None)) == state_ids[{k}] or state_fits({k})"
         actual = f"(tuple(owner{k}.{attr}.shape), owner{k}.{attr}.stride(), owner{k}.{attr}.dtype)"
         b.guard(code, f"{fqn} keeps its shape, strides, dtype and device", actual, None, "state", True)
+        b.later[-1].where = "explain"
+
+
+def _same_state(ids: list[int], state: Sequence[tuple[Any, str, torch.Tensor, str]]) -> Callable[[], bool]:
+    """Whether every parameter and buffer is the tensor last admitted (its id), or fits."""
+    tables = [_table(owner, attr) for owner, attr, _, _ in state]
+    attrs = [attr for _, attr, _, _ in state]
+    getitem = operator.getitem
+
+    def same() -> bool:
+        try:
+            if list(map(id, map(getitem, tables, attrs))) == ids:
+                return True
+        except KeyError:  # one is no longer in its module's dict (a plain attribute now, say)
+            pass
+        return all([_state_fits(ids, state, k) for k in range(len(state))])
+
+    return same
+
+
+def _table(owner: torch.nn.Module, attr: str) -> dict:
+    """The dict of `owner` that holds `attr` (its parameters' or buffers'); else an empty one,
+    whose lookup fails over to the slow path."""
+    for table in (owner._parameters, owner._buffers):
+        if attr in table:
+            return table
+    return {}
 
 
 def _state_fits(ids: list[int], state: Sequence[tuple[Any, str, torch.Tensor, str]], k: int) -> bool:
@@ -483,7 +521,7 @@ def _function_source(steps: list[Guard | Bind], returned: str) -> str:
         if isinstance(step, Bind):
             flush()
             lines.append(f"    {step.name} = {step.code}")
-        else:
+        elif step.where != "explain":
             pending.append(step.code)
     flush()
     lines.append(f"    return {returned}")
