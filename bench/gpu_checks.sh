@@ -2,47 +2,86 @@
 # The checks that need a GPU, as one script for a short lease of a CUDA machine:
 #   OUT=/some/folder bash bench/gpu_checks.sh [quick|full]
 # Runs under the machine's own python3 (its torch, Triton and CuPy); gjit is installed editable
-# without dependencies. Every step has a time limit and writes its log under $OUT, so a slow or
-# broken step leaves the others' results. Figures go to docs/bench.md by hand, with the device.
+# without dependencies. First the real-size model benchmark (bench/models_gpu.py, 6 minutes at most),
+# then the other steps in order of importance, each only if its time limit still fits in TOTAL_S
+# (default 600 s: a 15-minute lease less the machine's start). Every step has a time limit and its
+# log goes into $OUT/logs.tgz (kept small: a lease returns at most 8 files), so a slow or broken
+# step leaves the others' results. The output ends with bench/models_gpu.py's tables (also
+# $OUT/models_gpu.md, every figure in $OUT/models_gpu.json). Figures go to docs/bench.md by hand,
+# with the device.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
 MODE=${1:-quick}
+TOTAL_S=${TOTAL_S:-600}
 mkdir -p "$OUT"
+LOGS=$(mktemp -d)
 export PYTHONUNBUFFERED=1 GJIT_CACHE=0
 PY=${PYTHON:-python3}
 
 step() { echo; echo "== $1 (t+${SECONDS}s)"; }
+pack() { tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null; }
+# fits SECONDS: whether a step of that time limit ends within TOTAL_S; says so when it does not
+fits() {
+    if [ $((SECONDS + $1)) -le "$TOTAL_S" ]; then return 0; fi
+    echo "skipped: its ${1} s limit would end past TOTAL_S=${TOTAL_S} s"
+    return 1
+}
 
 step "device and versions"
 nvidia-smi -L
 $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
-$PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+$PY -m pip install -q --no-deps --no-build-isolation -e . >"$LOGS/install.log" 2>&1 || { cat "$LOGS/install.log"; exit 1; }
+
+step "real-size models: eager, torch.compile and gjit, each in a fresh process (bench/models_gpu.py)"
+timeout -k 20 "${MODELS_S:-390}" $PY bench/models_gpu.py --budget "${MODELS_BUDGET_S:-360}" \
+    --json "$OUT/models_gpu.json" --table "$OUT/models_gpu.md" --log-dir "$LOGS/models_gpu" \
+    >"$LOGS/models_gpu.out" 2>&1
+echo "exit $?; $(grep -E '^Budget' "$LOGS/models_gpu.out")"
+pack
 
 step "the gpu tests"
-timeout 150 $PY -m pytest -q -p no:cacheprovider -m gpu --timeout 100 tests 2>&1 | tail -15
-
-step "templates against ATen per model shape (bench/gpu_templates.py)"
-timeout "${TEMPLATES_S:-150}" $PY bench/gpu_templates.py --json "$OUT/gpu_templates.json" 2>"$OUT/gpu_templates.err"
-tail -3 "$OUT/gpu_templates.err"
+if fits "${GPU_TESTS_S:-100}"; then
+    timeout "${GPU_TESTS_S:-100}" $PY -m pytest -q -p no:cacheprovider -m gpu --timeout 80 tests >"$LOGS/gpu_tests.log" 2>&1
+    tail -15 "$LOGS/gpu_tests.log"
+fi
+pack
 
 step "the cpu tier's numerics on the GPU (GJIT_TEST_DEVICE=cuda: kernels compiled, not interpreted)"
-GJIT_TEST_DEVICE=cuda timeout "${DEVICE_TESTS_S:-200}" $PY -m pytest -q -p no:cacheprovider -n 16 --timeout 120 \
-    --tb=short ${DEVICE_TESTS:-tests/test_matmul.py tests/test_attention.py tests/test_models.py tests/test_llm.py tests/test_tuning.py} \
-    >"$OUT/device_tests.log" 2>&1
-grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/device_tests.log" | tail -40
+if fits "${DEVICE_TESTS_S:-150}"; then
+    GJIT_TEST_DEVICE=cuda timeout "${DEVICE_TESTS_S:-150}" $PY -m pytest -q -p no:cacheprovider -n 16 --timeout 120 \
+        --tb=short ${DEVICE_TESTS:-tests/test_matmul.py tests/test_attention.py tests/test_models.py tests/test_llm.py tests/test_tuning.py} \
+        >"$LOGS/device_tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$LOGS/device_tests.log" | tail -40
+fi
+pack
+
+step "templates against ATen per model shape (bench/gpu_templates.py)"
+if fits "${TEMPLATES_S:-120}"; then
+    timeout "${TEMPLATES_S:-120}" $PY bench/gpu_templates.py --json "$OUT/gpu_templates.json" 2>"$LOGS/gpu_templates.err"
+    tail -3 "$LOGS/gpu_templates.err"
+fi
+pack
 
 step "start-up on the GPU: cold (kernels built in workers, and in 1), warm, package, next to torch.compile"
-timeout "${START_S:-300}" $PY bench/warm_start.py --device cuda --json "$OUT/warm_start_cuda.json" \
-    2>"$OUT/warm_start_cuda.err" | head -8
-tail -3 "$OUT/warm_start_cuda.err"
+if fits "${START_S:-200}"; then
+    timeout "${START_S:-200}" $PY bench/warm_start.py --device cuda --json "$OUT/warm_start_cuda.json" \
+        2>"$LOGS/warm_start_cuda.err" | head -8
+    tail -3 "$LOGS/warm_start_cuda.err"
+fi
+pack
 
 step "python -m gjit.bench ($MODE)"
 if [ "$MODE" = full ]; then
-    timeout "${BENCH_S:-400}" $PY -m gjit.bench --full --json "$OUT/bench.json" --png "$OUT/bench.png" 2>"$OUT/bench.err"
-else
-    timeout "${BENCH_S:-150}" $PY -m gjit.bench --cases softmax layer_norm gelu_mlp attention gpt2 bert llama \
-        --json "$OUT/bench.json" --png "$OUT/bench.png" 2>"$OUT/bench.err"
+    fits "${BENCH_S:-400}" && timeout "${BENCH_S:-400}" $PY -m gjit.bench --full --json "$OUT/bench.json" \
+        --png "$OUT/bench.png" 2>"$LOGS/bench.err"
+elif fits "${BENCH_S:-120}"; then
+    timeout "${BENCH_S:-120}" $PY -m gjit.bench --cases softmax layer_norm gelu_mlp attention gpt2 bert llama \
+        --json "$OUT/bench.json" --png "$OUT/bench.png" 2>"$LOGS/bench.err"
 fi
-tail -5 "$OUT/bench.err"
-step "done"
+tail -5 "$LOGS/bench.err" 2>/dev/null
+pack
+
+step "done; bench/models_gpu.py's tables follow ($OUT/models_gpu.md)"
+cat "$OUT/models_gpu.md" 2>/dev/null || tail -40 "$LOGS/models_gpu.out"
+rm -rf "$LOGS"
