@@ -232,6 +232,22 @@ def test_what_cannot_be_recorded_runs_without_a_graph(fake, fn, why, caplog):
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize(
+    "options, why",
+    [(dict(backend="cupy"), "the cupy backend"), (dict(check=True), "GJIT_CHECK")],
+    ids=["cupy", "check"],
+)
+def test_what_the_options_keep_from_recording(fake, options, why):
+    model = Scale()
+    cm = gjit.compile(model, mode="reduce-overhead", **options)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        assert_same(cm(x), model(x))
+    (reason,) = skipped()
+    assert why in reason and fake.captures == 0
+
+
+@pytest.mark.cpu
 def test_integer_indexing_is_recorded(fake):
     def gather(table, index):
         return table[index] * 2

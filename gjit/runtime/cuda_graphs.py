@@ -156,7 +156,7 @@ def unrecordable(graph: Any) -> str | None:
     if graph.checker is not None:
         return "GJIT_CHECK reads every kernel's outputs on the host"
     if any(k.backend == "cuda" for k in graph.all_kernels()):
-        return "the cupy backend's launches go through CuPy, which is not recorded"
+        return "the cupy backend: its CuPy launches (on torch's stream) are not yet checked under capture"
     if any(UNBACKED.search(g.wrapper_source) for g in graph.all_graphs()):
         return "its wrapper reads a data-dependent size (a host sync: nonzero, a boolean mask, .item())"
     for module in graph.graph_module.modules():  # torch.cond branches and other subgraphs too
