@@ -23,7 +23,7 @@ from gjit.guards import GuardBuildError, GuardSet, MissHistory, build_guards, dy
 from gjit.guards.builder import tf32_setting
 from gjit.guards.policy import MARKS, batch_dims, specialized_dims
 from gjit.heap import deferred_full_collections
-from gjit.runtime import disk_cache
+from gjit.runtime import cuda_graphs, disk_cache
 from gjit.stats import timed
 
 log = logs.logger("capture")
@@ -45,6 +45,7 @@ class Entry:
     # what the guards read of the compiled call, per flat input (a package rebuilds them from it):
     # ["tensor", index of its first occurrence] | ["symint", None] | ["value", the specialized value]
     inputs: list = dataclasses.field(default_factory=list)
+    graphs: cuda_graphs.CudaGraphs | None = None  # mode="reduce-overhead": its recorded CUDA graphs
 
 
 @dataclasses.dataclass
@@ -172,7 +173,9 @@ class CompiledFunction:
         check: bool | None = None,
         dump_dir: str | None = None,
         backend: str | None = None,
+        mode: str | None = None,
     ):
+        self.mode = cuda_graphs.resolve_mode(mode)
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"gjit.compile: unknown backend {backend!r}, expected one of {BACKENDS}")
         self.model = model
@@ -208,9 +211,11 @@ class CompiledFunction:
         """An entry loaded from a package (kept by reset())."""
         self._packaged.append(entry)
         self.entries.append(entry)
+        entry.graphs = cuda_graphs.for_entry(self.mode, entry.program, f"{self._name()} packaged entry")
 
     def reset(self) -> None:
-        """Forget compiled entries (not those loaded from a package) and a recorded capture failure."""
+        """Forget compiled entries (not packaged ones), CUDA graphs and a recorded capture failure."""
+        cuda_graphs.release(self.entries)
         self.entries[:] = self._packaged
         self.eager_reason = None
         self.misses = MissHistory()
@@ -259,7 +264,7 @@ class CompiledFunction:
 
     @staticmethod
     def _run(entry: Entry, args: tuple, kwargs: dict, flat: list, sizes: tuple) -> Any:
-        out = run_program(entry.program, flat, sizes)
+        out = run_program(entry.program, flat, sizes, entry.graphs)
         aliases = entry.program.captured.aliases
         return aliases.restore(args, kwargs, out) if aliases.pairs else out
 
@@ -471,6 +476,8 @@ class CompiledFunction:
         guards_log.info("guards of entry %d of %s:\n%s", index, self._name(), guards.format())
         specialized = specialized_dims(dims, captured.user_vals, names)
         entry = Entry(guards, spec, program, specialized, names, _inputs_record(flat, captured.user_vals))
+        cuda_graphs.release(self.entries)  # the calls moved on: the older entries' graphs free their memory
+        entry.graphs = cuda_graphs.for_entry(self.mode, program, f"{self._name()} entry {index}")
         self.entries.append(entry)
         if perf_log.isEnabledFor(logging.INFO) or self._dump_root():
             report = build_report(entry, guards.check(flat) or ())
@@ -550,6 +557,7 @@ def compile(
     check: bool | None = None,
     dump_dir: str | None = None,
     backend: str | None = None,
+    mode: str | None = None,
 ) -> Any:
     """Compile `model` (nn.Module, function, ExportedProgram or .pt2 path); usable as a decorator.
 
@@ -562,8 +570,11 @@ def compile(
     dump_dir (or GJIT_DUMP_DIR): write every compile stage of each entry there.
     backend="triton" (default, or GJIT_BACKEND) or "cupy": CUDA C kernels compiled with NVRTC and
     launched through CuPy (on CPU tensors with gjit.config.interpret, a host emulation runs them).
+    mode (torch.compile's; None: GJIT_MODE): "reduce-overhead" or "max-autotune" replay CUDA graphs,
+    one per set of sizes (gjit/runtime/cuda_graphs.py: a size's second call records, later ones
+    replay; outputs the caller holds are never overwritten); "default", "max-autotune-no-cudagraphs" not.
     """
-    options = dict(dynamic=dynamic, check=check, dump_dir=dump_dir, backend=backend)
+    options = dict(dynamic=dynamic, check=check, dump_dir=dump_dir, backend=backend, mode=mode)
     if model is None:
         return lambda m: CompiledFunction(m, **options)
     return CompiledFunction(model, **options)

@@ -40,6 +40,13 @@
     gjit.config.prebound_launches     GJIT_PREBOUND_LAUNCHES=0  on a GPU, launch every kernel through
                                                          Triton's JITFunction.run instead of the compiled
                                                          kernel bound at its first launch (A/B timing)
+    gjit.config.mode                  GJIT_MODE          torch.compile's mode for gjit.compile calls that give
+                                                         none: default | reduce-overhead (CUDA graphs) |
+                                                         max-autotune (CUDA graphs) |
+                                                         max-autotune-no-cudagraphs (tuning follows GJIT_TUNE
+                                                         in every mode)
+    gjit.config.cuda_graph_limit      GJIT_CUDA_GRAPH_LIMIT  CUDA graphs an entry holds in the modes that
+                                                         record them (8); past it calls run without one
     gjit.config.dynamic_export_budget  GJIT_DYNAMIC_EXPORT_BUDGET  seconds an export with dynamic dims may
                                                          spend in ops slowed by symbolic size reasoning
                                                          (over 0.5 s each) before gjit exports the batch
@@ -242,6 +249,19 @@ class Config:
         "specialization bound (gjit/runtime/launch.py); off: Triton's JITFunction.run every launch",
     )
 
+    mode = _Knob(
+        "GJIT_MODE",
+        _env_str("GJIT_MODE", lambda: "default"),
+        "torch.compile's mode for gjit.compile calls that give none: default | reduce-overhead | "
+        "max-autotune (both record CUDA graphs) | max-autotune-no-cudagraphs",
+    )
+    cuda_graph_limit = _Knob(
+        "GJIT_CUDA_GRAPH_LIMIT",
+        _env_int("GJIT_CUDA_GRAPH_LIMIT", 8),
+        "CUDA graphs an entry holds in mode reduce-overhead (one per set of sizes, another while the "
+        "caller holds a replay's outputs); past it calls run without a graph",
+    )
+
     dynamic_export_budget = _Knob(
         "GJIT_DYNAMIC_EXPORT_BUDGET",
         _env_float("GJIT_DYNAMIC_EXPORT_BUDGET", 10.0),
@@ -272,6 +292,10 @@ class Config:
 config = Config()
 
 BACKENDS = ("triton", "cupy")
+# torch.compile's modes. gjit tunes template kernels on a GPU in every mode (GJIT_TUNE), so the
+# max-autotune modes differ from the others only in CUDA graphs
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # gjit/runtime/cuda_graphs.py
 
 
 @dataclasses.dataclass(frozen=True)

@@ -407,8 +407,10 @@ def region_checker(gm: torch.fx.GraphModule, graph: LoopGraph, steps: list[Step]
     return RegionChecker(gm, members, stores)
 
 
-def run_program(program: CompiledProgram, flat_user: list[Any], sizes: tuple) -> Any:
-    """Run one call: `sizes` are the size symbols' values the entry's guard bound."""
+def run_program(program: CompiledProgram, flat_user: list[Any], sizes: tuple, graphs: Any = None) -> Any:
+    """Run one call: `sizes` are the size symbols' values the entry's guard bound; `graphs`, the
+    entry's CUDA graphs (gjit/runtime/cuda_graphs.py) in mode="reduce-overhead"."""
     captured = program.captured
-    flat_out = program.graph.run(captured.graph_inputs(flat_user), sizes)
+    run = program.graph.run if graphs is None else graphs.run
+    flat_out = run(captured.graph_inputs(flat_user), sizes)
     return captured.finish(flat_user, flat_out)

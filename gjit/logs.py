@@ -35,6 +35,8 @@ ARTIFACTS: dict[str, str] = {
     "capture": "export attempts, retries with static shapes, capture failures",
     "check": "GJIT_CHECK's per-region error table (kernel vs eager fallback)",
     "tuning": "on a GPU: each template kernel's configurations with their times, and templates vs ATen",
+    "cudagraphs": "mode='reduce-overhead': each CUDA graph recorded or dropped, and why calls run without "
+    "one (once per reason and entry)",
 }
 
 _HANDLER: logging.Handler | None = None

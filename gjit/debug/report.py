@@ -59,6 +59,8 @@ class Report:
     decomposed: list[str] = dataclasses.field(default_factory=list)
     # per matmul of the graph: the template kernel that computes it, or the extern and why
     matmuls: list[str] = dataclasses.field(default_factory=list)
+    # whether calls replay CUDA graphs (mode="reduce-overhead"), how many are held, runs without one
+    cuda_graphs: str = "off"
 
     def __str__(self) -> str:
         shared = sum(k.code_of is not None for k in self.kernels)
@@ -80,6 +82,7 @@ class Report:
             out.append(f"  specialized: {s}")
         for h in self.perf_hints:
             out.append(f"  perf hint: {h}")
+        out.append(f"  CUDA graphs: {self.cuda_graphs}")
         out.append(f"  {self.traffic}")
         out.append("  compile time: " + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in self.timings.items()))
         return "\n".join(out)
@@ -134,7 +137,15 @@ def build_report(entry: Any, sizes: tuple = ()) -> Report:
         perf_hints(program, entry.specialized),
         decomposed_ops(program.captured.full_graph_module),
         matmul_lines(program.steps) + [f"tuned on the GPU: {line}" for line in program.graph.tuning],
+        cuda_graphs_line(entry),
     )
+
+
+def cuda_graphs_line(entry: Any) -> str:
+    graphs = getattr(entry, "graphs", None)
+    if graphs is None:
+        return "off (the callable's mode records none: mode='reduce-overhead' does)"
+    return graphs.describe()
 
 
 MATMUL_OPS = (
