@@ -145,7 +145,7 @@ class CompiledGraph:
         self.wrapper_path = write_source("wrappers", "wrapper", self.wrapper_source)
 
     def call_fn(self, interpret: bool) -> Callable:
-        key = "interpret" if interpret else "device" if config.prebound_launches else "device, Triton's launches"
+        key = "interpret" if interpret else "prebound" if config.prebound_launches else "device"
         if key not in self._calls:
             own = [k for k in self.kernels if k.code_of is None]
             cuda = [
