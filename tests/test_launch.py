@@ -11,7 +11,7 @@ from triton.backends.nvidia.driver import CudaLauncher
 
 import gjit
 from gjit.runtime.launch import Launcher
-from helpers import first_graph_call
+from helpers import first_graph_call, kernel_launches
 from null_cuda import launches as null_launches
 
 pytestmark = pytest.mark.compile_only
@@ -126,16 +126,31 @@ def test_the_knob_turns_prebound_launches_off(null_cuda):
     assert null_launches() - before == 3
 
 
-def test_an_argument_of_another_kind_takes_tritons_path(null_cuda):
-    """The key function is made for the first launch's kinds (a tensor, an int); a float where an
-    int was raises inside it, and the launch goes through Triton's path instead of failing."""
+def test_a_launch_of_another_signature_or_kind_takes_tritons_path(null_cuda):
+    """The key function is made for the first launch's signature and kinds (tensors, ints,
+    keyword names); another count, an int where a tensor was, a float where an int was or another
+    keyword raises inside it or keys another variant: the launch goes through Triton's path."""
     graph, inputs, sizes = first_graph_call(MlpNorm().eval(), torch.randn(3, 40, 32))[1:]
     call = graph.call_fn(interpret=False)
     call(inputs, sizes)
-    launcher = next(iter(launchers(call).values()))
-    key = launcher.keys[next(iter(launcher.keys))]
-    with pytest.raises((TypeError, AttributeError)):
-        key(*([1.5] * key.__code__.co_argcount))
+    name, _, args, kwargs = kernel_launches(graph, inputs, sizes)[0]  # its launch's arguments
+    launcher = launchers(call)[name]
+    ((device, *_),) = launcher.variants  # one variant, keyed on the device first
+    assert launcher.key(device, args, kwargs) in launcher.variants
+    tensor = next(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+    number = next(i for i, a in enumerate(args) if type(a) is int)
+    changed = [
+        (args[:-1], kwargs),
+        (args[:tensor] + (7,) + args[tensor + 1 :], kwargs),
+        (args[:number] + (1.5,) + args[number + 1 :], kwargs),
+        (args, {**kwargs, "num_stages": 2}),
+        (args, {"OTHER": 1, **{k: v for k, v in list(kwargs.items())[1:]}}),
+    ]
+    for other_args, other_kwargs in changed:  # the key function raises, or keys another variant
+        try:
+            assert launcher.key(device, other_args, other_kwargs) not in launcher.variants
+        except (KeyError, AttributeError, TypeError, ValueError):
+            pass
 
 
 def test_a_new_driver_drops_the_bound_variants(null_cuda, monkeypatch):

@@ -37,22 +37,22 @@ INT32 = (-(2**31), 2**31 - 1)
 
 
 def _key_source(kinds: tuple[str, ...], keywords: tuple[str, ...]) -> str:
-    """A key function's source for a launch whose positional arguments are of `kinds` ('t': a
+    """A key function's source for launches whose positional arguments are of `kinds` ('t': a
     tensor, 'i': an int, 'v': anything else, keyed by value) and whose keyword arguments are
-    `keywords`. An argument of another kind than the first launch's raises, and that launch takes
-    Triton's path."""
-    params = [f"a{i}" for i in range(len(kinds))] + [f"k{j}" for j in range(len(keywords))]
-    parts = []
-    for i, kind in enumerate(kinds):
-        a = f"a{i}"
+    `keywords`: `key(device, args, kwargs)` -> the variant's key. A launch of another signature or
+    kind raises (a wrong count, a missing name, an int where a tensor was) and takes Triton's path."""
+    names = [f"a{i}" for i in range(len(kinds))]
+    parts = ["device"]
+    for a, kind in zip(names, kinds):
         if kind == "t":
             parts.append(f"{a}.data_ptr() & 15 == 0")
         elif kind == "i":
             parts.append(f"(3 if {a} == 1 else ({a} & 15 == 0) + 4 * ({a} < {INT32[0]} or {a} > {INT32[1]}))")
         else:
             parts.append(a)
-    parts += [f"k{j}" for j in range(len(keywords))]
-    return f"def key({', '.join(params)}):\n    return ({', '.join(parts)},)\n"
+    parts += [f"kwargs[{k!r}]" for k in keywords] + ["len(kwargs)"]
+    unpack = f"    {', '.join(names)}{',' if len(names) == 1 else ''} = args\n" if names else ""
+    return f"def key(device, args, kwargs):\n{unpack}    return ({', '.join(parts)})\n"
 
 
 def _kind(value: Any) -> str:
@@ -84,7 +84,7 @@ class Launcher:
     def __init__(self, fn: Any):
         self.fn = fn
         self.variants: dict[tuple, _Variant | None] = {}  # None: this key always takes Triton's path
-        self.keys: dict[tuple, Callable] = {}  # (argument kinds, keywords) -> key function
+        self.key: Callable = _no_key  # the key function of the first launch's signature
         self.driver: Any = None  # the Triton driver the variants were bound on
         self.lock = threading.Lock()
         self.triton_launches = 0  # launches that took Triton's path (tests and benches read it)
@@ -100,10 +100,9 @@ class Launcher:
         active = driver.active
         device = active.get_current_device()
         try:
-            key = (device, self.keys[(len(args), *kwargs)](*args, *kwargs.values()))
-            variant = self.variants[key] if active is self.driver else None
-        except (KeyError, AttributeError, TypeError):  # a new signature or variant, another driver
-            return self.first_launch(active, device, grid, args, kwargs)
+            variant = self.variants[self.key(device, args, kwargs)] if active is self.driver else None
+        except (KeyError, AttributeError, TypeError, ValueError):  # a new variant, signature or kind
+            variant = None
         if variant is None:
             return self.first_launch(active, device, grid, args, kwargs)
         stream = active.get_current_stream(device)
@@ -111,10 +110,11 @@ class Launcher:
         metadata = None
         if enter is not None:  # a profiler's hook: the metadata Triton's path gives it
             metadata = variant.kernel.launch_metadata(grid, stream, *args, *variant.tail)
+        dims = len(grid)
         variant.run(
             grid[0],
-            grid[1] if len(grid) > 1 else 1,
-            grid[2] if len(grid) > 2 else 1,
+            grid[1] if dims > 1 else 1,
+            grid[2] if dims > 2 else 1,
             stream,
             variant.function,
             variant.metadata,
@@ -126,7 +126,9 @@ class Launcher:
         )
 
     def first_launch(self, active: Any, device: int, grid: tuple, args: tuple, kwargs: dict) -> None:
-        """Through Triton's launcher; the compiled kernel it launched becomes the variant's."""
+        """Through Triton's launcher; the compiled kernel it launched becomes the variant's. A
+        launcher keys the signature (argument count, kinds, keyword names) of its first launch; a
+        launch of another (no wrapper has one) always takes Triton's path."""
         self.triton_launches += 1
         kernel = self.fn.run(*args, grid=grid, warmup=False, **kwargs)
         if kernel is None:  # a jit_cache_hook took the launch (another thread's prebuild): not bound
@@ -135,13 +137,11 @@ class Launcher:
             if active is not self.driver:
                 self.variants.clear()
                 self.driver = active
-            signature = (len(args), *kwargs)
-            if signature not in self.keys:
-                kinds = tuple(_kind(a) for a in args)
-                self.keys[signature] = _compile_key(kinds, tuple(kwargs))
+            if self.key is _no_key:
+                self.key = _compile_key(tuple(_kind(a) for a in args), tuple(kwargs))
             try:
-                key = (device, self.keys[signature](*args, *kwargs.values()))
-            except (AttributeError, TypeError):  # not the kinds the key function was made for
+                key = self.key(device, args, kwargs)
+            except (KeyError, AttributeError, TypeError, ValueError):  # another signature
                 return
             self.variants[key] = self.bind(kernel, len(args), kwargs)
 
@@ -169,13 +169,18 @@ def _compile_key(kinds: tuple[str, ...], keywords: tuple[str, ...]) -> Callable:
     return _KEYS[kinds, keywords]
 
 
+def _no_key(device: int, args: tuple, kwargs: dict) -> tuple:
+    raise KeyError("no launch yet")
+
+
+_RUNTIME = triton.knobs.runtime
+_CHAINS = hasattr(_RUNTIME.launch_enter_hook, "calls")  # Triton 3.7 and later: HookChains, never None
+
+
 def _hooks() -> tuple[Any, Any]:
-    """Triton's launch hooks (a profiler's), None where none is set: an empty HookChain (Triton 3.7
-    and later) is not called, and its launch needs no metadata."""
-    runtime = triton.knobs.runtime
-    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
-    if enter is not None and not getattr(enter, "calls", True):
-        enter = None
-    if leave is not None and not getattr(leave, "calls", True):
-        leave = None
+    """Triton's launch hooks (a profiler's), None where none is set: an empty HookChain is not
+    called, and its launch needs no metadata."""
+    enter, leave = _RUNTIME.launch_enter_hook, _RUNTIME.launch_exit_hook
+    if _CHAINS:
+        return (enter if enter.calls else None), (leave if leave.calls else None)
     return enter, leave
