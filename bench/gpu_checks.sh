@@ -40,6 +40,13 @@ timeout -k 20 "${MODELS_S:-390}" $PY bench/models_gpu.py --budget "${MODELS_BUDG
 echo "exit $?; $(grep -E '^Budget' "$LOGS/models_gpu.out")"
 pack
 
+step "host time per kernel launch on the card: Triton's path against gjit's pre-bound launches"
+if fits "${LAUNCH_S:-60}"; then
+    GJIT_TUNE=0 timeout "${LAUNCH_S:-60}" $PY bench/launch_overhead.py --device cuda \
+        --json "$OUT/launch_overhead.json" 2>"$LOGS/launch_overhead.err" | tail -6
+fi
+pack
+
 step "the gpu tests"
 if fits "${GPU_TESTS_S:-100}"; then
     timeout "${GPU_TESTS_S:-100}" $PY -m pytest -q -p no:cacheprovider -m gpu --timeout 80 tests >"$LOGS/gpu_tests.log" 2>&1

@@ -1,8 +1,10 @@
-"""Host time per kernel launch, without a GPU: Triton's own CUDA driver and C launcher over a libcuda
-that launches nothing (tests/null_cuda.py), kernels built for sm_90.
+"""Host time per kernel launch. Without a GPU: Triton's own CUDA driver and C launcher over a libcuda
+that launches nothing (tests/null_cuda.py), kernels built for sm_90. With `--device cuda`: the card's
+own driver (each round synchronized at its end; a launch's figure is the host's time to enqueue it).
 
     .venv/bin/python bench/launch_overhead.py            # prints the tables
     .venv/bin/python bench/launch_overhead.py --json out.json
+    python bench/launch_overhead.py --device cuda        # on a GPU
 
 One pointwise kernel (three tensors, two ints, a constexpr), launched by: Triton's path
 (`kernel[grid](...)`: JITFunction.run, what gjit's wrappers did before gjit/runtime/launch.py),
@@ -42,22 +44,35 @@ def axpy(x, y, out, n, scale, XBLOCK: tl.constexpr):
     tl.store(out + i, tl.load(x + i, i < n) * scale + tl.load(y + i, i < n), i < n)
 
 
-def one_kernel(number: int, repeat: int) -> dict[str, float]:
-    x, y, out = torch.randn(4096), torch.randn(4096), torch.empty(4096)
+def synchronized(fn, device: str):
+    """fn, and on a GPU a synchronize after it: a round's launches are all enqueued and run."""
+    if device != "cuda":
+        return fn
+
+    def run() -> None:
+        fn()
+        torch.cuda.synchronize()
+
+    return run
+
+
+def one_kernel(number: int, repeat: int, device: str) -> dict[str, float]:
+    tensors = "cuda" if device == "cuda" else "cpu"  # the null driver launches nothing: CPU memory
+    x, y, out = (torch.randn(4096, device=tensors) for _ in range(3))
     grid = (4,)
     axpy[grid](x, y, out, 4096, 3, XBLOCK=1024)  # built for sm_90
     kernel = axpy.run(x, y, out, 4096, 3, XBLOCK=1024, grid=grid, warmup=False)
     launcher = Launcher(axpy)
     launcher[grid](x, y, out, 4096, 3, XBLOCK=1024)
     run, function, metadata = kernel.run, kernel.function, kernel.packed_metadata
-    c_launch = run.launch
+    stream = driver.active.get_current_stream(driver.active.get_current_device())
 
     def raw() -> None:
-        run(4, 1, 1, 0, function, metadata, None, None, None, x, y, out, 4096, 3, 1024)
+        run(4, 1, 1, stream, function, metadata, None, None, None, x, y, out, 4096, 3, 1024)
 
-    def c_only() -> None:
-        c_launch(4, 1, 1, 0, function, False, False, metadata, None, None, None, None, None,
-                 run.arg_annotations, run.kernel_signature, (x, y, out, 4096, 3, 1024))  # fmt: skip
+    def c_only() -> None:  # Triton 3.9's CudaLauncher: its C function (other versions: not measured)
+        run.launch(4, 1, 1, stream, function, False, False, metadata, None, None, None, None, None,
+                   run.arg_annotations, run.kernel_signature, (x, y, out, 4096, 3, 1024))  # fmt: skip
 
     def triton_path() -> None:
         axpy[grid](x, y, out, 4096, 3, XBLOCK=1024)
@@ -65,27 +80,47 @@ def one_kernel(number: int, repeat: int) -> dict[str, float]:
     def prebound() -> None:
         launcher[grid](x, y, out, 4096, 3, XBLOCK=1024)
 
+    def per_launch(fn) -> float:
+        # rounds of `number` launches, each round synchronized at its end on a GPU
+        batch = synchronized(lambda: [fn() for _ in range(number)], device)
+        return median_us(batch, 1, repeat) / number
+
+    try:
+        c_only()
+        c_launch_us = per_launch(c_only)
+    except Exception:  # another Triton's launcher
+        c_launch_us = float("nan")
     return {
-        "triton_path_us": median_us(triton_path, number, repeat),
-        "gjit_launcher_us": median_us(prebound, number, repeat),
-        "compiled_kernel_run_us": median_us(raw, number, repeat),
-        "c_launch_us": median_us(c_only, number, repeat) if hasattr(run, "launch") else float("nan"),
+        "triton_path_us": per_launch(triton_path),
+        "gjit_launcher_us": per_launch(prebound),
+        "compiled_kernel_run_us": per_launch(raw),
+        "c_launch_us": c_launch_us,
     }
 
 
-def gpt2_call(number: int, repeat: int) -> dict[str, float]:
+def gpt2_call(number: int, repeat: int, device: str) -> dict[str, float]:
     model, args = gpt2_12()
     model.config.use_cache = False
-    graph, inputs, sizes = first_graph_call(model, *args)[1:]
+    if device != "cuda":  # compiled on CPU tensors (kernels checked in the interpreter)
+        graph, inputs, sizes = first_graph_call(model, *args)[1:]
+    else:  # the same program compiled for the card
+        model, args = model.cuda(), tuple(a.cuda() for a in args)
+        with torch.no_grad():
+            compiled = gjit.compile(model)
+            compiled(*args)
+        entry = compiled.entries[0]
+        sizes = entry.guards.check(list(args))
+        graph, inputs = entry.program.graph, entry.program.captured.graph_inputs(list(args))
     row: dict[str, float] = {}
     for prebound in (False, True):
         with gjit.config.scope(prebound_launches=prebound):
             call = graph.call_fn(interpret=False)
         with torch.no_grad():
-            before = launches()
+            before = launches() if device != "cuda" else 0
             call(inputs, sizes)
-            row["launches"] = launches() - before
-            us = median_us(lambda: call(inputs, sizes), number, repeat)  # noqa: B023
+            row["launches"] = launches() - before if device != "cuda" else len(graph.kernels)
+            batch = synchronized(lambda: [call(inputs, sizes) for _ in range(number)], device)  # noqa: B023
+            us = median_us(batch, 1, repeat) / number
         name = "gjit" if prebound else "triton_path"
         row[f"{name}_call_us"] = us
         row[f"{name}_per_launch_us"] = us / row["launches"]
@@ -98,16 +133,18 @@ def main() -> None:
     )
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--device", default="null", choices=("null", "cuda"))
     opts = parser.parse_args()
     torch.set_num_threads(1)
-    driver.set_active(null_driver())
-    kernel = one_kernel(20000, opts.repeat)
+    if opts.device == "null":
+        driver.set_active(null_driver())
+    kernel = one_kernel(20000, opts.repeat, opts.device)
     print("one launch (us)        | Triton's path | gjit Launcher | CompiledKernel.run | C launch alone")
     print(
         f"axpy, 5 args + XBLOCK  | {kernel['triton_path_us']:13.2f} | {kernel['gjit_launcher_us']:13.2f} | "
         f"{kernel['compiled_kernel_run_us']:18.2f} | {kernel['c_launch_us']:14.2f}"
     )
-    call = gpt2_call(200, opts.repeat)
+    call = gpt2_call(200, opts.repeat, opts.device)
     print()
     print("12-layer GPT-2 wrapper | launches | Triton's path: call, per launch | gjit: call, per launch")
     print(
@@ -115,7 +152,8 @@ def main() -> None:
         f"{call['triton_path_per_launch_us']:5.2f}          | {call['gjit_call_us']:9.1f}, "
         f"{call['gjit_per_launch_us']:5.2f}"
     )
-    print(f"CPU: {os.cpu_count()} cores, torch {torch.__version__}, triton {triton.__version__}, 1 thread")
+    where = torch.cuda.get_device_name() if opts.device == "cuda" else "the null driver (sm_90)"
+    print(f"{where}; {os.cpu_count()} CPUs, torch {torch.__version__}, triton {triton.__version__}, 1 thread")
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump({"one_kernel": kernel, "gpt2_12": call}, f, indent=1)
