@@ -12,7 +12,15 @@ import torch
 import torch.utils._pytree as pytree
 
 from gjit import kv_cache, logs, stats
-from gjit.calling import bind_call, forward_signature
+from gjit.calling import (
+    GUARDABLE,
+    bind_call,
+    fast_arity,
+    forward_signature,
+    input_names,
+    inputs_record,
+    structure_change,
+)
 from gjit.capture import TOO_SLOW, CaptureError, DecompositionError, capture, readable
 from gjit.codegen.toolchain.compile_only import start_warm_up
 from gjit.config import BACKENDS, CompileOptions, config
@@ -56,70 +64,6 @@ class Package:
     recompile: bool
 
 
-def _inputs_record(flat: list, user_vals: list) -> list:
-    first: dict[int, int] = {}
-    out: list = []
-    for i, (value, val) in enumerate(zip(flat, user_vals)):
-        if isinstance(value, torch.Tensor):
-            out.append(["tensor", first.setdefault(id(value), i)])
-        elif isinstance(val, torch.SymInt):
-            out.append(["symint", None])
-        else:
-            out.append(["value", value])
-    return out
-
-
-# the input leaves gjit guards: tensors, and values export takes as (or specializes to) constants
-GUARDABLE = (torch.Tensor, int, float, bool, str, complex, type(None), torch.dtype, torch.device)
-
-
-def _input_names(args: tuple, kwargs: dict, signature) -> list[str]:
-    params = list(signature.parameters) if signature is not None else []
-    names = []
-    for path, _ in pytree.tree_flatten_with_path((args, kwargs))[0]:
-        head, rest = path[0].idx, path[1:]
-        if head == 0 and rest and hasattr(rest[0], "idx") and rest[0].idx < len(params):
-            names.append(params[rest[0].idx] + pytree.keystr(rest[1:]))
-        elif head == 1 and rest:
-            key = rest[0].key if isinstance(rest[0], pytree.MappingKey) else pytree.keystr(rest[:1])
-            names.append(f"{key}{pytree.keystr(rest[1:])}")
-        else:
-            names.append(("args" if head == 0 else "kwargs") + pytree.keystr(rest))
-    return names
-
-
-def _structure_change(old: pytree.TreeSpec, new: pytree.TreeSpec, params: list[str], path: str = "") -> str:
-    """Where two calls' pytree structures first differ, in the call's own names (the forward's
-    parameter names, then keys and indices, a cache's `layers[0].keys`)."""
-    if old.is_leaf() or new.is_leaf() or old.type is not new.type:
-        return f"{path or 'the call'}: expected {_spec_kind(old)}, got {_spec_kind(new)}"
-    if old.context != new.context:
-        detail = kv_cache.describe_change(old.context, new.context)
-        if detail is None:
-            detail = f"{old.context!r:.80} -> {new.context!r:.80}"
-        return f"{path or 'the call'} ({old.type.__name__}): {detail}"
-    if old.num_children != new.num_children:
-        return f"{path or 'the call'}: {old.num_children} -> {new.num_children} entries"
-    children = (lambda s: s.children()) if hasattr(old, "children") else (lambda s: s.children_specs)
-    for i, (a, b) in enumerate(zip(children(old), children(new))):
-        if a == b:
-            continue
-        if not path and old.type is tuple and old.num_children == 2:  # the root: (args, kwargs)
-            child = "args" if i == 0 else ""
-        elif path == "args" and i < len(params):
-            child = params[i]
-        elif old.type is dict:
-            child = f"{path}.{old.context[i]}" if path else str(old.context[i])
-        else:
-            child = f"{path}[{i}]"
-        return _structure_change(a, b, params, child)
-    return f"{path or 'the call'} changed"
-
-
-def _spec_kind(spec: pytree.TreeSpec) -> str:
-    return "a leaf (tensor or value)" if spec.is_leaf() else f"a {spec.type.__name__}"
-
-
 class RecompileError(RuntimeError):
     """A call needed a recompile that gjit.config forbids (error_on_recompile, fail_on_recompile_limit)."""
 
@@ -131,25 +75,6 @@ def _mark_dynamic_hint(changing: list[tuple[str, int]], dynamic: bool | None) ->
         advice = f"call {marks} on the input(s) before the first call"
         return advice + (" (they are marked dynamic even with dynamic=False)" if dynamic is False else "")
     return "keep the inputs' types, dtypes, devices and specialized Python values fixed between calls"
-
-
-def _fast_arity(signature) -> tuple[int, int]:
-    """(least, most) positional arguments of a call that needs no binding: bind() would return
-    the same args and no kwargs. (1, 0): always bind."""
-    if signature is None:
-        return 1, 0
-    params = list(signature.parameters.values())
-    if len(params) == 1 and params[0].kind == params[0].VAR_POSITIONAL:
-        return 0, 2**31
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    rest = params[len(positional) :]
-    if any(p.kind != p.VAR_KEYWORD and (p.kind != p.KEYWORD_ONLY or p.default is p.empty) for p in rest):
-        return 1, 0
-    required = [p.default is p.empty for p in positional]
-    least = required.index(False) if False in required else len(required)
-    if any(required[least:]):  # a required parameter after an optional one
-        return 1, 0
-    return least, len(positional)
 
 
 LIVE: weakref.WeakSet = weakref.WeakSet()  # every CompiledFunction, so gjit.reset() reaches them
@@ -188,7 +113,7 @@ class CompiledFunction:
         self.misses = MissHistory()
         self.narrowed: str | None = None  # "batch" or "static": an export ran past its budget
         self._tensor_tuple_specs: dict[int, pytree.TreeSpec] = {}
-        self._fast_arity = _fast_arity(self.signature)
+        self._fast_arity = fast_arity(self.signature)
         self._bind_plans: dict[tuple, tuple[list[str], list[str]]] = {}
         self.package: Package | None = None  # set by gjit.load
         self._packaged: list[Entry] = []
@@ -201,7 +126,7 @@ class CompiledFunction:
         """Bind calls with `signature` (a loaded package's, when no model was given)."""
         self.signature = signature
         self.__signature__ = signature  # what inspect.signature(self) reports (generate() reads it)
-        self._fast_arity = _fast_arity(signature)
+        self._fast_arity = fast_arity(signature)
         self._bind_plans.clear()
 
     def add_packaged(self, entry: Entry) -> None:
@@ -267,7 +192,7 @@ class CompiledFunction:
         """No entry admits the call: explain why, then compile a new entry, or run eagerly past the limit."""
         if kv_cache.register([*args, *kwargs.values()], self.model):  # caches were leaves: flatten again
             return self(*args, **kwargs)
-        names = _input_names(args, kwargs, self.signature)
+        names = input_names(args, kwargs, self.signature)
         if self.entries:
             index, failed = self._nearest(flat, spec)
             self.misses.record(flat, names, failed)
@@ -315,7 +240,7 @@ class CompiledFunction:
         for index, entry in enumerate(self.entries):
             if entry.spec != spec:
                 params = list(self.signature.parameters) if self.signature is not None else []
-                failed = [f"the inputs' structure changed: {_structure_change(entry.spec, spec, params)}"]
+                failed = [f"the inputs' structure changed: {structure_change(entry.spec, spec, params)}"]
             else:
                 failed = entry.guards.failures(flat)
             if best is None or len(failed) < len(best[1]):
@@ -378,7 +303,7 @@ class CompiledFunction:
             sizes = entry.guards.check(flat) if entry.spec == spec else None
             if sizes is not None:
                 return entry, sizes
-        entry = self._compile(args, kwargs, flat, spec, _input_names(args, kwargs, self.signature))
+        entry = self._compile(args, kwargs, flat, spec, input_names(args, kwargs, self.signature))
         return entry, (entry.guards.check(flat) or () if entry is not None else ())
 
     @deferred_full_collections()  # a full collection mid-compile walks the whole heap
@@ -470,7 +395,7 @@ class CompiledFunction:
         )
         guards_log.info("guards of entry %d of %s:\n%s", index, self._name(), guards.format())
         specialized = specialized_dims(dims, captured.user_vals, names)
-        entry = Entry(guards, spec, program, specialized, names, _inputs_record(flat, captured.user_vals))
+        entry = Entry(guards, spec, program, specialized, names, inputs_record(flat, captured.user_vals))
         self.entries.append(entry)
         if perf_log.isEnabledFor(logging.INFO) or self._dump_root():
             report = build_report(entry, guards.check(flat) or ())
