@@ -167,18 +167,18 @@ class CompiledFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.eager_reason is not None:
-            stats.COUNTERS["eager_runs"] += 1
+            stats.count("eager_runs")
             return self._eager(args, kwargs)
         args, kwargs = self._normalize(args, kwargs)
         flat, spec = self._flatten(args, kwargs)
         if torch.is_grad_enabled() and self._needs_autograd(flat):
-            stats.COUNTERS["eager_runs"] += 1
+            stats.count("eager_runs")
             return self._eager(args, kwargs)
         for entry in reversed(self.entries):
             if entry.spec == spec:
                 sizes = entry.guards.check(flat)
                 if sizes is not None:
-                    stats.COUNTERS["cache_hits"] += 1
+                    stats.count("cache_hits")
                     return self._run(entry, args, kwargs, flat, sizes)
         return self._miss(args, kwargs, flat, spec)
 
@@ -209,16 +209,16 @@ class CompiledFunction:
                 raise RecompileError(f"{explanation}\n(gjit.config.error_on_recompile is set)")
             if len(self.entries) >= config.recompile_limit:
                 return self._over_limit(args, kwargs, explanation)
-            stats.COUNTERS["recompiles"] += 1
+            stats.count("recompiles")
             for f in failed:
-                stats.COUNTERS[f"recompile_reason:{f.split(', got ')[0]}"] += 1
+                stats.count(f"recompile_reason:{f.split(', got ')[0]}")
             recompiles_log.info("%s\n  decision: compile entry %d", explanation, len(self.entries))
         lazy = [n for t, n in zip(flat, names) if isinstance(t, torch.Tensor) and (t.is_neg() or t.is_conj())]
         if lazy:  # export would trace the bit away while kernels read the raw storage
             recompiles_log.info(
                 "%s: %s carry a lazy neg/conj bit; this call runs eagerly", self._name(), lazy
             )
-            stats.COUNTERS["eager_runs"] += 1
+            stats.count("eager_runs")
             return self._eager(args, kwargs)
         entry = self._compile(args, kwargs, flat, spec, names)
         if entry is None:
@@ -230,7 +230,7 @@ class CompiledFunction:
                 self._name(),
                 "; ".join(entry.guards.failures(flat)),
             )
-            stats.COUNTERS["eager_runs"] += 1
+            stats.count("eager_runs")
             return self._eager(args, kwargs)
         return self._run(entry, args, kwargs, flat, sizes)
 
@@ -264,7 +264,7 @@ class CompiledFunction:
             self._warned_limit = True
             log.warning("%s Calls that miss from now on run eagerly.", message)
         recompiles_log.info("%s: recompile limit reached, running eagerly", self._name())
-        stats.COUNTERS["eager_runs"] += 1
+        stats.count("eager_runs")
         return self._eager(args, kwargs)
 
     def _flatten(self, args: tuple, kwargs: dict) -> tuple[list, pytree.TreeSpec]:
@@ -385,7 +385,7 @@ class CompiledFunction:
         except GuardBuildError as e:
             self._capture_failed = f"cannot guard the exported program: {e}"
             return None
-        stats.COUNTERS["compiles"] += 1
+        stats.count("compiles")
         index = len(self.entries)
         recompiles_log.info(
             "%s: entry %d compiled; dynamic: %s",
@@ -436,7 +436,7 @@ class CompiledFunction:
         recompiles_log.info(
             "%s: eager fallback from now on: %s", self._name(), getattr(self, "_capture_failed", "")
         )
-        stats.COUNTERS["eager_runs"] += 1
+        stats.count("eager_runs")
         result = self._eager(args, kwargs)  # a forward that raises raises its own error, unwarned
         reason = getattr(self, "_capture_failed", "capture failed")
         log.warning("gjit could not capture %s, running it eagerly: %s", self._name(), reason.splitlines()[0])

@@ -108,7 +108,7 @@ def export_model(
                     exported = torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
         finally:
             hook.remove()
-    stats.COUNTERS["exports"] += 1
+    stats.count("exports")
     return exported, oblivious
 
 
@@ -421,7 +421,7 @@ def _export_narrower(
     batch, under the budget too), else with static shapes; returns what it exported ("batch" or
     "static"). Warns once, with what the callable exports from now on."""
     budget = f"{TOO_SLOW} ({config.dynamic_export_budget:g} s of slow ops)"
-    stats.COUNTERS["dynamic_exports_abandoned"] += 1
+    stats.count("dynamic_exports_abandoned")
     too_slow = False
     if narrower:
         log.warning("%s: %s; exporting only the batch dims (dim 0) dynamic from now on", name, budget)

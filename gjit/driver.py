@@ -384,7 +384,7 @@ def write_wrapper(
 def write_graph(gm: torch.fx.GraphModule, kernels: list[KernelSource], wrapper: str) -> CompiledGraph:
     graph = CompiledGraph(gm, kernels, wrapper)
     graph.write()
-    stats.COUNTERS["kernels"] += len(kernels)
+    stats.count("kernels", len(kernels))
     for k in kernels:
         if k.code_of is not None:
             output_code_log.info("kernel %s: the code of %s runs", k.name, k.code_of)

@@ -363,7 +363,7 @@ def start(
         kernel = kernels[name]
         if id(kernel) in futures and namespace.get(name) is kernel:  # (not while tuning wraps it)
             namespace[name] = Awaiting(kernel, futures[id(kernel)], namespace, name)
-    stats.COUNTERS["kernels_prebuilt"] += sum(map(len, futures.values()))
+    stats.count("kernels_prebuilt", sum(map(len, futures.values())))
     log.info(
         "gjit: %d kernel launch(es), %d specialization(s): %d in Triton's cache, %d from the remote cache, "
         "%d building in %d worker(s)",
