@@ -39,6 +39,7 @@ LAYERS = [
             "gjit.kv_cache",
             "gjit.in_place",
             "gjit.calling",
+            "gjit.module_copy",
             "gjit.export_budget",
             "gjit.capture",
             "gjit.decompose",
