@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import weakref
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
-from gjit import kv_cache, logs, stats
+from gjit import kv_cache, locks, logs, stats
 from gjit.calling import (
     GUARDABLE,
     bind_call,
@@ -78,6 +79,8 @@ def _mark_dynamic_hint(changing: list[tuple[str, int]], dynamic: bool | None) ->
 
 
 LIVE: weakref.WeakSet = weakref.WeakSet()  # every CompiledFunction, so gjit.reset() reaches them
+LIVE_LOCK = threading.Lock()  # a WeakSet iterated while another thread adds to it raises
+_ONCE = threading.Lock()  # a callable's warnings said once, also when two threads hit them at once
 
 
 def tf32_allowed(on_gpu: bool) -> bool | None:
@@ -120,7 +123,8 @@ class CompiledFunction:
         kv_cache.register(model=model)  # a transformers model's caches flatten from the first call
         if callable(model) and not isinstance(model, torch.nn.Module):
             functools.update_wrapper(self, model, updated=())
-        LIVE.add(self)
+        with LIVE_LOCK:
+            LIVE.add(self)
 
     def set_signature(self, signature) -> None:
         """Bind calls with `signature` (a loaded package's, when no model was given)."""
@@ -136,10 +140,11 @@ class CompiledFunction:
 
     def reset(self) -> None:
         """Forget compiled entries (not those loaded from a package) and a recorded capture failure."""
-        self.entries[:] = self._packaged
-        self.eager_reason = None
-        self.misses = MissHistory()
-        self._warned_limit = False
+        with locks.compiling():
+            self.entries[:] = self._packaged
+            self.eager_reason = None
+            self.misses = MissHistory()
+            self._warned_limit = False
 
     def __repr__(self) -> str:
         return (
@@ -174,7 +179,7 @@ class CompiledFunction:
         if torch.is_grad_enabled() and self._needs_autograd(flat):
             stats.count("eager_runs")
             return self._eager(args, kwargs)
-        for entry in reversed(self.entries):
+        for entry in reversed(self.entries):  # no lock: an entry is appended whole (gjit/locks.py)
             if entry.spec == spec:
                 sizes = entry.guards.check(flat)
                 if sizes is not None:
@@ -188,10 +193,39 @@ class CompiledFunction:
         aliases = entry.program.captured.aliases
         return aliases.restore(args, kwargs, out) if aliases.pairs else out
 
+    def _lookup(self, flat: list, spec: pytree.TreeSpec) -> tuple[Entry, tuple] | None:
+        """The newest entry that admits the call, and the sizes its guard binds."""
+        for entry in reversed(self.entries):
+            sizes = entry.guards.check(flat) if entry.spec == spec else None
+            if sizes is not None:
+                return entry, sizes
+        return None
+
     def _miss(self, args: tuple, kwargs: dict, flat: list, spec: pytree.TreeSpec) -> Any:
-        """No entry admits the call: explain why, then compile a new entry, or run eagerly past the limit."""
-        if kv_cache.register([*args, *kwargs.values()], self.model):  # caches were leaves: flatten again
-            return self(*args, **kwargs)
+        """No entry admitted the call. Under the compile lock, look again (another thread may have
+        compiled the entry this call needs while it waited), else compile a new entry, or say
+        why it runs eagerly. The call runs after the lock is released."""
+        with locks.compiling():
+            # caches flatten as pytree nodes once registered (maybe by another thread meanwhile)
+            kv_cache.register([*args, *kwargs.values()], self.model)
+            flat, spec = self._flatten(args, kwargs)
+            found = self._lookup(flat, spec)
+            if found is not None:
+                stats.count("cache_hits")
+            else:
+                found = self._new_entry(args, kwargs, flat, spec)
+        if found is None:
+            return self._eager(args, kwargs)
+        if isinstance(found, str):
+            return self._run_eager(args, kwargs, found)
+        return self._run(found[0], args, kwargs, flat, found[1])
+
+    def _new_entry(
+        self, args: tuple, kwargs: dict, flat: list, spec: pytree.TreeSpec
+    ) -> tuple[Entry, tuple] | str | None:
+        """Under the compile lock, for a call no entry admits: explain the miss, then compile a new
+        entry (and the sizes its guard binds), or say why the call runs eagerly (None: counted and
+        logged; a str: capture failed, why)."""
         names = input_names(args, kwargs, self.signature)
         if self.entries:
             index, failed = self._nearest(flat, spec)
@@ -208,7 +242,7 @@ class CompiledFunction:
             if config.error_on_recompile:
                 raise RecompileError(f"{explanation}\n(gjit.config.error_on_recompile is set)")
             if len(self.entries) >= config.recompile_limit:
-                return self._over_limit(args, kwargs, explanation)
+                return self._over_limit(explanation)
             stats.count("recompiles")
             for f in failed:
                 stats.count(f"recompile_reason:{f.split(', got ')[0]}")
@@ -219,10 +253,10 @@ class CompiledFunction:
                 "%s: %s carry a lazy neg/conj bit; this call runs eagerly", self._name(), lazy
             )
             stats.count("eager_runs")
-            return self._eager(args, kwargs)
+            return None
         entry = self._compile(args, kwargs, flat, spec, names)
-        if entry is None:
-            return self._run_eager(args, kwargs)
+        if isinstance(entry, str):
+            return entry
         sizes = entry.guards.check(flat)
         if sizes is None:  # a guard-building bug must not become a wrong answer
             log.warning(
@@ -231,8 +265,8 @@ class CompiledFunction:
                 "; ".join(entry.guards.failures(flat)),
             )
             stats.count("eager_runs")
-            return self._eager(args, kwargs)
-        return self._run(entry, args, kwargs, flat, sizes)
+            return None
+        return entry, sizes
 
     def _nearest(self, flat: list, spec: pytree.TreeSpec) -> tuple[int, list[str]]:
         """The entry with the fewest failing guards, and those failures (expected vs actual)."""
@@ -247,7 +281,7 @@ class CompiledFunction:
                 best = (index, failed)
         return best
 
-    def _over_limit(self, args: tuple, kwargs: dict, explanation: str) -> Any:
+    def _over_limit(self, explanation: str) -> None:
         limit = config.recompile_limit
         worst = self.misses.worst_guard()
         hint = _mark_dynamic_hint(self.misses.changing_dims(), self.dynamic)
@@ -260,12 +294,12 @@ class CompiledFunction:
         )
         if config.fail_on_recompile_limit:
             raise RecompileError(message)
-        if not self._warned_limit:
+        if not self._warned_limit:  # (under the compile lock)
             self._warned_limit = True
             log.warning("%s Calls that miss from now on run eagerly.", message)
         recompiles_log.info("%s: recompile limit reached, running eagerly", self._name())
         stats.count("eager_runs")
-        return self._eager(args, kwargs)
+        return None
 
     def _flatten(self, args: tuple, kwargs: dict) -> tuple[list, pytree.TreeSpec]:
         """pytree.tree_flatten((args, kwargs)), with a fast path for a plain tuple of tensors."""
@@ -284,8 +318,7 @@ class CompiledFunction:
             tensors += list(owner.parameters())
         if not any(t.requires_grad for t in tensors):
             return False
-        if not self._warned_autograd:
-            self._warned_autograd = True
+        if self._first_warning("_warned_autograd"):
             log.warning(
                 "gjit compiles inference graphs: %s was called with tensors that require grad while grad "
                 "mode is on, so it runs eagerly (outputs keep their gradients). Call it under "
@@ -294,22 +327,35 @@ class CompiledFunction:
             )
         return True
 
-    def entry_for(self, args: tuple, kwargs: dict) -> tuple[Entry | None, tuple]:
+    def entry_for(self, args: tuple, kwargs: dict) -> tuple[Entry, tuple]:
         """The entry that serves this call (compiling one if none does) and the sizes its guard
-        binds for it; used by explain and aot."""
+        binds for it; used by explain and aot. CaptureError when capture fails."""
         args, kwargs = self._normalize(args, kwargs)
         flat, spec = pytree.tree_flatten((args, kwargs))
-        for entry in reversed(self.entries):
-            sizes = entry.guards.check(flat) if entry.spec == spec else None
-            if sizes is not None:
-                return entry, sizes
-        entry = self._compile(args, kwargs, flat, spec, input_names(args, kwargs, self.signature))
-        return entry, (entry.guards.check(flat) or () if entry is not None else ())
+        with locks.compiling():
+            found = self._lookup(flat, spec)
+            if found is not None:
+                return found
+            entry = self._compile(args, kwargs, flat, spec, input_names(args, kwargs, self.signature))
+        if isinstance(entry, str):
+            raise CaptureError(f"gjit could not capture {self._name()}: {entry}")
+        return entry, entry.guards.check(flat) or ()
+
+    def _first_warning(self, flag: str) -> bool:
+        """Whether this thread is the first to say the warning `flag` names (then it is set)."""
+        if getattr(self, flag):
+            return False
+        with _ONCE:
+            first = not getattr(self, flag)
+            setattr(self, flag, True)
+        return first
 
     @deferred_full_collections()  # a full collection mid-compile walks the whole heap
     def _compile(
         self, args: tuple, kwargs: dict, flat: list, spec: pytree.TreeSpec, names: list[str]
-    ) -> Entry | None:
+    ) -> Entry | str:
+        """A new entry for the call, appended once whole; or why capture failed. Under the
+        compile lock: an interrupted compile leaves no entry behind."""
         timings: dict[str, float] = {}
         dims = dynamic_dims(flat, self.dynamic)
         from_one: set[tuple[int, int]] = set()  # KV lengths, dynamic from 1 (kv_cache.dynamic_leaves)
@@ -356,16 +402,14 @@ class CompiledFunction:
                 exported = capture(self.model, args, kwargs, {}, timings)
                 program = compile_program(exported, timings, options, example=flat)
         except CaptureError as e:  # warned about in _run_eager, once the model ran fine eagerly
-            self._capture_failed = str(e)
-            return None
+            return str(e)
         captured = program.captured
         if len(captured.user_vals) != len(flat):  # a leaf export bakes in (an nn.Module argument)
             kinds = sorted({type(v).__name__ for v in flat if not isinstance(v, GUARDABLE)})
-            self._capture_failed = (
+            return (
                 f"torch.export took {len(captured.user_vals)} of the call's {len(flat)} inputs as graph "
                 f"inputs; gjit cannot guard the others ({', '.join(kinds) or 'unknown types'})"
             )
-            return None
         try:
             with timed("guards", timings):
                 guards = build_guards(
@@ -383,8 +427,7 @@ class CompiledFunction:
                     tf32=tf32_setting(program.graph.all_kernels()),
                 )
         except GuardBuildError as e:
-            self._capture_failed = f"cannot guard the exported program: {e}"
-            return None
+            return f"cannot guard the exported program: {e}"
         stats.count("compiles")
         index = len(self.entries)
         recompiles_log.info(
@@ -432,18 +475,16 @@ class CompiledFunction:
             "%s entry %d: compile stages written to %s", self._name(), index, path
         )
 
-    def _run_eager(self, args: tuple, kwargs: dict) -> Any:
-        recompiles_log.info(
-            "%s: eager fallback from now on: %s", self._name(), getattr(self, "_capture_failed", "")
-        )
+    def _run_eager(self, args: tuple, kwargs: dict, reason: str) -> Any:
+        recompiles_log.info("%s: eager fallback from now on: %s", self._name(), reason)
         stats.count("eager_runs")
         result = self._eager(args, kwargs)  # a forward that raises raises its own error, unwarned
-        reason = getattr(self, "_capture_failed", "capture failed")
         log.warning("gjit could not capture %s, running it eagerly: %s", self._name(), reason.splitlines()[0])
         # the model ran fine eagerly, so capture itself is the problem: stop retrying it, unless
         # entries exist (then only this kind of call fails to export; the others keep their kernels)
-        if not self.entries:
-            self.eager_reason = reason
+        with locks.compiling():
+            if not self.entries:
+                self.eager_reason = reason
         return result
 
     def _eager(self, args: tuple, kwargs: dict) -> Any:
@@ -501,6 +542,4 @@ def explain(model: Any, *args: Any, **kwargs: Any) -> Report:
     if cm.eager_reason is not None:
         raise CaptureError(f"gjit could not capture {cm._name()}: {cm.eager_reason}")
     entry, sizes = cm.entry_for(args, kwargs)
-    if entry is None:
-        raise CaptureError(f"gjit could not capture {cm._name()}: {getattr(cm, '_capture_failed', '')}")
     return build_report(entry, sizes)

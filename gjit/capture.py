@@ -25,7 +25,7 @@ try:  # how export marks an int input dynamic (ShapesCollection's docstring); ab
 except ImportError:
     _IntWrapper = None
 
-from gjit import kv_cache, logs, stats
+from gjit import kv_cache, locks, logs, stats
 from gjit.calling import as_module, constants_as_tokens, explicit_keywords
 from gjit.config import config
 from gjit.export_budget import ExportTooSlow, export_budget
@@ -105,15 +105,22 @@ def export_model(
                 if spec_dims:
                     shapes[leaf] = spec_dims
         args, kwargs = pytree.tree_unflatten(leaves, spec)
-    hook = aliases.recording(module)
-    with logs.quiet_torch_trace_errors(), size_oblivious(oblivious), _kept_dim_markers(args, kwargs):
-        try:
-            budget = config.dynamic_export_budget if shapes is not None else 0.0
-            with timed("export", timings), logs.torch_dynamic_logs(), _no_fake_tensor_cache():
+    # one export at a time in the process: torch's settings patched below, export's own state and
+    # its tracer's hooks are process-wide (gjit/locks.py)
+    with (
+        locks.compiling(),
+        logs.quiet_torch_trace_errors(),
+        size_oblivious(oblivious),
+        _kept_dim_markers(args, kwargs),
+    ):
+        budget = config.dynamic_export_budget if shapes is not None else 0.0
+        with timed("export", timings), logs.torch_dynamic_logs(), _no_fake_tensor_cache():
+            hook = aliases.recording(module)
+            try:
                 with export_budget(budget):
                     exported = torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
-        finally:
-            hook.remove()
+            finally:
+                hook.remove()
     stats.count("exports")
     if live is not None and live is not module and shares_state(exported, live):
         log.info("the copy of the module tree reached the model's own weights; exporting the model itself")
@@ -255,13 +262,17 @@ class CapturedProgram:
         owner = self.module.get_submodule(owner_name)
         return state_reader(owner, attr)
 
-    def finish(self, flat_user: list[Any], flat_out: list[Any]) -> Any:
+    def finish(self, flat_user: list[Any], flat_out: list[Any], graph_inputs: list[Any]) -> Any:
         """Apply recorded mutations, then rebuild the user's output pytree. An output that is (a
         view of) the new value of a mutated input is returned as (that view of) the input, as in
-        eager, where `x.add_(1); return x` returns x itself."""
+        eager, where `x.add_(1); return x` returns x itself. A mutated buffer is the one the call
+        read (`graph_inputs`), whatever the module holds by now."""
         mutated = []
         for out_index, (kind, key) in self.mutations.items():
-            target = flat_user[key] if kind == "user" else self.state_tensor("buffer", key)
+            if kind == "user":
+                target = flat_user[key]
+            else:
+                target = graph_inputs[self.input_sources.index(("buffer", key))]
             if flat_out[out_index] is not target:  # (an in-place write already updated it)
                 with torch.no_grad():
                     target.copy_(flat_out[out_index])

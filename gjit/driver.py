@@ -12,7 +12,7 @@ from typing import Any
 import sympy
 import torch
 
-from gjit import ir, logs, stats, tuning
+from gjit import ir, locks, logs, stats, tuning
 from gjit.capture import (
     CapturedProgram,
     Exported,
@@ -82,24 +82,28 @@ class CompiledProgram:
         """Lowering and fusion again (an entry from the disk cache or a package has only their
         kernels), under each setting of what lowering reads: torch's deterministic algorithms
         (float atomics or externs) and whether matmuls are templates (the knob, the backend). The
-        entry may have been compiled under others than the current ones."""
-        if self._analysis is None:
-            current = torch.are_deterministic_algorithms_enabled()
-            template = CompileOptions.from_config().matmul_template
-            settings = [(d, t) for t in (template, not template) for d in (current, not current)]
-            for deterministic, matmul_template in settings:
-                with _deterministic_algorithms(deterministic):
-                    loop_graph, steps = schedule_graph(
-                        self.captured.full_graph_module, matmul_template, _untimed
-                    )
-                regions = [s for s in steps if isinstance(s, Region)]
-                for index, region in enumerate(regions):
-                    region.name = kernel_name(region, index)  # as codegen named it
-                if [r.name for r in regions] == [k.name for k in self.kernels]:
-                    self._analysis = loop_graph, steps
-                    break
-            else:
-                raise RuntimeError("gjit: lowering and fusion did not reproduce the cached entry's kernels")
+        entry may have been compiled under others than the current ones. Under the compile lock:
+        the setting is process-wide, and a compile reads it while it lowers."""
+        if self._analysis is not None:
+            return self._analysis
+        with locks.compiling():
+            return self._analysis or self._reanalyze()
+
+    def _reanalyze(self) -> tuple[LoopGraph, list[Step]]:
+        current = torch.are_deterministic_algorithms_enabled()
+        template = CompileOptions.from_config().matmul_template
+        settings = [(d, t) for t in (template, not template) for d in (current, not current)]
+        for deterministic, matmul_template in settings:
+            with _deterministic_algorithms(deterministic):
+                loop_graph, steps = schedule_graph(self.captured.full_graph_module, matmul_template, _untimed)
+            regions = [s for s in steps if isinstance(s, Region)]
+            for index, region in enumerate(regions):
+                region.name = kernel_name(region, index)  # as codegen named it
+            if [r.name for r in regions] == [k.name for k in self.kernels]:
+                self._analysis = loop_graph, steps
+                break
+        else:
+            raise RuntimeError("gjit: lowering and fusion did not reproduce the cached entry's kernels")
         return self._analysis
 
     def dumped(self) -> dict[str, str]:
@@ -410,5 +414,6 @@ def region_checker(gm: torch.fx.GraphModule, graph: LoopGraph, steps: list[Step]
 def run_program(program: CompiledProgram, flat_user: list[Any], sizes: tuple) -> Any:
     """Run one call: `sizes` are the size symbols' values the entry's guard bound."""
     captured = program.captured
-    flat_out = program.graph.run(captured.graph_inputs(flat_user), sizes)
-    return captured.finish(flat_user, flat_out)
+    graph_inputs = captured.graph_inputs(flat_user)
+    flat_out = program.graph.run(graph_inputs, sizes)
+    return captured.finish(flat_user, flat_out, graph_inputs)

@@ -288,6 +288,7 @@ def _safe_url(url: str) -> str:
 
 
 _REMOTES: dict[tuple, RemoteCache | None] = {}
+_REMOTES_LOCK = threading.Lock()
 _NOTED: set[str] = set()
 
 
@@ -322,21 +323,24 @@ def current() -> RemoteCache | None:
         return None
     settings = _settings()
     url = settings[0]
-    if settings not in _REMOTES:
-        try:
-            _REMOTES[settings] = RemoteCache(*settings)
-        except Exception as e:  # noqa: BLE001 - no client library, a malformed URL: no remote tier
-            stats.count("remote_cache_errors")
-            reason = _masked(f"{type(e).__name__}: {e}", url)
-            cache_log.warning("gjit: remote cache %s not used: %s", _safe_url(url), reason)
-            _REMOTES[settings] = None
-    return _REMOTES[settings]
+    with _REMOTES_LOCK:  # one client per settings: a second would have a writer flush_all misses
+        if settings not in _REMOTES:
+            try:
+                _REMOTES[settings] = RemoteCache(*settings)
+            except Exception as e:  # noqa: BLE001 - no client library, a malformed URL: no remote tier
+                stats.count("remote_cache_errors")
+                reason = _masked(f"{type(e).__name__}: {e}", url)
+                cache_log.warning("gjit: remote cache %s not used: %s", _safe_url(url), reason)
+                _REMOTES[settings] = None
+        return _REMOTES[settings]
 
 
 def _forget_after_fork() -> None:
     """A forked child starts with no clients: the parent's queue, writer thread and sockets are not
     its own (a queued item no thread will finish would hold its exit for the flush timeout)."""
+    global _REMOTES_LOCK
     _REMOTES.clear()
+    _REMOTES_LOCK = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
