@@ -30,7 +30,9 @@ def stats() -> dict:
 
 def reset() -> None:
     """Forget every compiled entry (of every live compiled callable) and every counter."""
-    for cm in list(_api.LIVE):
+    with _api.LIVE_LOCK:
+        live = list(_api.LIVE)
+    for cm in live:
         cm.reset()
     _stats.clear()
 

@@ -133,9 +133,7 @@ def aot(
     number = int(arch.removeprefix("sm_"))
     start_warm_up()  # Triton's one-time start beside capture, not after it
     cm = model if isinstance(model, CompiledFunction) else CompiledFunction(model)
-    entry, _ = cm.entry_for(args, kwargs)
-    if entry is None:
-        raise RuntimeError(f"gjit could not capture {cm._name()}: {getattr(cm, '_capture_failed', '')}")
+    entry, _ = cm.entry_for(args, kwargs)  # CaptureError (a RuntimeError) when capture fails
     out_dir = out_dir or os.path.join(config.cache_dir, "aot", arch)
     jobs = []
     graphs = [entry.program.graph]

@@ -5,14 +5,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import weakref
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
-from gjit import kv_cache, logs, stats
-from gjit.calling import bind_call, forward_signature
+from gjit import kv_cache, locks, logs, stats
+from gjit.calling import (
+    GUARDABLE,
+    bind_call,
+    fast_arity,
+    forward_signature,
+    input_names,
+    inputs_record,
+    structure_change,
+)
 from gjit.capture import TOO_SLOW, CaptureError, DecompositionError, capture, readable
 from gjit.codegen.toolchain.compile_only import start_warm_up
 from gjit.config import BACKENDS, CompileOptions, config
@@ -57,70 +66,6 @@ class Package:
     recompile: bool
 
 
-def _inputs_record(flat: list, user_vals: list) -> list:
-    first: dict[int, int] = {}
-    out: list = []
-    for i, (value, val) in enumerate(zip(flat, user_vals)):
-        if isinstance(value, torch.Tensor):
-            out.append(["tensor", first.setdefault(id(value), i)])
-        elif isinstance(val, torch.SymInt):
-            out.append(["symint", None])
-        else:
-            out.append(["value", value])
-    return out
-
-
-# the input leaves gjit guards: tensors, and values export takes as (or specializes to) constants
-GUARDABLE = (torch.Tensor, int, float, bool, str, complex, type(None), torch.dtype, torch.device)
-
-
-def _input_names(args: tuple, kwargs: dict, signature) -> list[str]:
-    params = list(signature.parameters) if signature is not None else []
-    names = []
-    for path, _ in pytree.tree_flatten_with_path((args, kwargs))[0]:
-        head, rest = path[0].idx, path[1:]
-        if head == 0 and rest and hasattr(rest[0], "idx") and rest[0].idx < len(params):
-            names.append(params[rest[0].idx] + pytree.keystr(rest[1:]))
-        elif head == 1 and rest:
-            key = rest[0].key if isinstance(rest[0], pytree.MappingKey) else pytree.keystr(rest[:1])
-            names.append(f"{key}{pytree.keystr(rest[1:])}")
-        else:
-            names.append(("args" if head == 0 else "kwargs") + pytree.keystr(rest))
-    return names
-
-
-def _structure_change(old: pytree.TreeSpec, new: pytree.TreeSpec, params: list[str], path: str = "") -> str:
-    """Where two calls' pytree structures first differ, in the call's own names (the forward's
-    parameter names, then keys and indices, a cache's `layers[0].keys`)."""
-    if old.is_leaf() or new.is_leaf() or old.type is not new.type:
-        return f"{path or 'the call'}: expected {_spec_kind(old)}, got {_spec_kind(new)}"
-    if old.context != new.context:
-        detail = kv_cache.describe_change(old.context, new.context)
-        if detail is None:
-            detail = f"{old.context!r:.80} -> {new.context!r:.80}"
-        return f"{path or 'the call'} ({old.type.__name__}): {detail}"
-    if old.num_children != new.num_children:
-        return f"{path or 'the call'}: {old.num_children} -> {new.num_children} entries"
-    children = (lambda s: s.children()) if hasattr(old, "children") else (lambda s: s.children_specs)
-    for i, (a, b) in enumerate(zip(children(old), children(new))):
-        if a == b:
-            continue
-        if not path and old.type is tuple and old.num_children == 2:  # the root: (args, kwargs)
-            child = "args" if i == 0 else ""
-        elif path == "args" and i < len(params):
-            child = params[i]
-        elif old.type is dict:
-            child = f"{path}.{old.context[i]}" if path else str(old.context[i])
-        else:
-            child = f"{path}[{i}]"
-        return _structure_change(a, b, params, child)
-    return f"{path or 'the call'} changed"
-
-
-def _spec_kind(spec: pytree.TreeSpec) -> str:
-    return "a leaf (tensor or value)" if spec.is_leaf() else f"a {spec.type.__name__}"
-
-
 class RecompileError(RuntimeError):
     """A call needed a recompile that gjit.config forbids (error_on_recompile, fail_on_recompile_limit)."""
 
@@ -134,26 +79,9 @@ def _mark_dynamic_hint(changing: list[tuple[str, int]], dynamic: bool | None) ->
     return "keep the inputs' types, dtypes, devices and specialized Python values fixed between calls"
 
 
-def _fast_arity(signature) -> tuple[int, int]:
-    """(least, most) positional arguments of a call that needs no binding: bind() would return
-    the same args and no kwargs. (1, 0): always bind."""
-    if signature is None:
-        return 1, 0
-    params = list(signature.parameters.values())
-    if len(params) == 1 and params[0].kind == params[0].VAR_POSITIONAL:
-        return 0, 2**31
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    rest = params[len(positional) :]
-    if any(p.kind != p.VAR_KEYWORD and (p.kind != p.KEYWORD_ONLY or p.default is p.empty) for p in rest):
-        return 1, 0
-    required = [p.default is p.empty for p in positional]
-    least = required.index(False) if False in required else len(required)
-    if any(required[least:]):  # a required parameter after an optional one
-        return 1, 0
-    return least, len(positional)
-
-
 LIVE: weakref.WeakSet = weakref.WeakSet()  # every CompiledFunction, so gjit.reset() reaches them
+LIVE_LOCK = threading.Lock()  # a WeakSet iterated while another thread adds to it raises
+_ONCE = threading.Lock()  # a callable's warnings said once, also when two threads hit them at once
 
 
 def tf32_allowed(on_gpu: bool) -> bool | None:
@@ -191,20 +119,21 @@ class CompiledFunction:
         self.misses = MissHistory()
         self.narrowed: str | None = None  # "batch" or "static": an export ran past its budget
         self._tensor_tuple_specs: dict[int, pytree.TreeSpec] = {}
-        self._fast_arity = _fast_arity(self.signature)
+        self._fast_arity = fast_arity(self.signature)
         self._bind_plans: dict[tuple, tuple[list[str], list[str]]] = {}
         self.package: Package | None = None  # set by gjit.load
         self._packaged: list[Entry] = []
         kv_cache.register(model=model)  # a transformers model's caches flatten from the first call
         if callable(model) and not isinstance(model, torch.nn.Module):
             functools.update_wrapper(self, model, updated=())
-        LIVE.add(self)
+        with LIVE_LOCK:
+            LIVE.add(self)
 
     def set_signature(self, signature) -> None:
         """Bind calls with `signature` (a loaded package's, when no model was given)."""
         self.signature = signature
         self.__signature__ = signature  # what inspect.signature(self) reports (generate() reads it)
-        self._fast_arity = _fast_arity(signature)
+        self._fast_arity = fast_arity(signature)
         self._bind_plans.clear()
 
     def add_packaged(self, entry: Entry) -> None:
@@ -215,11 +144,12 @@ class CompiledFunction:
 
     def reset(self) -> None:
         """Forget compiled entries (not packaged ones), CUDA graphs and a recorded capture failure."""
-        cuda_graphs.release(self.entries)
-        self.entries[:] = self._packaged
-        self.eager_reason = None
-        self.misses = MissHistory()
-        self._warned_limit = False
+        with locks.compiling():
+            cuda_graphs.release(self.entries)
+            self.entries[:] = self._packaged
+            self.eager_reason = None
+            self.misses = MissHistory()
+            self._warned_limit = False
 
     def __repr__(self) -> str:
         return (
@@ -247,18 +177,18 @@ class CompiledFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.eager_reason is not None:
-            stats.COUNTERS["eager_runs"] += 1
+            stats.count("eager_runs")
             return self._eager(args, kwargs)
         args, kwargs = self._normalize(args, kwargs)
         flat, spec = self._flatten(args, kwargs)
         if torch.is_grad_enabled() and self._needs_autograd(flat):
-            stats.COUNTERS["eager_runs"] += 1
+            stats.count("eager_runs")
             return self._eager(args, kwargs)
-        for entry in reversed(self.entries):
+        for entry in reversed(self.entries):  # no lock: an entry is appended whole (gjit/locks.py)
             if entry.spec == spec:
                 sizes = entry.guards.check(flat)
                 if sizes is not None:
-                    stats.COUNTERS["cache_hits"] += 1
+                    stats.count("cache_hits")
                     return self._run(entry, args, kwargs, flat, sizes)
         return self._miss(args, kwargs, flat, spec)
 
@@ -268,11 +198,40 @@ class CompiledFunction:
         aliases = entry.program.captured.aliases
         return aliases.restore(args, kwargs, out) if aliases.pairs else out
 
+    def _lookup(self, flat: list, spec: pytree.TreeSpec) -> tuple[Entry, tuple] | None:
+        """The newest entry that admits the call, and the sizes its guard binds."""
+        for entry in reversed(self.entries):
+            sizes = entry.guards.check(flat) if entry.spec == spec else None
+            if sizes is not None:
+                return entry, sizes
+        return None
+
     def _miss(self, args: tuple, kwargs: dict, flat: list, spec: pytree.TreeSpec) -> Any:
-        """No entry admits the call: explain why, then compile a new entry, or run eagerly past the limit."""
-        if kv_cache.register([*args, *kwargs.values()], self.model):  # caches were leaves: flatten again
-            return self(*args, **kwargs)
-        names = _input_names(args, kwargs, self.signature)
+        """No entry admitted the call. Under the compile lock, look again (another thread may have
+        compiled the entry this call needs while it waited), else compile a new entry, or say
+        why it runs eagerly. The call runs after the lock is released."""
+        with locks.compiling():
+            # caches flatten as pytree nodes once registered (maybe by another thread meanwhile)
+            kv_cache.register([*args, *kwargs.values()], self.model)
+            flat, spec = self._flatten(args, kwargs)
+            found = self._lookup(flat, spec)
+            if found is not None:
+                stats.count("cache_hits")
+            else:
+                found = self._new_entry(args, kwargs, flat, spec)
+        if found is None:
+            return self._eager(args, kwargs)
+        if isinstance(found, str):
+            return self._run_eager(args, kwargs, found)
+        return self._run(found[0], args, kwargs, flat, found[1])
+
+    def _new_entry(
+        self, args: tuple, kwargs: dict, flat: list, spec: pytree.TreeSpec
+    ) -> tuple[Entry, tuple] | str | None:
+        """Under the compile lock, for a call no entry admits: explain the miss, then compile a new
+        entry (and the sizes its guard binds), or say why the call runs eagerly (None: counted and
+        logged; a str: capture failed, why)."""
+        names = input_names(args, kwargs, self.signature)
         if self.entries:
             index, failed = self._nearest(flat, spec)
             self.misses.record(flat, names, failed)
@@ -288,21 +247,21 @@ class CompiledFunction:
             if config.error_on_recompile:
                 raise RecompileError(f"{explanation}\n(gjit.config.error_on_recompile is set)")
             if len(self.entries) >= config.recompile_limit:
-                return self._over_limit(args, kwargs, explanation)
-            stats.COUNTERS["recompiles"] += 1
+                return self._over_limit(explanation)
+            stats.count("recompiles")
             for f in failed:
-                stats.COUNTERS[f"recompile_reason:{f.split(', got ')[0]}"] += 1
+                stats.count(f"recompile_reason:{f.split(', got ')[0]}")
             recompiles_log.info("%s\n  decision: compile entry %d", explanation, len(self.entries))
         lazy = [n for t, n in zip(flat, names) if isinstance(t, torch.Tensor) and (t.is_neg() or t.is_conj())]
         if lazy:  # export would trace the bit away while kernels read the raw storage
             recompiles_log.info(
                 "%s: %s carry a lazy neg/conj bit; this call runs eagerly", self._name(), lazy
             )
-            stats.COUNTERS["eager_runs"] += 1
-            return self._eager(args, kwargs)
+            stats.count("eager_runs")
+            return None
         entry = self._compile(args, kwargs, flat, spec, names)
-        if entry is None:
-            return self._run_eager(args, kwargs)
+        if isinstance(entry, str):
+            return entry
         sizes = entry.guards.check(flat)
         if sizes is None:  # a guard-building bug must not become a wrong answer
             log.warning(
@@ -310,9 +269,9 @@ class CompiledFunction:
                 self._name(),
                 "; ".join(entry.guards.failures(flat)),
             )
-            stats.COUNTERS["eager_runs"] += 1
-            return self._eager(args, kwargs)
-        return self._run(entry, args, kwargs, flat, sizes)
+            stats.count("eager_runs")
+            return None
+        return entry, sizes
 
     def _nearest(self, flat: list, spec: pytree.TreeSpec) -> tuple[int, list[str]]:
         """The entry with the fewest failing guards, and those failures (expected vs actual)."""
@@ -320,14 +279,14 @@ class CompiledFunction:
         for index, entry in enumerate(self.entries):
             if entry.spec != spec:
                 params = list(self.signature.parameters) if self.signature is not None else []
-                failed = [f"the inputs' structure changed: {_structure_change(entry.spec, spec, params)}"]
+                failed = [f"the inputs' structure changed: {structure_change(entry.spec, spec, params)}"]
             else:
                 failed = entry.guards.failures(flat)
             if best is None or len(failed) < len(best[1]):
                 best = (index, failed)
         return best
 
-    def _over_limit(self, args: tuple, kwargs: dict, explanation: str) -> Any:
+    def _over_limit(self, explanation: str) -> None:
         limit = config.recompile_limit
         worst = self.misses.worst_guard()
         hint = _mark_dynamic_hint(self.misses.changing_dims(), self.dynamic)
@@ -340,12 +299,12 @@ class CompiledFunction:
         )
         if config.fail_on_recompile_limit:
             raise RecompileError(message)
-        if not self._warned_limit:
+        if not self._warned_limit:  # (under the compile lock)
             self._warned_limit = True
             log.warning("%s Calls that miss from now on run eagerly.", message)
         recompiles_log.info("%s: recompile limit reached, running eagerly", self._name())
-        stats.COUNTERS["eager_runs"] += 1
-        return self._eager(args, kwargs)
+        stats.count("eager_runs")
+        return None
 
     def _flatten(self, args: tuple, kwargs: dict) -> tuple[list, pytree.TreeSpec]:
         """pytree.tree_flatten((args, kwargs)), with a fast path for a plain tuple of tensors."""
@@ -364,8 +323,7 @@ class CompiledFunction:
             tensors += list(owner.parameters())
         if not any(t.requires_grad for t in tensors):
             return False
-        if not self._warned_autograd:
-            self._warned_autograd = True
+        if self._first_warning("_warned_autograd"):
             log.warning(
                 "gjit compiles inference graphs: %s was called with tensors that require grad while grad "
                 "mode is on, so it runs eagerly (outputs keep their gradients). Call it under "
@@ -374,22 +332,35 @@ class CompiledFunction:
             )
         return True
 
-    def entry_for(self, args: tuple, kwargs: dict) -> tuple[Entry | None, tuple]:
+    def entry_for(self, args: tuple, kwargs: dict) -> tuple[Entry, tuple]:
         """The entry that serves this call (compiling one if none does) and the sizes its guard
-        binds for it; used by explain and aot."""
+        binds for it; used by explain and aot. CaptureError when capture fails."""
         args, kwargs = self._normalize(args, kwargs)
         flat, spec = pytree.tree_flatten((args, kwargs))
-        for entry in reversed(self.entries):
-            sizes = entry.guards.check(flat) if entry.spec == spec else None
-            if sizes is not None:
-                return entry, sizes
-        entry = self._compile(args, kwargs, flat, spec, _input_names(args, kwargs, self.signature))
-        return entry, (entry.guards.check(flat) or () if entry is not None else ())
+        with locks.compiling():
+            found = self._lookup(flat, spec)
+            if found is not None:
+                return found
+            entry = self._compile(args, kwargs, flat, spec, input_names(args, kwargs, self.signature))
+        if isinstance(entry, str):
+            raise CaptureError(f"gjit could not capture {self._name()}: {entry}")
+        return entry, entry.guards.check(flat) or ()
+
+    def _first_warning(self, flag: str) -> bool:
+        """Whether this thread is the first to say the warning `flag` names (then it is set)."""
+        if getattr(self, flag):
+            return False
+        with _ONCE:
+            first = not getattr(self, flag)
+            setattr(self, flag, True)
+        return first
 
     @deferred_full_collections()  # a full collection mid-compile walks the whole heap
     def _compile(
         self, args: tuple, kwargs: dict, flat: list, spec: pytree.TreeSpec, names: list[str]
-    ) -> Entry | None:
+    ) -> Entry | str:
+        """A new entry for the call, appended once whole; or why capture failed. Under the
+        compile lock: an interrupted compile leaves no entry behind."""
         timings: dict[str, float] = {}
         dims = dynamic_dims(flat, self.dynamic)
         from_one: set[tuple[int, int]] = set()  # KV lengths, dynamic from 1 (kv_cache.dynamic_leaves)
@@ -436,16 +407,14 @@ class CompiledFunction:
                 exported = capture(self.model, args, kwargs, {}, timings)
                 program = compile_program(exported, timings, options, example=flat)
         except CaptureError as e:  # warned about in _run_eager, once the model ran fine eagerly
-            self._capture_failed = str(e)
-            return None
+            return str(e)
         captured = program.captured
         if len(captured.user_vals) != len(flat):  # a leaf export bakes in (an nn.Module argument)
             kinds = sorted({type(v).__name__ for v in flat if not isinstance(v, GUARDABLE)})
-            self._capture_failed = (
+            return (
                 f"torch.export took {len(captured.user_vals)} of the call's {len(flat)} inputs as graph "
                 f"inputs; gjit cannot guard the others ({', '.join(kinds) or 'unknown types'})"
             )
-            return None
         try:
             with timed("guards", timings):
                 guards = build_guards(
@@ -463,9 +432,8 @@ class CompiledFunction:
                     tf32=tf32_setting(program.graph.all_kernels()),
                 )
         except GuardBuildError as e:
-            self._capture_failed = f"cannot guard the exported program: {e}"
-            return None
-        stats.COUNTERS["compiles"] += 1
+            return f"cannot guard the exported program: {e}"
+        stats.count("compiles")
         index = len(self.entries)
         recompiles_log.info(
             "%s: entry %d compiled; dynamic: %s",
@@ -475,7 +443,7 @@ class CompiledFunction:
         )
         guards_log.info("guards of entry %d of %s:\n%s", index, self._name(), guards.format())
         specialized = specialized_dims(dims, captured.user_vals, names)
-        entry = Entry(guards, spec, program, specialized, names, _inputs_record(flat, captured.user_vals))
+        entry = Entry(guards, spec, program, specialized, names, inputs_record(flat, captured.user_vals))
         cuda_graphs.release(self.entries)  # the calls moved on: the older entries' graphs free their memory
         entry.graphs = cuda_graphs.for_entry(self.mode, program, f"{self._name()} entry {index}")
         self.entries.append(entry)
@@ -514,18 +482,16 @@ class CompiledFunction:
             "%s entry %d: compile stages written to %s", self._name(), index, path
         )
 
-    def _run_eager(self, args: tuple, kwargs: dict) -> Any:
-        recompiles_log.info(
-            "%s: eager fallback from now on: %s", self._name(), getattr(self, "_capture_failed", "")
-        )
-        stats.COUNTERS["eager_runs"] += 1
+    def _run_eager(self, args: tuple, kwargs: dict, reason: str) -> Any:
+        recompiles_log.info("%s: eager fallback from now on: %s", self._name(), reason)
+        stats.count("eager_runs")
         result = self._eager(args, kwargs)  # a forward that raises raises its own error, unwarned
-        reason = getattr(self, "_capture_failed", "capture failed")
         log.warning("gjit could not capture %s, running it eagerly: %s", self._name(), reason.splitlines()[0])
         # the model ran fine eagerly, so capture itself is the problem: stop retrying it, unless
         # entries exist (then only this kind of call fails to export; the others keep their kernels)
-        if not self.entries:
-            self.eager_reason = reason
+        with locks.compiling():
+            if not self.entries:
+                self.eager_reason = reason
         return result
 
     def _eager(self, args: tuple, kwargs: dict) -> Any:
@@ -587,6 +553,4 @@ def explain(model: Any, *args: Any, **kwargs: Any) -> Report:
     if cm.eager_reason is not None:
         raise CaptureError(f"gjit could not capture {cm._name()}: {cm.eager_reason}")
     entry, sizes = cm.entry_for(args, kwargs)
-    if entry is None:
-        raise CaptureError(f"gjit could not capture {cm._name()}: {getattr(cm, '_capture_failed', '')}")
     return build_report(entry, sizes)

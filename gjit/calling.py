@@ -2,7 +2,8 @@
 
 A function becomes a module with the function's signature; a call with **kwargs exports through
 an explicit signature; inputs export has no pytree leaf for (a dtype, a device) travel as string
-tokens the module maps back. `bind_call` normalizes a call to the model's signature.
+tokens the module maps back. `bind_call` normalizes a call to the model's signature; the flat
+inputs' names, records and structure changes are what guards and miss messages say of a call.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
+
+from gjit import kv_cache
 
 
 def as_module(model: Any) -> torch.nn.Module:
@@ -137,3 +140,88 @@ def forward_signature(model: Any) -> inspect.Signature | None:
         return inspect.signature(target)
     except (TypeError, ValueError):
         return None
+
+
+def inputs_record(flat: list, user_vals: list) -> list:
+    """What an entry's guards read of each flat input (gjit/api.py's Entry.inputs)."""
+    first: dict[int, int] = {}
+    out: list = []
+    for i, (value, val) in enumerate(zip(flat, user_vals)):
+        if isinstance(value, torch.Tensor):
+            out.append(["tensor", first.setdefault(id(value), i)])
+        elif isinstance(val, torch.SymInt):
+            out.append(["symint", None])
+        else:
+            out.append(["value", value])
+    return out
+
+
+# the input leaves gjit guards: tensors, and values export takes as (or specializes to) constants
+GUARDABLE = (torch.Tensor, int, float, bool, str, complex, type(None), torch.dtype, torch.device)
+
+
+def input_names(args: tuple, kwargs: dict, signature) -> list[str]:
+    """Each flat input of a call, named as guards and messages name it (`x`, `past_key_values[0]`)."""
+    params = list(signature.parameters) if signature is not None else []
+    names = []
+    for path, _ in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        head, rest = path[0].idx, path[1:]
+        if head == 0 and rest and hasattr(rest[0], "idx") and rest[0].idx < len(params):
+            names.append(params[rest[0].idx] + pytree.keystr(rest[1:]))
+        elif head == 1 and rest:
+            key = rest[0].key if isinstance(rest[0], pytree.MappingKey) else pytree.keystr(rest[:1])
+            names.append(f"{key}{pytree.keystr(rest[1:])}")
+        else:
+            names.append(("args" if head == 0 else "kwargs") + pytree.keystr(rest))
+    return names
+
+
+def structure_change(old: pytree.TreeSpec, new: pytree.TreeSpec, params: list[str], path: str = "") -> str:
+    """Where two calls' pytree structures first differ, in the call's own names (the forward's
+    parameter names, then keys and indices, a cache's `layers[0].keys`)."""
+    if old.is_leaf() or new.is_leaf() or old.type is not new.type:
+        return f"{path or 'the call'}: expected {spec_kind(old)}, got {spec_kind(new)}"
+    if old.context != new.context:
+        detail = kv_cache.describe_change(old.context, new.context)
+        if detail is None:
+            detail = f"{old.context!r:.80} -> {new.context!r:.80}"
+        return f"{path or 'the call'} ({old.type.__name__}): {detail}"
+    if old.num_children != new.num_children:
+        return f"{path or 'the call'}: {old.num_children} -> {new.num_children} entries"
+    children = (lambda s: s.children()) if hasattr(old, "children") else (lambda s: s.children_specs)
+    for i, (a, b) in enumerate(zip(children(old), children(new))):
+        if a == b:
+            continue
+        if not path and old.type is tuple and old.num_children == 2:  # the root: (args, kwargs)
+            child = "args" if i == 0 else ""
+        elif path == "args" and i < len(params):
+            child = params[i]
+        elif old.type is dict:
+            child = f"{path}.{old.context[i]}" if path else str(old.context[i])
+        else:
+            child = f"{path}[{i}]"
+        return structure_change(a, b, params, child)
+    return f"{path or 'the call'} changed"
+
+
+def spec_kind(spec: pytree.TreeSpec) -> str:
+    return "a leaf (tensor or value)" if spec.is_leaf() else f"a {spec.type.__name__}"
+
+
+def fast_arity(signature) -> tuple[int, int]:
+    """(least, most) positional arguments of a call that needs no binding: bind() would return
+    the same args and no kwargs. (1, 0): always bind."""
+    if signature is None:
+        return 1, 0
+    params = list(signature.parameters.values())
+    if len(params) == 1 and params[0].kind == params[0].VAR_POSITIONAL:
+        return 0, 2**31
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    rest = params[len(positional) :]
+    if any(p.kind != p.VAR_KEYWORD and (p.kind != p.KEYWORD_ONLY or p.default is p.empty) for p in rest):
+        return 1, 0
+    required = [p.default is p.empty for p in positional]
+    least = required.index(False) if False in required else len(required)
+    if any(required[least:]):  # a required parameter after an optional one
+        return 1, 0
+    return least, len(positional)

@@ -26,12 +26,13 @@ try:  # how export marks an int input dynamic (ShapesCollection's docstring); ab
 except ImportError:
     _IntWrapper = None
 
-from gjit import kv_cache, logs, stats
+from gjit import kv_cache, locks, logs, stats
 from gjit.calling import as_module, constants_as_tokens, explicit_keywords
 from gjit.config import config
 from gjit.export_budget import ExportTooSlow, export_budget
 from gjit.in_place import write_in_place
 from gjit.kv_cache import CacheAliases
+from gjit.module_copy import private_tree, shares_state
 from gjit.stats import timed
 
 log = logs.logger("capture")
@@ -66,8 +67,12 @@ def export_model(
     timings: dict[str, float],
     aliases: CacheAliases,
     from_one: frozenset[tuple[int, int]] = frozenset(),
+    live: torch.nn.Module | None = None,
 ) -> tuple[ExportedProgram, bool]:
     """torch.export with the chosen dims as Dim.AUTO (export specializes what it must), the rest static.
+
+    `module` is the copy of `live` (the user's tree) that export traces (gjit/module_copy.py); if
+    the copy's trace reached the user's weights, `live` itself is exported (as without a copy).
 
     Not size-oblivious by default: export assumes a dynamic size is at least 2 (its range says so)
     and specializes an example size of 0 or 1, so a program that treats 1 specially (squeeze,
@@ -77,6 +82,7 @@ def export_model(
     floor of 1, every other dynamic dim keeps a floor of 2 (and one at an example size below 2
     stays static). Returns (exported, whether the trace was size-oblivious).
     """
+    call = (args, kwargs)
     shapes = None
     oblivious = any((i, d) in from_one for i, ranges in dims.items() for d in ranges)
     if dims:
@@ -100,16 +106,26 @@ def export_model(
                 if spec_dims:
                     shapes[leaf] = spec_dims
         args, kwargs = pytree.tree_unflatten(leaves, spec)
-    hook = aliases.recording(module)
-    with logs.quiet_torch_trace_errors(), size_oblivious(oblivious), _kept_dim_markers(args, kwargs):
-        try:
-            budget = config.dynamic_export_budget if shapes is not None else 0.0
-            with timed("export", timings), logs.torch_dynamic_logs(), _no_fake_tensor_cache():
+    # one export at a time in the process: torch's settings patched below, export's own state and
+    # its tracer's hooks are process-wide (gjit/locks.py)
+    with (
+        locks.compiling(),
+        logs.quiet_torch_trace_errors(),
+        size_oblivious(oblivious),
+        _kept_dim_markers(args, kwargs),
+    ):
+        budget = config.dynamic_export_budget if shapes is not None else 0.0
+        with timed("export", timings), logs.torch_dynamic_logs(), _no_fake_tensor_cache():
+            hook = aliases.recording(module)
+            try:
                 with export_budget(budget):
                     exported = torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
-        finally:
-            hook.remove()
-    stats.COUNTERS["exports"] += 1
+            finally:
+                hook.remove()
+    stats.count("exports")
+    if live is not None and live is not module and shares_state(exported, live):
+        log.info("the copy of the module tree reached the model's own weights; exporting the model itself")
+        return export_model(live, *call, dims, timings, aliases, from_one)
     return exported, oblivious
 
 
@@ -236,13 +252,17 @@ class CapturedProgram:
         return out
 
 
-    def finish(self, flat_user: list[Any], flat_out: list[Any]) -> Any:
+    def finish(self, flat_user: list[Any], flat_out: list[Any], graph_inputs: list[Any]) -> Any:
         """Apply recorded mutations, then rebuild the user's output pytree. An output that is (a
         view of) the new value of a mutated input is returned as (that view of) the input, as in
-        eager, where `x.add_(1); return x` returns x itself."""
+        eager, where `x.add_(1); return x` returns x itself. A mutated buffer is the one the call
+        read (`graph_inputs`), whatever the module holds by now."""
         mutated = []
         for out_index, (kind, key) in self.mutations.items():
-            target = flat_user[key] if kind == "user" else self.state_tensor("buffer", key)
+            if kind == "user":
+                target = flat_user[key]
+            else:
+                target = graph_inputs[self.input_sources.index(("buffer", key))]
             if flat_out[out_index] is not target:  # (an in-place write already updated it)
                 with torch.no_grad():
                     target.copy_(flat_out[out_index])
@@ -357,13 +377,15 @@ def capture(
     for leaf in pytree.tree_leaves((args, kwargs)):
         if isinstance(leaf, torch.Tensor) and leaf.layout != torch.strided:
             raise CaptureError(f"an input has layout {leaf.layout}: gjit compiles strided tensors only")
-    module = explicit_keywords(as_module(model), args, kwargs)
     kv_cache.register([*args, *kwargs.values()], model)
-    module, args, kwargs = constants_as_tokens(module, args, kwargs)
+    # calls read their weights from `module`; export traces a copy of it, so that other threads
+    # may call the model meanwhile (gjit/module_copy.py)
+    traced = _exported_module(private_tree(model), args, kwargs)[0]
+    module, args, kwargs = _exported_module(model, args, kwargs)
     aliases = CacheAliases()
     too_slow = False
     try:
-        exported, oblivious = export_model(module, args, kwargs, dims, timings, aliases, from_one)
+        exported, oblivious = export_model(traced, args, kwargs, dims, timings, aliases, from_one, module)
     except ExportTooSlow:
         too_slow = True  # exported again below, once this traceback (the whole trace) is gone
     except Exception as e:
@@ -376,7 +398,7 @@ def capture(
             str(e).splitlines()[0] if str(e) else "",
         )
         try:
-            exported, oblivious = export_model(module, args, kwargs, {}, timings, aliases)
+            exported, oblivious = export_model(traced, args, kwargs, {}, timings, aliases, live=module)
         except Exception as e2:
             raise CaptureError(_explain_failure(e2, args, kwargs)) from e2
     narrowed = None
@@ -384,7 +406,7 @@ def capture(
         name = getattr(model, "__name__", type(model).__name__)
         narrower = fallback if fallback and fallback != dims else {}
         exported, oblivious, narrowed = _export_narrower(
-            module, args, kwargs, narrower, timings, aliases, from_one, name
+            (traced, module), args, kwargs, narrower, timings, aliases, from_one, name
         )
     log.info(
         "exported %s: %d ATen nodes",
@@ -400,6 +422,11 @@ def capture(
             "this call runs eagerly: pass use_cache=True, or no cache"
         )
     return Exported(exported, module, aliases, from_one if oblivious else frozenset(), narrowed)
+
+
+def _exported_module(model: Any, args: tuple, kwargs: dict) -> tuple[torch.nn.Module, tuple, dict]:
+    """The module export takes for a call of `model`, and the call as it takes it."""
+    return constants_as_tokens(explicit_keywords(as_module(model), args, kwargs), args, kwargs)
 
 
 def captured_program(exported: Exported, decomposed: ExportedProgram) -> CapturedProgram:
@@ -435,7 +462,7 @@ TOO_SLOW = (
 
 
 def _export_narrower(
-    module: torch.nn.Module,
+    modules: tuple[torch.nn.Module, torch.nn.Module],
     args: tuple,
     kwargs: dict,
     narrower: DimRanges,
@@ -446,14 +473,18 @@ def _export_narrower(
 ) -> tuple[ExportedProgram, bool, str]:
     """An export with dynamic dims ran past its budget: export with the `narrower` dims (the
     batch, under the budget too), else with static shapes; returns what it exported ("batch" or
-    "static"). Warns once, with what the callable exports from now on."""
+    "static"). Warns once, with what the callable exports from now on. `modules`: the copy
+    export traces and the user's tree (export_model)."""
+    traced, module = modules
     budget = f"{TOO_SLOW} ({config.dynamic_export_budget:g} s of slow ops)"
-    stats.COUNTERS["dynamic_exports_abandoned"] += 1
+    stats.count("dynamic_exports_abandoned")
     too_slow = False
     if narrower:
         log.warning("%s: %s; exporting only the batch dims (dim 0) dynamic from now on", name, budget)
         try:
-            exported, oblivious = export_model(module, args, kwargs, narrower, timings, aliases, from_one)
+            exported, oblivious = export_model(
+                traced, args, kwargs, narrower, timings, aliases, from_one, module
+            )
             return exported, oblivious, "batch"
         except ExportTooSlow:
             too_slow = True
@@ -464,7 +495,7 @@ def _export_narrower(
     else:
         log.warning("%s: %s; exporting static shapes from now on", name, budget)
     try:
-        exported, oblivious = export_model(module, args, kwargs, {}, timings, aliases)
+        exported, oblivious = export_model(traced, args, kwargs, {}, timings, aliases, live=module)
     except Exception as e:
         raise CaptureError(_explain_failure(e, args, kwargs)) from e
     return exported, oblivious, "static" if too_slow or not narrower else "batch"

@@ -106,8 +106,8 @@ def decompose(
                 decomposed = _decompose_unlowered(decomposed, lowered)
     except Exception as e:
         raise DecompositionError(f"run_decompositions failed: {type(e).__name__}: {e}") from e
-    stats.COUNTERS["decompositions"] += 1
-    stats.COUNTERS["decompositions_by_node" if how == "nodes" else "decompositions_whole"] += 1
+    stats.count("decompositions")
+    stats.count("decompositions_by_node" if how == "nodes" else "decompositions_whole")
     added = [g.expr for g in env.guards[before:]] if env is not None else []
     return decomposed, added
 
@@ -120,7 +120,7 @@ def _decompose_unlowered(program: ExportedProgram, lowered: Callable) -> Exporte
         return program
     if ops:
         log.info("decomposed for lack of a lowering (torch.compile's decompositions): %s", ", ".join(ops))
-        stats.COUNTERS["decomposed_for_lowering"] += len(ops)
+        stats.count("decomposed_for_lowering", len(ops))
     return decomposed
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import sympy
 import torch
 
-from gjit import ir, logs, stats, tuning
+from gjit import ir, locks, logs, stats, tuning
 from gjit.capture import (
     CapturedProgram,
     Exported,
@@ -82,24 +82,28 @@ class CompiledProgram:
         """Lowering and fusion again (an entry from the disk cache or a package has only their
         kernels), under each setting of what lowering reads: torch's deterministic algorithms
         (float atomics or externs) and whether matmuls are templates (the knob, the backend). The
-        entry may have been compiled under others than the current ones."""
-        if self._analysis is None:
-            current = torch.are_deterministic_algorithms_enabled()
-            template = CompileOptions.from_config().matmul_template
-            settings = [(d, t) for t in (template, not template) for d in (current, not current)]
-            for deterministic, matmul_template in settings:
-                with _deterministic_algorithms(deterministic):
-                    loop_graph, steps = schedule_graph(
-                        self.captured.full_graph_module, matmul_template, _untimed
-                    )
-                regions = [s for s in steps if isinstance(s, Region)]
-                for index, region in enumerate(regions):
-                    region.name = kernel_name(region, index)  # as codegen named it
-                if [r.name for r in regions] == [k.name for k in self.kernels]:
-                    self._analysis = loop_graph, steps
-                    break
-            else:
-                raise RuntimeError("gjit: lowering and fusion did not reproduce the cached entry's kernels")
+        entry may have been compiled under others than the current ones. Under the compile lock:
+        the setting is process-wide, and a compile reads it while it lowers."""
+        if self._analysis is not None:
+            return self._analysis
+        with locks.compiling():
+            return self._analysis or self._reanalyze()
+
+    def _reanalyze(self) -> tuple[LoopGraph, list[Step]]:
+        current = torch.are_deterministic_algorithms_enabled()
+        template = CompileOptions.from_config().matmul_template
+        settings = [(d, t) for t in (template, not template) for d in (current, not current)]
+        for deterministic, matmul_template in settings:
+            with _deterministic_algorithms(deterministic):
+                loop_graph, steps = schedule_graph(self.captured.full_graph_module, matmul_template, _untimed)
+            regions = [s for s in steps if isinstance(s, Region)]
+            for index, region in enumerate(regions):
+                region.name = kernel_name(region, index)  # as codegen named it
+            if [r.name for r in regions] == [k.name for k in self.kernels]:
+                self._analysis = loop_graph, steps
+                break
+        else:
+            raise RuntimeError("gjit: lowering and fusion did not reproduce the cached entry's kernels")
         return self._analysis
 
     def dumped(self) -> dict[str, str]:
@@ -384,7 +388,7 @@ def write_wrapper(
 def write_graph(gm: torch.fx.GraphModule, kernels: list[KernelSource], wrapper: str) -> CompiledGraph:
     graph = CompiledGraph(gm, kernels, wrapper)
     graph.write()
-    stats.COUNTERS["kernels"] += len(kernels)
+    stats.count("kernels", len(kernels))
     for k in kernels:
         if k.code_of is not None:
             output_code_log.info("kernel %s: the code of %s runs", k.name, k.code_of)
@@ -411,6 +415,7 @@ def run_program(program: CompiledProgram, flat_user: list[Any], sizes: tuple, gr
     """Run one call: `sizes` are the size symbols' values the entry's guard bound; `graphs`, the
     entry's CUDA graphs (gjit/runtime/cuda_graphs.py) in mode="reduce-overhead"."""
     captured = program.captured
+    graph_inputs = captured.graph_inputs(flat_user)
     run = program.graph.run if graphs is None else graphs.run
-    flat_out = run(captured.graph_inputs(flat_user), sizes)
-    return captured.finish(flat_user, flat_out)
+    flat_out = run(graph_inputs, sizes)
+    return captured.finish(flat_user, flat_out, graph_inputs)

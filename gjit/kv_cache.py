@@ -22,6 +22,7 @@ import enum
 import importlib
 import json
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ except ImportError:
 log = logs.logger("capture")
 
 _REGISTERED: set[type] = set()
+_REGISTERING = threading.Lock()  # torch refuses a class registered twice: two threads must not both try
 
 
 def _cache_base() -> type | None:
@@ -98,6 +100,13 @@ def _register_classes(base: type, carried: list[Any]) -> bool:
         cls = type(value)
         if cls.__module__.startswith("transformers."):
             classes.append(cls)  # a model's own cache class that is not a `Cache` subclass
+    if all(c in _REGISTERED or c in pytree.SUPPORTED_NODES for c in classes):
+        return False
+    with _REGISTERING:
+        return _register_new(classes)
+
+
+def _register_new(classes: list[type]) -> bool:
     new = [c for c in dict.fromkeys(classes) if c not in _REGISTERED and c not in pytree.SUPPORTED_NODES]
     for cls in new:
         pytree.register_pytree_node(

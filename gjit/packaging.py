@@ -136,7 +136,7 @@ def _install_binaries(members: dict[str, bytes]) -> None:
         except OSError as e:  # an unwritable Triton cache: Triton builds the kernel at its launch
             log.info("gjit.load: kernel binary %s not installed (%s)", name, e)
             continue
-        stats.COUNTERS["package_binaries_installed"] += 1
+        stats.count("package_binaries_installed")
 
 
 def _tuned_on(compiled: CompiledFunction) -> str:
@@ -203,7 +203,7 @@ def _load(
     compiled.package = Package(str(path), manifest["name"], recompile)
     for record in records:
         compiled.add_packaged(_entry_from_record(record, model, state, dict(timings)))
-    stats.COUNTERS["package_loads"] += 1
+    stats.count("package_loads")
     log.info("loaded %d entries of %s from %s", len(records), manifest["name"], path)
     return compiled
 

@@ -24,6 +24,7 @@ def pytest_collection_modifyitems(config, items):
     if untiered:
         raise pytest.UsageError(f"tests without a tier marker ({', '.join(TIERS)}): {untiered[:10]}")
     slow = os.environ.get("GJIT_TEST_SLOW") == "1"
+    soak = os.environ.get("GJIT_TEST_SOAK") == "1"
     opinfo = os.environ.get("GJIT_TEST_OPINFO") == "1"
     for item in items:
         if "opinfo" in item.keywords and not opinfo:
@@ -32,6 +33,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         if "slow" in item.keywords and not slow:
             item.add_marker(pytest.mark.skip(reason="a long sweep: GJIT_TEST_SLOW=1 runs it (CI does)"))
+        if "soak" in item.keywords and not soak:
+            item.add_marker(pytest.mark.skip(reason="a long soak: GJIT_TEST_SOAK=1 runs it (CI does)"))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -32,13 +32,14 @@ MAX_LINES = 600
 # A prefix names a module and everything under it, the longest matching prefix decides;
 # "name=" names that module alone (the package `gjit` itself, not everything in it).
 LAYERS = [
-    ("base", ["gjit.config", "gjit.logs", "gjit.stats", "gjit.heap"]),
+    ("base", ["gjit.config", "gjit.logs", "gjit.stats", "gjit.heap", "gjit.locks"]),
     (
         "capture",
         [
             "gjit.kv_cache",
             "gjit.in_place",
             "gjit.calling",
+            "gjit.module_copy",
             "gjit.export_budget",
             "gjit.capture",
             "gjit.decompose",

@@ -52,6 +52,7 @@ def compile_kernel(
 
 
 _warm_up: threading.Thread | None = None
+_warm_up_lock = threading.Lock()
 
 
 def _triton_one_time_work() -> None:
@@ -69,9 +70,10 @@ def start_warm_up() -> None:
     the import of its code generator. Called where GPU binaries will be built, before capture,
     so it runs beside export instead of after it. Idempotent."""
     global _warm_up
-    if _warm_up is None:
-        _warm_up = threading.Thread(target=_triton_one_time_work, name="gjit-triton-warm-up", daemon=True)
-        _warm_up.start()
+    with _warm_up_lock:
+        if _warm_up is None:
+            _warm_up = threading.Thread(target=_triton_one_time_work, name="gjit-triton-warm-up", daemon=True)
+            _warm_up.start()
 
 
 def finish_warm_up() -> None:

@@ -357,16 +357,16 @@ class CudaGraphs:
         moved = [(b, inputs[i]) for i, b in zip(owned, rec.buffers) if inputs[i].data_ptr() != b.data_ptr()]
         if moved:
             torch._foreach_copy_([b for b, _ in moved], [t for _, t in moved])
-            stats.COUNTERS["cuda_graph_input_copies"] += len(moved)
+            stats.count("cuda_graph_input_copies", len(moved))
         self.api.replay(rec.handle, self._graph_inputs(inputs, rec.buffers))
         rec.stream = stream
         self.replays += 1
-        stats.COUNTERS["cuda_graph_replays"] += 1
+        stats.count("cuda_graph_replays")
         return rec.hand_out(inputs)
 
     def _without(self, why: str, inputs: list, sizes: tuple) -> list:
         self.skipped[why] += 1
-        stats.COUNTERS[f"cuda_graph_skipped:{why}"] += 1
+        stats.count(f"cuda_graph_skipped:{why}")
         if why not in self._logged:
             self._logged.add(why)
             log.info("%s: calls run without a CUDA graph: %s", self.name, why)
@@ -408,7 +408,7 @@ class CudaGraphs:
                 return self._without(self.refused, inputs, sizes)
             return self._own_copies(out, buffers)
         self.recordings.append(rec)
-        stats.COUNTERS["cuda_graphs_recorded"] += 1
+        stats.count("cuda_graphs_recorded")
         log.info("%s: recorded a CUDA graph for sizes %s (%d held)", self.name, key[0], len(self.recordings))
         return self._own_copies(out, buffers)
 

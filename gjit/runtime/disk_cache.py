@@ -354,7 +354,7 @@ def load(key: str, build: Callable[[dict], T]) -> T | None:
             text = f.read()
     except (FileNotFoundError, NotADirectoryError):
         cache_log.info("on-disk miss: no compiled graph %s", path)
-        stats.COUNTERS["disk_cache_misses"] += 1
+        stats.count("disk_cache_misses")
         text, where = from_remote(key, path), "remote"
         if text is None:
             return None
@@ -364,11 +364,11 @@ def load(key: str, build: Callable[[dict], T]) -> T | None:
         result = build(verified(text, key))
     except Exception as e:  # any damage means recompile, never a crash or a wrong answer
         cache_log.warning("gjit: ignoring the damaged cache entry %s (%s: %s); recompiling", path, where, e)
-        stats.COUNTERS["disk_cache_errors" if where == "on-disk" else "remote_cache_errors"] += 1
+        stats.count("disk_cache_errors" if where == "on-disk" else "remote_cache_errors")
         return None
     if where == "on-disk":
         cache_log.info("on-disk hit: compiled graph %s", path)
-        stats.COUNTERS["disk_cache_hits"] += 1
+        stats.count("disk_cache_hits")
     return result
 
 

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import math
 import os
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -101,15 +102,30 @@ def _interpreted(call: Callable) -> Callable:
 # kernel source path (content-addressed) -> its loaded @triton.jit function, per mode: a kernel
 # shared by two entries (an automatic-dynamic recompile) or two models is JIT-compiled once
 _KERNELS: dict[tuple[str, bool], Any] = {}
+# loads of generated modules, one at a time: two threads that load one kernel at once must get one
+# JITFunction (else it is built twice), and an interpreted load sets Triton's process-wide knob
+# `runtime.interpret` while it imports; also each graph's first-call work (its wrapper, a prebuild)
+LOAD_LOCK = threading.RLock()
+
+
+def _after_fork_in_child() -> None:
+    global LOAD_LOCK
+    LOAD_LOCK = threading.RLock()  # a thread of the parent's may have held it
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def load_kernel(path: str, name: str, interpret: bool) -> Any:
     key = (path, interpret)
-    if key in _KERNELS:
-        cache_log.info("in-memory hit: kernel %s already loaded (shared with another entry or model)", name)
-    else:
-        _KERNELS[key] = getattr(load_module(path, interpret=interpret), name)
-    return _KERNELS[key]
+    with LOAD_LOCK:
+        if key in _KERNELS:
+            cache_log.info(
+                "in-memory hit: kernel %s already loaded (shared with another entry or model)", name
+            )
+        else:
+            _KERNELS[key] = getattr(load_module(path, interpret=interpret), name)
+        return _KERNELS[key]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,6 +148,7 @@ class CompiledGraph:
     # that prebuild: its launches' entries in Triton's on-disk cache (gjit.save(binaries=True))
     prebuild_result: prebuild.Prebuild | None = None
     _calls: dict[str, Callable] = dataclasses.field(default_factory=dict)
+    _check_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def write(self) -> None:
         for k in self.kernels:
@@ -145,41 +162,51 @@ class CompiledGraph:
         self.wrapper_path = write_source("wrappers", "wrapper", self.wrapper_source)
 
     def call_fn(self, interpret: bool) -> Callable:
+        """The wrapper's `call`, loaded at the first call that runs this way (once, also when
+        threads make that call at once)."""
         key = "interpret" if interpret else "prebound" if config.prebound_launches else "device"
-        if key not in self._calls:
-            own = [k for k in self.kernels if k.code_of is None]
-            cuda = [
-                runtime_cuda.CudaKernel(k, self.kernel_paths[k.name], interpret)
-                for k in own
-                if k.backend == "cuda"
-            ]
-            kernels = {k.kernel.name: k for k in runtime_cuda.grouped(cuda)}
-            kernels |= {
-                k.name: load_kernel(self.kernel_paths[k.name], k.name, interpret)
-                for k in own
-                if k.backend != "cuda"
-            }
-            # a region whose kernel is an earlier one's code launches that kernel's object, under
-            # its own name (one build; tuning's probes still see each region's launch)
-            kernels |= {k.name: kernels[k.code_of] for k in self.kernels if k.code_of is not None}
-            if not interpret and config.prebound_launches:  # each name its own launch site
-                triton_names = {k.name for k in self.kernels if k.backend != "cuda"}
-                kernels |= {name: Launcher(kernels[name]) for name in triton_names}
-            # math: size expressions torch's printer writes as math.ceil(...), math.floor(...)
-            extra = {
-                "gjit_alloc": gjit_alloc,
-                "gjit_alloc_poisoned": gjit_alloc_poisoned,
-                "next_power_of_2": next_power_of_2,  # a looped reduction's block (not Triton's: slow)
-                "math": math,
-                **kernels,
-            }
-            extra |= {name: sub.run_branch for name, sub in self.subgraphs.items()}
-            extra |= self.eager_subgraphs()
-            if self.checker is not None:
-                extra["gjit_check"] = self.checker.check_region
-            call = load_module(self.wrapper_path, extra).call
-            self._calls[key] = _interpreted(call) if interpret else call
-        return self._calls[key]
+        call = self._calls.get(key)
+        if call is None:
+            with LOAD_LOCK:
+                call = self._calls.get(key)
+                if call is None:
+                    call = self._calls[key] = self._load_call(interpret, key == "prebound")
+        return call
+
+    def _load_call(self, interpret: bool, prebound: bool) -> Callable:
+        """Load the kernels and the wrapper module (under LOAD_LOCK)."""
+        own = [k for k in self.kernels if k.code_of is None]
+        cuda = [
+            runtime_cuda.CudaKernel(k, self.kernel_paths[k.name], interpret)
+            for k in own
+            if k.backend == "cuda"
+        ]
+        kernels = {k.kernel.name: k for k in runtime_cuda.grouped(cuda)}
+        kernels |= {
+            k.name: load_kernel(self.kernel_paths[k.name], k.name, interpret)
+            for k in own
+            if k.backend != "cuda"
+        }
+        # a region whose kernel is an earlier one's code launches that kernel's object, under
+        # its own name (one build; tuning's probes still see each region's launch)
+        kernels |= {k.name: kernels[k.code_of] for k in self.kernels if k.code_of is not None}
+        if prebound:  # each name its own launch site (gjit/runtime/launch.py)
+            triton_names = {k.name for k in self.kernels if k.backend != "cuda"}
+            kernels |= {name: Launcher(kernels[name]) for name in triton_names}
+        # math: size expressions torch's printer writes as math.ceil(...), math.floor(...)
+        extra = {
+            "gjit_alloc": gjit_alloc,
+            "gjit_alloc_poisoned": gjit_alloc_poisoned,
+            "next_power_of_2": next_power_of_2,  # a looped reduction's block (not Triton's: slow)
+            "math": math,
+            **kernels,
+        }
+        extra |= {name: sub.run_branch for name, sub in self.subgraphs.items()}
+        extra |= self.eager_subgraphs()
+        if self.checker is not None:
+            extra["gjit_check"] = self.checker.check_region
+        call = load_module(self.wrapper_path, extra).call
+        return _interpreted(call) if interpret else call
 
     def all_kernels(self) -> list[KernelSource]:
         """The kernels of this graph and of its torch.cond branches, recursively."""
@@ -227,12 +254,21 @@ class CompiledGraph:
         return tuple(self.run(list(operands), ()))
 
     def run(self, graph_inputs: list[Any], sizes: tuple) -> list[Any]:
+        """One call; threads may make calls at once. Each launch goes to the calling thread's
+        current stream (Triton's launcher and CuPy read it at the launch; nothing here keeps one).
+        A replay of a recorded CUDA graph (mode="reduce-overhead") must hold a lock of that
+        recording from copying the inputs into its static buffers until its outputs are copied
+        out, or give each thread a recording of its own: threads must not share one mid-replay."""
         if self.on_cuda or config.interpret:
             call = self.call_fn(interpret=not self.on_cuda)
             if self.on_cuda and not self.prebuilt:
-                self.prebuild(call, graph_inputs, sizes)
-            out = list(call(graph_inputs, sizes))
-            if self.checker is not None:
-                self.last_check = self.checker.finish(os.path.basename(self.wrapper_path))
-            return out
+                with LOAD_LOCK:
+                    if not self.prebuilt:
+                        self.prebuild(call, graph_inputs, sizes)
+            if self.checker is not None:  # GJIT_CHECK: one call's table of errors at a time
+                with self._check_lock:
+                    out = list(call(graph_inputs, sizes))
+                    self.last_check = self.checker.finish(os.path.basename(self.wrapper_path))
+                return out
+            return list(call(graph_inputs, sizes))
         return list(FallbackInterpreter(self.graph_module).run(*graph_inputs))

@@ -15,6 +15,8 @@ import ctypes
 import ctypes.util
 import dataclasses
 import functools
+import os
+import threading
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -143,15 +145,47 @@ class _ScopedDeviceFunction:
             scope.restore()
 
 
+# Triton's interpreter is process-wide: its one builder holds the program id of the block it runs,
+# and an interpreted kernel patches `triton.language` itself while it runs (as does the swap
+# below), so interpreted runs take turns: one thread's wrapper call at a time. Re-entrant: a
+# torch.cond branch is a nested call. (Kernels on a GPU take no lock.)
+_INTERPRETER = threading.RLock()
+_depth = 0  # interpreted calls in progress (in the thread that holds _INTERPRETER)
+_INSTALLING = threading.Lock()  # not _INTERPRETER: a load (holding graph.LOAD_LOCK) installs, and an
+# interpreted call (holding _INTERPRETER) may load a torch.cond branch's wrapper
+
+
+def _after_fork_in_child() -> None:
+    """A fork has no interpreted run in progress (the thread that ran one is not in it)."""
+    global _INTERPRETER, _depth
+    _INTERPRETER, _depth = threading.RLock(), 0
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 @contextlib.contextmanager
 def stdlib_interpreted() -> Iterator[None]:
     """Run with `tl`'s @jit standard-library helpers (tl.sigmoid, tl.zeros, tl.sum, ...) swapped
-    for interpreted versions.
+    for interpreted versions, holding the interpreter (one thread at a time, see _INTERPRETER).
 
     Triton builds those helpers when `triton.language` is imported; unless TRITON_INTERPRET
     was set then, they are GPU JITFunctions that an interpreted kernel cannot call. Swapping
     them only while interpreted kernels run keeps the process able to compile real GPU code.
     """
+    global _depth
+    with _INTERPRETER:
+        _depth += 1
+        try:
+            if _depth > 1:  # a nested call runs inside the outer one's swap
+                yield
+            else:
+                yield from _swapped_stdlib()
+        finally:
+            _depth -= 1
+
+
+def _swapped_stdlib() -> Iterator[None]:
     import triton.language as tl
     from triton.runtime.jit import JITFunction
 
@@ -241,6 +275,11 @@ def install() -> None:
     only the compiler resolves; while a kernel runs they are bound to CUDA libdevice's externs,
     whose `create_extern_elementwise` calls end here.
     """
+    with _INSTALLING:  # two threads at once would wrap a method twice
+        _install()
+
+
+def _install() -> None:
     from triton.runtime import interpreter
 
     interpreter.InterpreterBuilder.create_extern_elementwise = create_extern_elementwise

@@ -364,7 +364,7 @@ def start(
         # the kernel or its pre-bound launcher (gjit/runtime/launch.py), not while tuning wraps it
         if id(kernel) in futures and (launched is kernel or getattr(launched, "fn", None) is kernel):
             namespace[name] = Awaiting(launched, futures[id(kernel)], namespace, name)
-    stats.COUNTERS["kernels_prebuilt"] += sum(map(len, futures.values()))
+    stats.count("kernels_prebuilt", sum(map(len, futures.values())))
     log.info(
         "gjit: %d kernel launch(es), %d specialization(s): %d in Triton's cache, %d from the remote cache, "
         "%d building in %d worker(s)",

@@ -85,7 +85,7 @@ class RemoteCache:
     def fault(self, kind: str, message: str, down: bool = False) -> None:
         """Count a fault; log its kind once per process; after a connection failure, skip the
         server for RETRY_SECONDS."""
-        stats.COUNTERS["remote_cache_errors"] += 1
+        stats.count("remote_cache_errors")
         message = _masked(message, self.url)
         if down:
             self.down_until = time.monotonic() + RETRY_SECONDS
@@ -115,7 +115,7 @@ class RemoteCache:
         entry that is not gjit's); None on a miss or any fault. Hits and misses are counted as
         `counter`_hits and _misses (kernel binaries: remote_binary)."""
         if time.monotonic() < self.down_until:  # left alone after a connection failure
-            stats.COUNTERS[f"{counter}_misses"] += 1
+            stats.count(f"{counter}_misses")
             return None
         try:
             value = self.client.get(self.prefix + key)
@@ -124,7 +124,7 @@ class RemoteCache:
             self.fault(kind, f"{kind} ({e})", down)
             return None
         if value is None:
-            stats.COUNTERS[f"{counter}_misses"] += 1
+            stats.count(f"{counter}_misses")
             cache_log.info("remote miss: %s", key)
             return None
         try:
@@ -134,7 +134,7 @@ class RemoteCache:
             self.damaged.add(key)
             self.fault("damaged value", f"the value of {self.prefix + key} is not a gjit entry: {e}")
             return None
-        stats.COUNTERS[f"{counter}_hits"] += 1
+        stats.count(f"{counter}_hits")
         cache_log.info("remote hit: %s", key)
         return text
 
@@ -194,7 +194,7 @@ class RemoteCache:
 
     def write(self, key: str, value: bytes) -> None:
         if time.monotonic() < self.down_until:  # left alone after a connection failure
-            stats.COUNTERS["remote_cache_writes_dropped"] += 1
+            stats.count("remote_cache_writes_dropped")
             return
         try:
             written = self.client.set(self.prefix + key, value, nx=key not in self.damaged)
@@ -203,7 +203,7 @@ class RemoteCache:
             kind, down = self.classify(e)
             self.fault(kind, f"{kind} ({e})", down)
             return
-        stats.COUNTERS["remote_cache_writes" if written else "remote_cache_already_there"] += 1
+        stats.count("remote_cache_writes" if written else "remote_cache_already_there")
         cache_log.info("remote store: %s (%s)", key, "written" if written else "already there")
 
     # -- what a user saves (gjit.save(compiled, "remote:<name>")): now, or an error -----------------
@@ -288,6 +288,7 @@ def _safe_url(url: str) -> str:
 
 
 _REMOTES: dict[tuple, RemoteCache | None] = {}
+_REMOTES_LOCK = threading.Lock()
 _NOTED: set[str] = set()
 
 
@@ -322,21 +323,24 @@ def current() -> RemoteCache | None:
         return None
     settings = _settings()
     url = settings[0]
-    if settings not in _REMOTES:
-        try:
-            _REMOTES[settings] = RemoteCache(*settings)
-        except Exception as e:  # noqa: BLE001 - no client library, a malformed URL: no remote tier
-            stats.COUNTERS["remote_cache_errors"] += 1
-            reason = _masked(f"{type(e).__name__}: {e}", url)
-            cache_log.warning("gjit: remote cache %s not used: %s", _safe_url(url), reason)
-            _REMOTES[settings] = None
-    return _REMOTES[settings]
+    with _REMOTES_LOCK:  # one client per settings: a second would have a writer flush_all misses
+        if settings not in _REMOTES:
+            try:
+                _REMOTES[settings] = RemoteCache(*settings)
+            except Exception as e:  # noqa: BLE001 - no client library, a malformed URL: no remote tier
+                stats.count("remote_cache_errors")
+                reason = _masked(f"{type(e).__name__}: {e}", url)
+                cache_log.warning("gjit: remote cache %s not used: %s", _safe_url(url), reason)
+                _REMOTES[settings] = None
+        return _REMOTES[settings]
 
 
 def _forget_after_fork() -> None:
     """A forked child starts with no clients: the parent's queue, writer thread and sockets are not
     its own (a queued item no thread will finish would hold its exit for the flush timeout)."""
+    global _REMOTES_LOCK
     _REMOTES.clear()
+    _REMOTES_LOCK = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
