@@ -5,10 +5,11 @@
 Each case is a matmul with the pointwise work that follows it in the model (bias, GELU, residual
 add, SiLU gate), or one attention, at the sizes of GPT-2 small, BERT-base and a Llama-7B layer.
 Per case the median time (triton.testing.do_bench) of: gjit as it compiles by default (on a GPU
-the template's tile configurations and the ATen alternative measured at compile time:
-gjit/tuning.py), gjit's template in the table's configuration (`gjit.config.tune = False`; one
-kernel, epilogue fused), gjit with `gjit.config.matmul = "aten"` (the extern plus a pointwise
-kernel), eager, and torch.compile (default mode). `table/aten` under 1 means the untuned
+the template's tile configurations and, per region, the template against ATen's kernels measured
+at compile time: gjit/tuning.py, gjit/choice.py), gjit's template in the table's configuration
+(`gjit.config.matmul = "template"`, `gjit.config.tune = False`; one kernel, epilogue fused), gjit
+with `gjit.config.matmul = "aten"` (the extern plus a pointwise kernel), eager, and torch.compile
+(default mode). `table/aten` under 1 means the untuned
 template is faster. fp32 products are IEEE fp32 in every system (no TF32: torch's default).
 """
 
@@ -106,7 +107,7 @@ def measure(case) -> dict:
     expected = fn(*args)
     row = {"case": name, "shape": shape, "dtype": str(dtype).removeprefix("torch."), "flops": flops}
     with torch.no_grad():
-        settings = {"gjit": {}, "table": {"tune": False}, "aten": {"matmul": "aten"}}
+        settings = {"gjit": {}, "table": {"tune": False, "matmul": "template"}, "aten": {"matmul": "aten"}}
         for setting, knobs in settings.items():
             with gjit.config.scope(**knobs):
                 cm = gjit.compile(fn)

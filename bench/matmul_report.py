@@ -3,9 +3,10 @@
     .venv/bin/python bench/matmul_report.py        # prints a markdown table (docs/models.md)
 
 Per model, the same compile with `gjit.config.matmul = "aten"` (every matmul an extern) and with
-`"template"` (the default): kernels, externs, launches (both), matmul and attention kernels, kernels
-that only copy a tensor (a `clone` feeding a matmul in the extern case), and modeled bytes against
-the ideal (each input read once, each output written once). Kernels run in Triton's interpreter.
+`"template"` (every one a template kernel): kernels, externs, launches (both), matmul and
+attention kernels, kernels that only copy a tensor (a `clone` feeding a matmul in the extern
+case), and modeled bytes against the ideal (each input read once, each output written once).
+Kernels run in Triton's interpreter.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from gjit.calling import (
     structure_change,
 )
 from gjit.capture import TOO_SLOW, CaptureError, DecompositionError, capture, readable
+from gjit.choice import card_of
 from gjit.codegen.toolchain.compile_only import start_warm_up
 from gjit.config import BACKENDS, CompileOptions, config
 from gjit.debug import dump
@@ -122,6 +123,7 @@ class CompiledFunction:
         self._fast_arity = fast_arity(self.signature)
         self._bind_plans: dict[tuple, tuple[list[str], list[str]]] = {}
         self.package: Package | None = None  # set by gjit.load
+        self.target: int | None = None  # gjit.aot's arch (sm_90: 90): what CPU calls compile for
         self._packaged: list[Entry] = []
         kv_cache.register(model=model)  # a transformers model's caches flatten from the first call
         if callable(model) and not isinstance(model, torch.nn.Module):
@@ -384,9 +386,8 @@ class CompiledFunction:
             from_one = {(i, d) for i, d in from_one if d in dims.get(i, {})}
         cache_log.info("%s: no entry admits the call (in-memory cache miss); compiling", self._name())
         on_gpu = any(isinstance(v, torch.Tensor) and v.is_cuda for v in flat)
-        options = CompileOptions.from_config(
-            backend=self.backend, check=self.check, tf32=tf32_allowed(on_gpu)
-        )
+        tf32, target = tf32_allowed(on_gpu), card_of(flat, self.target)
+        options = CompileOptions.from_config(backend=self.backend, check=self.check, tf32=tf32, target=target)
         if options.backend == "triton" and on_gpu:
             start_warm_up()  # Triton's first build in this process pays it: run it beside capture
         try:

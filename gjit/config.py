@@ -19,13 +19,16 @@
     gjit.config.xblock                GJIT_XBLOCK        block size of pointwise kernels
     gjit.config.reduction             GJIT_REDUCTION     auto | persistent | looped reduction kernels
     gjit.config.persistent_max        GJIT_PERSISTENT_MAX  auto: persistent up to this row length
-    gjit.config.matmul                GJIT_MATMUL        template (default) | aten: matmuls as generated
-                                                         Triton kernels with their neighbours fused in,
-                                                         or as ATen externs
+    gjit.config.matmul                GJIT_MATMUL        auto (default) | template | aten: matmuls and
+                                                         attention as generated Triton kernels with their
+                                                         neighbours fused in, or as ATen externs; auto:
+                                                         per region, whichever is measured faster on the
+                                                         GPU, else ATen but where a table measured on the
+                                                         card says the template wins (gjit/choice.py)
     gjit.config.tune                  GJIT_TUNE=0        on a GPU (default on): time each template
-                                                         kernel's tile configurations and the templates
-                                                         against ATen matmuls at compile time; keep the
-                                                         fastest (gjit/tuning.py)
+                                                         kernel's tile configurations and, under auto,
+                                                         each region's template against ATen's kernels at
+                                                         compile time; keep the fastest (gjit/tuning.py)
     gjit.config.rblock                GJIT_RBLOCK        chunk size of looped reductions
     gjit.config.recompile_limit       GJIT_RECOMPILE_LIMIT  entries per compiled callable; calls that
                                                          miss past it run eagerly (one warning)
@@ -192,15 +195,18 @@ class Config:
     )
     matmul = _Knob(
         "GJIT_MATMUL",
-        _env_str("GJIT_MATMUL", lambda: "template"),
-        "matmuls and attention: template (generated tensor-core kernels with operand views and the "
-        "consuming pointwise work fused in; the Triton backend) | aten (ATen externs)",
+        _env_str("GJIT_MATMUL", lambda: "auto"),
+        "matmuls and attention: auto (per region, the template or ATen's kernels, whichever is "
+        "measured faster on the GPU; not measured, ATen but where a table measured on the card says "
+        "the template wins: gjit/choice.py) | template (generated tensor-core kernels with operand "
+        "views and the consuming pointwise work fused in; the Triton backend) | aten (ATen externs)",
     )
     tune = _Knob(
         "GJIT_TUNE",
         _env_bool("GJIT_TUNE", True),
-        "on a GPU, measure each template kernel's tile configurations and the templates against "
-        "ATen matmuls at compile time, and keep the fastest (gjit/tuning.py; cached with the kernels)",
+        "on a GPU, measure each template kernel's tile configurations and (matmul auto) each region's "
+        "template against ATen's kernels at compile time, and keep the fastest (gjit/tuning.py, "
+        "gjit/choice.py; the choice is stored with the entry)",
     )
     persistent_max = _Knob(
         "GJIT_PERSISTENT_MAX",
@@ -296,6 +302,7 @@ BACKENDS = ("triton", "cupy")
 # max-autotune modes differ from the others only in CUDA graphs
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # gjit/runtime/cuda_graphs.py
+MATMUL_SETTINGS = ("auto", "template", "aten")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,17 +323,24 @@ class CompileOptions:
     # torch.backends.cuda.matmul.allow_tf32 (torch.set_float32_matmul_precision("high") sets it);
     # the entry is guarded on it. None: not on a GPU (IEEE, as eager there). Not a gjit knob.
     tf32: bool | None = None
+    # the GPU the compile is for, as its compute capability (major * 10 + minor; sm_90: 90): the
+    # call's device, or gjit.aot's arch; None: no GPU. Where nothing is measured, the table of
+    # kernels/template_wins.py for that card picks templates. Not a gjit knob either.
+    target: int | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"gjit: unknown backend {self.backend!r}: expected one of {BACKENDS}")
-        if self.matmul not in ("template", "aten"):
-            raise ValueError(f"gjit: unknown matmul setting {self.matmul!r}: expected 'template' or 'aten'")
+        if self.matmul not in MATMUL_SETTINGS:
+            raise ValueError(
+                f"gjit: unknown matmul setting {self.matmul!r}: expected one of {MATMUL_SETTINGS}"
+            )
 
     @property
     def matmul_template(self) -> bool:
-        """Matmuls become template kernels: asked for, and the backend has the template (Triton)."""
-        return self.matmul == "template" and self.backend == "triton"
+        """Matmuls may become template kernels: asked for ("template", or "auto" where it chooses
+        them), and the backend has the template (Triton)."""
+        return self.matmul != "aten" and self.backend == "triton"
 
     @classmethod
     def from_config(cls, **given: Any) -> CompileOptions:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import sympy
 import torch
 
-from gjit import ir, locks, logs, stats, tuning
+from gjit import choice, ir, locks, logs, stats, tuning
 from gjit.capture import (
     CapturedProgram,
     Exported,
@@ -33,6 +34,7 @@ from gjit.ir import LoopGraph
 from gjit.lowering.attention_pattern import match_attention
 from gjit.lowering.graph import lower_graph
 from gjit.lowering.registry import EXTERN_REASONS, LOWERINGS, size_reason
+from gjit.lowering.templates import EVERY_TEMPLATE, NO_TEMPLATES, TemplateChoice
 from gjit.products import group_products
 from gjit.rows import fold_rows
 from gjit.runtime import disk_cache as cache
@@ -40,7 +42,7 @@ from gjit.runtime import program_store
 from gjit.runtime.graph import CompiledGraph
 from gjit.statistics import absorb_row_statistics
 from gjit.stats import timed
-from gjit.wrapper import WrapperWriter
+from gjit.wrapper import WrapperWriter, graph_device
 
 output_code_log = logs.logger("output_code")
 fusion_log = logs.logger("fusion")
@@ -80,10 +82,10 @@ class CompiledProgram:
 
     def _analyze(self) -> tuple[LoopGraph, list[Step]]:
         """Lowering and fusion again (an entry from the disk cache or a package has only their
-        kernels), under each setting of what lowering reads: torch's deterministic algorithms
-        (float atomics or externs) and whether matmuls are templates (the knob, the backend). The
-        entry may have been compiled under others than the current ones. Under the compile lock:
-        the setting is process-wide, and a compile reads it while it lowers."""
+        kernels), under the entry's own choice of templates (stored with it; for an entry without
+        one, every template or none), and each setting of torch's deterministic algorithms (float
+        atomics or externs): the entry may have been compiled under others than the current ones.
+        Under the compile lock: the setting is process-wide, and a compile reads it while it lowers."""
         if self._analysis is not None:
             return self._analysis
         with locks.compiling():
@@ -91,11 +93,12 @@ class CompiledProgram:
 
     def _reanalyze(self) -> tuple[LoopGraph, list[Step]]:
         current = torch.are_deterministic_algorithms_enabled()
-        template = CompileOptions.from_config().matmul_template
-        settings = [(d, t) for t in (template, not template) for d in (current, not current)]
-        for deterministic, matmul_template in settings:
+        stored = self.graph.templates
+        choices = [stored] if stored is not None else [EVERY_TEMPLATE, NO_TEMPLATES]
+        settings = [(d, t) for t in choices for d in (current, not current)]
+        for deterministic, templates in settings:
             with _deterministic_algorithms(deterministic):
-                loop_graph, steps = schedule_graph(self.captured.full_graph_module, matmul_template, _untimed)
+                loop_graph, steps = schedule_graph(self.captured.full_graph_module, templates, _untimed)
             regions = [s for s in steps if isinstance(s, Region)]
             for index, region in enumerate(regions):
                 region.name = kernel_name(region, index)  # as codegen named it
@@ -213,18 +216,25 @@ def compile_program(
     gm = captured.graph_module
     symbols = input_symbols(captured.user_vals)  # after decomposition's replacements
     passes = Passes(options, timings)
-    loop_graph, steps, graph = compile_graph(gm, symbols, passes)
-    if example is not None and wants_tuning(graph, options):
+    why = unmeasurable(gm, symbols, options, example)
+    if options.matmul == "auto" and options.matmul_template and why is not None:  # the library,
+        # but where the table of kernels/template_wins.py has the region
+        loop_graph, steps, graph = compile_graph(gm, symbols, passes, unmeasured=why)
+    else:
+        loop_graph, steps, graph = compile_graph(gm, symbols, passes, initial_templates(options))
+    # measured: under "auto" each template region against the library, else the configurations
+    choices = choice.template_regions(steps) if options.matmul == "auto" else []
+    if why is None and options.matmul_template and (choices or any(k.configs > 1 for k in graph.kernels)):
         analysis, inputs = (loop_graph, steps, graph), captured.graph_inputs(example)
         try:
             loop_graph, steps, graph = passes("tune", tune_graph, gm, symbols, analysis, passes, inputs)
         except Exception as e:  # measuring is an optimization: never a reason not to run
-            tuning.log.warning(
-                "gjit: tuning failed (%s); the table's configurations run", tuning.first_line(e)
-            )
-            for step in steps:
-                if isinstance(step, Region):
-                    step.config = 0
+            tuning.log.warning("gjit: tuning failed (%s); nothing measured is used", tuning.first_line(e))
+            failed = f"tuning failed: {tuning.first_line(e)}"
+            if options.matmul == "auto":
+                loop_graph, steps, graph = compile_graph(gm, symbols, passes, unmeasured=failed)
+            else:
+                loop_graph, steps, graph = compile_graph(gm, symbols, passes, initial_templates(options))
             key = None  # not stored: the next process measures again
     if key is not None:
         with timed("cache_store", timings):
@@ -251,12 +261,13 @@ def _from_entry(record: dict, exported: Exported, timings: dict[str, float]) -> 
 
 
 def schedule_graph(
-    gm: torch.fx.GraphModule, matmul_template: bool, run: Callable[..., Any]
+    gm: torch.fx.GraphModule, templates: TemplateChoice, run: Callable[..., Any]
 ) -> tuple[LoopGraph, list[Step]]:
-    """The passes from the FX graph to the schedule, each through `run(name, fn, *args)`; the
+    """The passes from the FX graph to the schedule, each through `run(name, fn, *args)`, with the
+    matmuls and attention `templates` allows as templates (the others ATen externs); the
     compile and the re-analysis of a cached entry (`CompiledProgram._analyze`) both run these."""
     # lower: ATen FX graph -> loop IR (views become index expressions, unsupported ops externs)
-    loop_graph = run("lower", lower_graph, gm, matmul_template)
+    loop_graph = run("lower", lower_graph, gm, templates)
     # attention: written-out attention (bmm, scale, mask, softmax, bmm) -> one attention node
     loop_graph = run("attention", match_attention, loop_graph, size_hints(gm))
     # fuse: loop IR -> regions (one kernel each) and externs, in execution order
@@ -275,39 +286,76 @@ def _untimed(name: str, fn: Callable, *args: Any) -> Any:
 
 
 def compile_graph(
-    gm: torch.fx.GraphModule, symbols: list[sympy.Symbol], run: Passes
+    gm: torch.fx.GraphModule,
+    symbols: list[sympy.Symbol],
+    run: Passes,
+    templates: TemplateChoice | None = None,
+    unmeasured: str = "",
 ) -> tuple[LoopGraph, list[Step], CompiledGraph]:
     """One FX graph -> kernels + wrapper; `symbols` are the sizes the caller passes in bound.
+    `templates`: which products are templates; None: the library but where the table of
+    kernels/template_wins.py has the region (gjit/choice.py; `unmeasured`: why nothing is timed).
     The branches of a torch.cond are compiled the same way (binding their sizes themselves)."""
     options = run.options
-    # lower, attention, fuse, statistics: ATen FX graph -> loop IR -> the schedule
-    loop_graph, steps = schedule_graph(gm, options.matmul_template, run)
+    # lower, attention, fuse, statistics, rows, products: ATen FX graph -> loop IR -> the schedule
+    if templates is None:
+        hints = size_hints(gm)
+        schedule = functools.partial(schedule_graph, gm, run=run)
+        loop_graph, steps, templates = choice.unmeasured(
+            schedule, gm, hints, options.target, options.tf32, unmeasured
+        )
+    else:
+        loop_graph, steps = schedule_graph(gm, templates, run)
     # codegen: each region -> one Triton (or CUDA C) kernel, sizes as arguments
     kernels = run("codegen", generate_kernels, steps, loop_graph, size_hints(gm), options)
     # wrapper: the schedule -> one Python call function
     wrapper = run("wrapper", write_wrapper, loop_graph, steps, kernels, symbols, options)
     # write: kernel and wrapper sources to the cache dir (content-addressed)
     graph = run("write", write_graph, gm, kernels, wrapper)
+    graph.templates = templates
     if options.check:
         graph.checker = region_checker(gm, loop_graph, steps)
     for node in gm.graph.nodes:  # torch.cond branches (other higher-order ops run theirs eagerly)
         if node.op == "get_attr" and is_cond_branch(gm, node):
-            graph.subgraphs[node.target] = compile_graph(getattr(gm, node.target), [], run)[2]
+            branch = getattr(gm, node.target)
+            if options.matmul == "auto" and options.matmul_template:  # only one branch would be timed
+                sub = compile_graph(branch, [], run, unmeasured="a torch.cond branch")
+            else:
+                sub = compile_graph(branch, [], run, initial_templates(options))
+            graph.subgraphs[node.target] = sub[2]
     return loop_graph, steps, graph
 
 
-def wants_tuning(graph: CompiledGraph, options: CompileOptions) -> bool:
-    """Measure the template kernels' configurations (gjit/tuning.py): on a GPU, asked for, not
-    under GJIT_CHECK, some kernel has a choice, and torch's deterministic algorithms are off (a
-    choice made by timing is not reproducible bit for bit: tiles set the order of the sums)."""
-    return (
-        config.tune
-        and options.backend == "triton"
-        and not options.check
-        and graph.on_cuda
-        and not torch.are_deterministic_algorithms_enabled()
-        and any(k.configs > 1 for k in graph.kernels)
-    )
+def initial_templates(options: CompileOptions) -> TemplateChoice:
+    """Every product a template (GJIT_MATMUL template, and auto before it measures), or none."""
+    return EVERY_TEMPLATE if options.matmul_template else NO_TEMPLATES
+
+
+def on_gpu(gm: torch.fx.GraphModule) -> bool:
+    return graph_device(gm.graph.nodes).type == "cuda"
+
+
+def unmeasurable(
+    gm: torch.fx.GraphModule, symbols: list[sympy.Symbol], options: CompileOptions, example: list | None
+) -> str | None:
+    """Why this compile measures nothing (gjit/tuning.py, gjit/choice.py), or None: it measures on
+    a GPU, when asked for, not under GJIT_CHECK, with the example's sizes known, and with torch's
+    deterministic algorithms off (a choice made by timing is not reproducible bit for bit: tiles
+    set the order of the sums)."""
+    if not options.matmul_template:
+        return "no templates"
+    if not config.tune:
+        return "tuning off, GJIT_TUNE=0"
+    if options.check:
+        return "GJIT_CHECK runs the kernels as generated"
+    if torch.are_deterministic_algorithms_enabled():
+        return "torch's deterministic algorithms are on"
+    if not on_gpu(gm):
+        return "not on a GPU"
+    hints = size_hints(gm)
+    if example is None or not all(s in hints for s in symbols):
+        return "no example sizes"
+    return None
 
 
 def tune_graph(
@@ -317,35 +365,29 @@ def tune_graph(
     run: Passes,
     graph_inputs: list,
 ) -> tuple[LoopGraph, list[Step], CompiledGraph]:
-    """The program with each template kernel in its fastest configuration, or the same graph with
-    every matmul an ATen extern where that runs faster (gjit/tuning.py), measured at the example's
-    sizes (unchanged when export gave some size no example value)."""
-    loop_graph, steps, graph = analysis
+    """The program with each template kernel in its fastest configuration and, under "auto", each
+    matmul and attention region a template or the library's kernels, whichever is faster
+    (gjit/choice.py), measured at the example's sizes."""
     hints, options = size_hints(gm), run.options
-    if not all(s in hints for s in symbols):
-        return analysis
     sizes = tuple(hints[s] for s in symbols)
-    regions = [s for s in steps if isinstance(s, Region)]
-    index = {r.name: k for k, r in enumerate(regions)}
+    branches = analysis[2].subgraphs  # compiled once: their choice is not measured
 
-    def emit(region: Region, choice: int) -> KernelSource:
-        region.config = choice
-        return generate_kernel(region, loop_graph, hints, index[region.name], options)
-
-    def rebuild() -> CompiledGraph:
+    def build(loop_graph: LoopGraph, steps: list[Step], templates: TemplateChoice) -> CompiledGraph:
         kernels = generate_kernels(steps, loop_graph, hints, options)
-        rebuilt = write_graph(gm, kernels, write_wrapper(loop_graph, steps, kernels, symbols, options))
-        rebuilt.subgraphs = graph.subgraphs
-        return rebuilt
+        graph = write_graph(gm, kernels, write_wrapper(loop_graph, steps, kernels, symbols, options))
+        graph.subgraphs, graph.templates = branches, templates
+        return graph
 
-    def aten() -> tuple[LoopGraph, list[Step], CompiledGraph]:
-        return compile_graph(gm, symbols, Passes(dataclasses.replace(options, matmul="aten"), {}))
+    def emit(loop_graph: LoopGraph, steps: list[Step], region: Region, config: int) -> KernelSource:
+        region.config = config
+        index = [s.name for s in steps if isinstance(s, Region)].index(region.name)
+        return generate_kernel(region, loop_graph, hints, index, options)
 
-    # with torch.cond branches only the example's branch would be timed: templates stay
-    alternative = aten if options.matmul_template and not graph.subgraphs else None
-    tuned = tuning.tune(graph, steps, emit, rebuild, alternative, graph_inputs, sizes, symbols)
-    tuned.graph.tuning = tuned.lines
-    return (*(tuned.analysis or (loop_graph, steps)), tuned.graph)
+    schedule = functools.partial(schedule_graph, gm, run=_untimed)
+    builder = choice.Builder(schedule, build, emit, hints, options.tf32)
+    call = choice.Call(graph_inputs, sizes, dict(zip(symbols, sizes)))
+    chosen = choice.measured(analysis, builder, call, compare=options.matmul == "auto")
+    return chosen.loop_graph, chosen.steps, chosen.graph
 
 
 def has_lowering(node: torch.fx.Node) -> bool:

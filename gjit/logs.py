@@ -34,7 +34,7 @@ ARTIFACTS: dict[str, str] = {
     "lowering": "every node that became an ATen extern, and why",
     "capture": "export attempts, retries with static shapes, capture failures",
     "check": "GJIT_CHECK's per-region error table (kernel vs eager fallback)",
-    "tuning": "on a GPU: each template kernel's configurations with their times, and templates vs ATen",
+    "tuning": "each template kernel's configurations with their times, and each region's template or ATen",
     "cudagraphs": "mode='reduce-overhead': each CUDA graph recorded or dropped, and why calls run without "
     "one (once per reason and entry)",
 }

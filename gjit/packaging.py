@@ -61,8 +61,9 @@ def save(compiled: CompiledFunction, path: str, *, weights: bool = False, binari
         "config": _config_of(compiled.model),
         "weights": weights,
         "signature": _signature_record(compiled.signature),
-        # the GPU its kernels' tiles and templates-or-ATen were measured on (gjit/tuning.py): a
-        # configuration chosen there may not fit another card's shared memory
+        # the GPU its kernels' tiles and templates-or-ATen were measured (or taken from the table)
+        # on (gjit/tuning.py, gjit/choice.py): a configuration chosen there may not fit another
+        # card's shared memory
         "tuned_on": _tuned_on(compiled),
     }
     if weights:
@@ -140,9 +141,12 @@ def _install_binaries(members: dict[str, bytes]) -> None:
 
 
 def _tuned_on(compiled: CompiledFunction) -> str:
-    """The GPU an entry of `compiled` was tuned on ("" if none was)."""
+    """The GPU an entry of `compiled` was tuned on, or took templates for from the table measured
+    on its kind of card (kernels/template_wins.py, in the tiles that ran there); "" if none was."""
     for entry in compiled.entries:
-        if entry.program.graph.tuning and entry.program.graph.on_cuda:
+        graph = entry.program.graph
+        table = graph.templates is not None and any(r.why == "table" for r in graph.templates.regions)
+        if (graph.tuning or table) and graph.on_cuda:
             return torch.cuda.get_device_name()
     return ""
 
@@ -179,7 +183,7 @@ def _load(
         raise PackageError(
             f"{path} was tuned on a {tuned_on} (its kernels' tile configurations were measured there), "
             f"not {'a ' + here if here else 'this machine'}: compile the model again here, or save the "
-            "package from a compile with GJIT_TUNE=0"
+            "package from a compile with GJIT_TUNE=0 and GJIT_MATMUL=template or aten"
         )
     if model is None and not manifest["weights"]:
         raise PackageError(

@@ -1,26 +1,24 @@
-"""On a GPU, a measured choice at compile time: each template kernel's tile configuration, then the
-template program against the same graph with every matmul an ATen extern.
+"""On a GPU, the measurements of a compile: a template kernel in each of its tile configurations,
+and the pieces of the library's alternative (gjit/choice.py decides with them).
 
 Codegen emits a template kernel (kernels/matmul.py, kernels/attention.py) in the first of its
 configurations: the table's pick for the example sizes. With CUDA example inputs and
-`gjit.config.tune` on, the compile then
+`gjit.config.tune` on, the compile
 
-1. runs the program once on the example inputs, keeping the arguments of the first launch of
-   each distinct template kernel and what it wrote (the tensors themselves: no copies);
-2. per distinct kernel (the layers of a model share theirs), times the first configuration on the
-   kept arguments; one that runs for at least MIN_KERNEL_MS is emitted in each other configuration,
-   launched on the same arguments, rejected where its output differs from the first's beyond
-   rounding (or it does not build), else timed; the fastest is kept;
-3. rebuilds the program with each kernel's fastest configuration and, where its template kernels
-   (every layer's) run for at least MIN_PROGRAM_MS together, times it against the program compiled with every
-   matmul an ATen extern (each replayed from a CUDA graph where it can be captured: kernel time,
-   not launch overhead), keeping the faster.
+1. runs the program once on the example inputs (`record`), keeping the arguments of the first
+   launch of each distinct kernel and what it wrote (the graph's inputs as they are: no copies
+   of the weights), and, in the program with every matmul an ATen extern, the arguments of each
+   extern call of a product;
+2. per distinct template kernel (the layers of a model share theirs), times the first
+   configuration on the kept arguments (`choose`); one that runs for at least MIN_KERNEL_MS is
+   emitted in each other configuration, launched on the same arguments, rejected where its output
+   differs from the first's beyond rounding (or it does not build), else timed; the fastest is
+   kept. An extern call or a kernel of the library's side is timed the same way, on its kept
+   arguments.
 
-The figures go to GJIT_LOGS=tuning and to `explain`'s matmul lines; the on-disk cache stores the
-tuned program (its key names the device), so a warm start measures nothing. Kernel times are
-medians of triton.testing.do_bench; on the CPU nothing is measured (kernel times there would be
-the interpreter's; tests/test_tuning.py runs the decisions there with given times). Figures from
-an H200: docs/bench.md.
+Kernel times are medians of triton.testing.do_bench (`bench`); on the CPU nothing is measured
+(kernel times there would be the interpreter's; tests/test_tuning.py and tests/test_choice.py
+run the decisions there with given times). Figures from an H200: docs/bench.md.
 """
 
 from __future__ import annotations
@@ -40,28 +38,20 @@ import torch
 from gjit import logs
 from gjit.codegen.common import KernelSource
 from gjit.codegen.share import code_text
-from gjit.fusion import Region, Step
+from gjit.fusion import Region
 from gjit.runtime import interpret as interpret_libdevice
 from gjit.runtime.graph import KERNEL_PRELUDE, CompiledGraph, load_kernel, write_source
 
 log = logs.logger("tuning")
 
-MIN_KERNEL_MS = 0.02  # below this a kernel is launch-bound: its tiles hardly matter
-MIN_PROGRAM_MS = 0.05  # template kernels' time (all of a call's) below which ATen is not tried
+MIN_KERNEL_MS = 0.02  # below this a kernel is launch-bound: its tiles, and the library, hardly matter
 
 
-def bench(fn: Callable[[], Any], program: bool = False) -> float:
-    """Median milliseconds of `fn` on the GPU (tests replace this). A `program` (a whole graph,
-    several launches) is timed replayed from a CUDA graph where it can be captured: its kernels'
-    time, not the host's time to launch them, which a cached call pays either way."""
-    from triton.testing import do_bench, do_bench_cudagraph
+def bench(fn: Callable[[], Any], what: str) -> float:
+    """Median milliseconds of `fn` on the GPU (tests replace this; `what` names the kernel or
+    extern call and its configuration, for them and for nothing else)."""
+    from triton.testing import do_bench
 
-    if program:
-        try:
-            return float(do_bench_cudagraph(fn, rep=10, return_mode="median"))
-        except Exception as e:  # not capturable (a host sync, say): timed launch by launch
-            torch.cuda.synchronize()
-            log.info("timing the program without a CUDA graph: %s", first_line(e))
     # a few milliseconds each: every template kernel of a cold compile is timed at least once
     return float(do_bench(fn, warmup=1, rep=5, return_mode="median"))
 
@@ -76,92 +66,12 @@ class Launch:
     sizes: list[int]  # the kernel's size arguments
     written: list[torch.Tensor]
     values: dict[sympy.Symbol, int]  # every size symbol's value in this call
-
-
-@dataclasses.dataclass
-class Tuned:
-    """The outcome: the graph to run, the schedule it came from, and one line per decision."""
-
-    graph: CompiledGraph
-    analysis: tuple[Any, list[Step]] | None  # (loop graph, schedule) of the ATen program; None: the given
-    lines: list[str]
-
-
-def tune(
-    graph: CompiledGraph,
-    steps: list[Step],
-    emit: Callable[[Region, int], KernelSource],
-    rebuild: Callable[[], CompiledGraph],
-    aten: Callable[[], tuple[Any, list[Step], CompiledGraph]] | None,
-    graph_inputs: list[Any],
-    sizes: tuple,
-    symbols: list[sympy.Symbol],
-) -> Tuned:
-    """The measured choice for `graph` (its template regions in `steps`) run on `graph_inputs`
-    with `sizes` (the values of `symbols`): `emit(region, index)` is the region's kernel in
-    configuration `index`, `rebuild()` the program over the regions' chosen configurations,
-    `aten()` the graph compiled with matmuls as externs (None: no such alternative). Torch's
-    random number generators are left as they were: the user's call draws what eager would."""
-    regions = [s for s in steps if isinstance(s, Region) and s.matmul]
-    devices = [t.device for t in graph_inputs if isinstance(t, torch.Tensor) and t.is_cuda][:1]
-    with torch.random.fork_rng(devices=devices):
-        keys, launches = record(
-            graph, {r.name for r in regions}, graph_inputs, sizes, dict(zip(symbols, sizes))
-        )
-        lines, total = configure(regions, graph, keys, launches, emit)
-        if any(r.config for r in regions):
-            graph = rebuild()
-        if aten is None or total < MIN_PROGRAM_MS:
-            return Tuned(graph, None, lines)
-        return against_aten(graph, aten, graph_inputs, sizes, lines)
-
-
-def configure(
-    regions: list[Region],
-    graph: CompiledGraph,
-    keys: dict[str, str],
-    launches: dict[str, Launch],
-    emit: Callable,
-) -> tuple[list[str], float]:
-    """Each template region's fastest configuration (set on the region, measured once per
-    distinct kernel); the decisions' lines and the chosen kernels' ms, every layer's."""
-    by_name = {k.name: k for k in graph.kernels}
-    lines: list[str] = []
-    total = 0.0
-    chosen: dict[str, tuple[int, float]] = {}  # kernel code and sizes -> (configuration, ms)
-    for region in regions:
-        key = keys.get(region.name)
-        if key in chosen:  # another layer's kernel
-            region.config = chosen[key][0]
-            total += chosen[key][1]
-            continue
-        launch = launches.pop(key, None)  # measured once: its tensors go when it has been
-        if launch is None:  # not launched (an empty tensor), or it writes what it reads
-            continue
-        config, ms, line = choose(region, by_name[region.name], launch, emit)
-        chosen[key], region.config = (config, ms), config
-        total += ms
-        lines.append(line)
-        log.info("%s", line)
-    return lines, total
-
-
-def against_aten(
-    graph: CompiledGraph, aten: Callable, graph_inputs: list[Any], sizes: tuple, lines: list[str]
-) -> Tuned:
-    """The tuned program or the one with every matmul an ATen extern, whichever runs faster."""
-    aten_loop_graph, aten_steps, aten_graph = aten()
-    # on the call's own inputs: a program only reads them, but for the index writes gjit makes in
-    # place (a KV cache's), which write the same values each run (gjit/in_place.py)
-    t_template = bench(lambda: graph.run(graph_inputs, sizes), program=True)
-    t_aten = bench(lambda: aten_graph.run(graph_inputs, sizes), program=True)
-    keep = t_template <= t_aten
-    line = f"program: templates {t_template:.3f} ms, every matmul an ATen extern {t_aten:.3f} ms: " + (
-        "kept the templates" if keep else "ATen is faster, it runs the matmuls"
-    )
-    log.info("%s", line)
-    lines = [*lines, line]
-    return Tuned(graph, None, lines) if keep else Tuned(aten_graph, (aten_loop_graph, aten_steps), lines)
+    # the launch as the wrapper made it (`replay`): the kernel it launched, its grid, the
+    # arguments after the sizes (xnumel, rnumel) and the keywords (blocks, warps, stages)
+    kernel: Any = None
+    grid: Any = None
+    rest: list = dataclasses.field(default_factory=list)
+    keywords: dict = dataclasses.field(default_factory=dict)
 
 
 def same_kernel_key(kernel: KernelSource, sizes: list[int]) -> str:
@@ -176,19 +86,19 @@ def same_kernel_key(kernel: KernelSource, sizes: list[int]) -> str:
     return code_text(body, names) + str([values[s] for s in order])
 
 
-def choose(region: Region, kernel: KernelSource, launch: Launch, emit: Callable) -> tuple[int, float, str]:
-    """(configuration, ms, the decision's line) of one template kernel on its kept launch."""
+def choose(
+    region: Region, kernel: KernelSource, launch: Launch, emit: Callable, label: str
+) -> tuple[int, float | None, str]:
+    """(configuration, ms, the decision's line) of one template kernel on its kept launch; ms None
+    when it could not be timed. `label`: what the kernel computes, for `bench`."""
     try:
         fn = loaded(kernel, launch)
-        first = bench(lambda: run_kernel(kernel, launch, fn))
+        first = bench(lambda: run_kernel(kernel, launch, fn), f"{label} configuration 0")
     except Exception as e:  # its sizes not all known here, say: the table's configuration runs
-        return (
-            0,
-            0.0,
-            f"{kernel.name}: not tuned ({str(e).splitlines()[0][:80] if str(e) else type(e).__name__})",
-        )
+        return 0, None, f"{kernel.name}: not tuned ({first_line(e)})"
     if kernel.configs <= 1 or first < MIN_KERNEL_MS:
-        return 0, first, f"{kernel.name}: {describe(kernel)} {first:.3f} ms (too short to tune)"
+        why = "its one configuration" if kernel.configs <= 1 else "too short to tune"
+        return 0, first, f"{kernel.name}: {describe(kernel)} {first:.3f} ms ({why})"
     best, best_ms, notes = 0, first, [f"{describe(kernel)} {first:.3f}"]
     for index in range(1, kernel.configs):
         candidate = kernel
@@ -199,11 +109,12 @@ def choose(region: Region, kernel: KernelSource, launch: Launch, emit: Callable)
                 out.fill_(math.nan if out.dtype.is_floating_point else -1)
             run_kernel(candidate, launch, fn)
             differs = mismatch(launch)
-            ms = math.inf if differs else bench(functools.partial(run_kernel, candidate, launch, fn))
+            timed = functools.partial(run_kernel, candidate, launch, fn)
+            ms = math.inf if differs else bench(timed, f"{label} configuration {index}")
         except Exception as e:  # a configuration that does not build (shared memory, registers)
             differs, ms = f"does not build: {first_line(e)}", math.inf
-        label = describe(candidate) if candidate is not kernel else f"configuration {index}"
-        notes.append(f"{label} " + (differs or f"{ms:.3f}"))
+        name = describe(candidate) if candidate is not kernel else f"configuration {index}"
+        notes.append(f"{name} " + (differs or f"{ms:.3f}"))
         if differs == "computes something else":  # a codegen bug in that configuration
             log.warning("gjit: %s %s %s; not used", kernel.name, describe(candidate), differs)
         if ms < best_ms:
@@ -243,6 +154,14 @@ def run_kernel(kernel: KernelSource, launch: Launch, fn: Any) -> None:
         fn[grid](*launch.inputs, *launch.outputs, *launch.sizes, xnumel, **options)
 
 
+def replay(launch: Launch) -> None:
+    """The kept launch again, as the wrapper made it, writing fresh outputs."""
+    on_device = launch.inputs[0].is_cuda if launch.inputs else launch.outputs[0].is_cuda
+    with contextlib.nullcontext() if on_device else interpret_libdevice.stdlib_interpreted():
+        args = (*launch.inputs, *launch.outputs, *launch.sizes, *launch.rest)
+        launch.kernel[launch.grid](*args, **launch.keywords)
+
+
 def mismatch(launch: Launch) -> str:
     """'' when the outputs hold what the first configuration wrote, up to rounding."""
     for out, ref in zip(launch.outputs, launch.written):
@@ -259,13 +178,20 @@ def mismatch(launch: Launch) -> str:
 
 
 def record(
-    graph: CompiledGraph, names: set[str], graph_inputs: list[Any], sizes: tuple, values: dict
+    graph: CompiledGraph,
+    names: set[str],
+    graph_inputs: list[Any],
+    sizes: tuple,
+    values: dict,
+    calls: dict[Any, Callable[[tuple, dict], None]] | None = None,
 ) -> tuple[dict[str, str], dict[str, Launch]]:
     """Run `graph` once; of the kernels in `names`, (each one's same_kernel_key, the first launch
     per key whose outputs share no memory with its inputs). A launch keeps the graph's inputs it
     reads as they are (the model's weights are not duplicated: the program only reads them, but
     for gjit's in-place index writes, which write the same values each run) and copies of the
-    intermediates it reads and of what it wrote (the reference a configuration is compared with)."""
+    intermediates it reads and of what it wrote (the reference a configuration is compared with).
+    `calls`: ATen ops -> a function each of the wrapper's calls of that op is handed to, in
+    order, as (args, kwargs)."""
     keys: dict[str, str] = {}
     kept: dict[str, Launch] = {}
     by_name = {k.name: k for k in graph.kernels}
@@ -282,7 +208,8 @@ def record(
                 def launch(*args: Any, **kwargs: Any) -> Any:
                     inputs, outputs = list(args[:ins]), list(args[ins : ins + outs])
                     size_args = [int(a) for a in args[ins + outs : ins + outs + len(source.size_args)]]
-                    key = keys.setdefault(name, same_kernel_key(source, size_args))
+                    rest = list(args[ins + outs + len(source.size_args) :])  # xnumel (rnumel)
+                    key = keys.setdefault(name, same_kernel_key(source, size_args) + str(rest))
                     read = {storage(t) for t in inputs}
                     keep = key not in kept and not any(storage(t) in read for t in outputs)
                     # the graph's inputs (weights) as they are; intermediates copied before, outputs
@@ -293,7 +220,8 @@ def record(
                     if keep:
                         written = [t.clone() for t in outputs]
                         fresh = [torch.empty_like(t) for t in outputs]
-                        kept[key] = Launch(inputs, fresh, size_args, written, values)
+                        made = (kernel, grid, rest, kwargs)
+                        kept[key] = Launch(inputs, fresh, size_args, written, values, *made)
                     return result
 
                 return launch
@@ -302,9 +230,47 @@ def record(
 
     if graph.on_cuda and not graph.prebuilt:  # the builds start before the probes wrap the kernels
         graph.prebuild(graph.call_fn(interpret=False), graph_inputs, sizes)
-    with kernels_wrapped(graph, probe):
+    with kernels_wrapped(graph, probe), aten_calls_recorded(graph, calls or {}):
         graph.run(graph_inputs, sizes)
     return keys, kept
+
+
+@contextlib.contextmanager
+def aten_calls_recorded(
+    graph: CompiledGraph, calls: dict[Any, Callable[[tuple, dict], None]]
+) -> Iterator[None]:
+    """Within, the device wrapper's calls of the ATen ops in `calls` (the wrapper calls
+    `aten.<op>.<overload>(...)`) are handed, as (args, kwargs), to the op's function first."""
+    if not calls:
+        yield
+        return
+    namespace = inspect.unwrap(graph.call_fn(interpret=not graph.on_cuda)).__globals__
+    real = namespace["aten"]
+
+    def recorded(op: Any) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[op](args, kwargs)
+            return op(*args, **kwargs)
+
+        return call
+
+    class Packet:
+        def __init__(self, packet: Any):
+            self.packet = packet
+
+        def __getattr__(self, overload: str) -> Any:
+            op = getattr(self.packet, overload)
+            return recorded(op) if op in calls else op
+
+    class Ops:
+        def __getattr__(self, name: str) -> Any:
+            return Packet(getattr(real, name))
+
+    namespace["aten"] = Ops()
+    try:
+        yield
+    finally:
+        namespace["aten"] = real
 
 
 def storage(t: torch.Tensor) -> int:

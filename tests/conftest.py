@@ -45,8 +45,11 @@ def _gjit_cache_dir(tmp_path_factory):
     gjit.config.cache_dir = str(tmp_path_factory.mktemp("gjit_cache"))
     gjit.config.cache = False
     # on a GPU the tests check the kernels codegen emits, not which one a measurement picked
-    # (tests/test_tuning.py turns tuning on)
+    # (tests/test_tuning.py turns tuning on), and every product is a template, as GJIT_MATMUL
+    # template asks (the default, "auto", would leave them to ATen where nothing is measured:
+    # tests/test_choice.py checks that choice)
     gjit.config.tune = False
+    gjit.config.matmul = "template"
     yield
 
 

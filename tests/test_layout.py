@@ -58,7 +58,7 @@ LAYERS = [
     ("runtime", ["gjit.runtime"]),
     ("guards", ["gjit.guards"]),
     ("debug", ["gjit.debug"]),
-    ("driver", ["gjit.tuning", "gjit.driver"]),
+    ("driver", ["gjit.tuning", "gjit.choice", "gjit.driver"]),
     ("api", ["gjit.api", "gjit.backend", "gjit.aot", "gjit.packaging", "gjit="]),
     ("tools", ["gjit.demo", "gjit.demo_llm", "gjit.bench"]),
 ]

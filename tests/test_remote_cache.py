@@ -528,3 +528,35 @@ def test_a_binary_for_another_gpu_is_not_installed(server, tmp_path, sm90):
         assert not triton_binaries.fetch(remote_cache.current(), name, metadata, ("cuda", 80, 32))
         assert gjit.stats()["remote_cache_errors"] == before + 1
         assert triton_binaries.fetch(remote_cache.current(), name, metadata, ("cuda", 90, 32))
+
+
+def test_a_remote_hit_keeps_the_per_region_choice_and_measures_nothing(server, tmp_path, monkeypatch):
+    """The choice between templates and ATen (gjit/choice.py), measured on the first machine,
+    travels with its entry: a second machine serves the same program and measures nothing."""
+    from gjit import driver, tuning
+
+    measured: list[str] = []
+
+    def bench(fn, what):  # the template loses: the library's side is faster
+        fn()
+        measured.append(what)
+        return 1.0 if what.startswith("template") else 0.1
+
+    monkeypatch.setattr(tuning, "bench", bench)
+    monkeypatch.setattr(driver, "on_gpu", lambda gm: True)  # measured as on a GPU
+    with gjit.config.scope(tune=True, matmul="auto"):
+        compile_on_a_new_machine(tmp_path, "a", server.url())
+        flush(server.url())
+        assert measured
+        count = len(measured)
+        before = gjit.stats().get("remote_cache_hits", 0)
+        machine = dict(cache=True, cache_dir=str(tmp_path / "b"), remote_cache=server.url(), interpret=True)
+        with gjit.config.scope(**machine):
+            cm = gjit.compile(model)
+            out = cm(*args())
+    torch.testing.assert_close(out, model(*args()))
+    assert gjit.stats()["remote_cache_hits"] > before, "the second machine's entry came from the server"
+    assert len(measured) == count, "a remote hit measures nothing"
+    report = gjit.explain(cm, *args())
+    assert [e.op for e in report.externs] == ["aten.mm.default"], "ATen on the second machine as on the first"
+    assert "chosen per region: ATen (measured" in report.externs[0].reason

@@ -1,7 +1,8 @@
-"""The measured choice of gjit/tuning.py: each template kernel's tile configuration, then templates
-against ATen matmuls. On a GPU the times are triton.testing.do_bench's; here the kernels run in
-Triton's interpreter (every configuration is launched and its output compared with the first's)
-and the test says what each measurement returns, so the decisions are known."""
+"""The measurements of gjit/tuning.py: each template kernel's tile configuration, then (matmul
+"auto", gjit/choice.py) each region's template against ATen's kernels. On a GPU the times are
+triton.testing.do_bench's; here the kernels run in Triton's interpreter (every configuration is
+launched and its output compared with the first's) and the test says what each measurement
+returns, so the decisions are known."""
 
 import pytest
 import torch
@@ -9,43 +10,29 @@ import torch.nn.functional as F
 
 import gjit
 from gjit import driver, tuning
+from gjit.kernels.attention import attention_configs
 from gjit.kernels.matmul import matmul_configs
 from helpers import assert_same, check_against_float64, run_compiled
 
 pytestmark = [pytest.mark.cpu]
 
 
-def forced(wants_tuning):
-    """driver.wants_tuning, the graph taken as on a GPU for the question (it runs on the CPU)."""
-
-    def wants(graph, options):
-        saved = graph.__dict__.pop("on_cuda", None)
-        graph.__dict__["on_cuda"] = True  # functools.cached_property's slot
-        try:
-            return wants_tuning(graph, options)
-        finally:
-            del graph.__dict__["on_cuda"]
-            if saved is not None:
-                graph.__dict__["on_cuda"] = saved
-
-    return wants
-
-
 @pytest.fixture
 def measured(monkeypatch):
-    """Tuning on for CPU graphs; `times` is what each measurement returns, in order (each
-    measured function still runs once, so every configuration really executes)."""
+    """Tuning on for CPU graphs, taken as on a GPU, under the default matmul setting ("auto");
+    `times` is what each measurement returns, in order (each measured function still runs once,
+    so every configuration and every piece of the library's side really executes)."""
     times: list[float] = []
     calls: list[float] = []
 
-    def bench(fn, program=False):
+    def bench(fn, what):
         fn()
         calls.append(times.pop(0))
         return calls[-1]
 
     monkeypatch.setattr(tuning, "bench", bench)
-    monkeypatch.setattr(driver, "wants_tuning", forced(driver.wants_tuning))
-    with gjit.config.scope(tune=True):
+    monkeypatch.setattr(driver, "on_gpu", lambda gm: True)
+    with gjit.config.scope(tune=True, matmul="auto"):
         yield times, calls
 
 
@@ -59,7 +46,7 @@ def test_the_fastest_configuration_is_kept_and_computes_the_same(measured):
     configs = matmul_configs(65, 130, 40, torch.float32)
     assert len(configs) > 2
     # the table's pick, then each candidate; the second candidate is the fastest; then the
-    # program end to end (1.0) against the ATen one (2.0)
+    # library's side: the addmm extern (1.0) and the kernel that computes the GELU (2.0)
     times += [1.0, 0.9, 0.5] + [0.7] * (len(configs) - 3) + [1.0, 2.0]
     out, cm = run_compiled(linear_gelu, x, w, b)
     assert not times and len(calls) == len(configs) + 2
@@ -75,20 +62,21 @@ def test_the_fastest_configuration_is_kept_and_computes_the_same(measured):
     assert kernel.num_stages == chosen.stages and kernel.num_warps == chosen.warps
     report = gjit.explain(cm, x, w, b)
     tuned = [m for m in report.matmuls if m.startswith("tuned on the GPU")]
-    assert len(tuned) == 2 and "chose configuration 2" in tuned[0] and "kept the templates" in tuned[1]
+    assert len(tuned) == 2 and "chose configuration 2" in tuned[0], tuned
+    assert "addmm: template (measured" in tuned[1] and "template 0.500 ms, ATen 3.000 ms" in tuned[1], tuned
 
 
 def test_aten_wins_where_it_is_faster(measured):
     times, _ = measured
     x, w, b = torch.randn(65, 40), torch.randn(130, 40), torch.randn(130)
     n = len(matmul_configs(65, 130, 40, torch.float32))
-    times += [1.0] * n + [2.0, 1.0]  # no configuration beats the first; the ATen program does
+    times += [1.0] * n + [0.4, 0.3]  # no configuration beats the first; addmm + the GELU kernel do
     out, cm = run_compiled(linear_gelu, x, w, b)
     assert_same(out, linear_gelu(x, w, b))
     report = gjit.explain(cm, x, w, b)
     assert [e.op for e in report.externs] == ["aten.addmm.default"]
     assert not any(k.name.startswith("gjit_mm_") for k in report.kernels)
-    assert "ATen is faster" in report.matmuls[-1]
+    assert "addmm: ATen (measured" in report.matmuls[-1], report.matmuls
     assert report.matmuls[0].startswith("addmm (aten.addmm.default): ATen extern")
 
 
@@ -102,12 +90,14 @@ def test_layers_with_the_same_kernel_are_measured_once(measured, norm):
         return torch.relu(pre(x) @ w), torch.relu(pre(y) @ v)
 
     n = len(matmul_configs(20, 70, 40, torch.float32))
-    times += [1.0] * (n - 1) + [0.5] + [1.0, 3.0]
+    # the configurations, then the library's side: mm, (the norm's kernel,) the ReLU's kernel
+    library = [1.0, 3.0] + ([1.0] if norm else [])
+    times += [1.0] * (n - 1) + [0.5] + library
     out, cm = run_compiled(two_layers, x, w, y, v)
     for a, e in zip(out, two_layers(x, w, y, v)):
         assert_same(a, e)
     kernels = [k for k in cm.entries[0].program.kernels if k.name.startswith("gjit_mm_")]
-    assert len(kernels) == 2 and len(calls) == n + 2, "the second layer's kernel is the first's, renamed"
+    assert len(kernels) == 2 and len(calls) == n + len(library), "the second layer's kernel is the first's"
     assert kernels[0].blocks == kernels[1].blocks and kernels[0].num_stages is not None
 
 
@@ -154,16 +144,22 @@ def test_tuning_off_measures_nothing(measured):
     x, w, b = torch.randn(65, 40), torch.randn(130, 40), torch.randn(130)
     with gjit.config.scope(tune=False):
         out, cm = run_compiled(linear_gelu, x, w, b)
+        with gjit.config.scope(matmul="template"):
+            out_template, cm_template = run_compiled(linear_gelu, x, w, b)
     assert not measured[1]
     assert_same(out, linear_gelu(x, w, b))
-    assert cm.entries[0].program.kernels[0].num_stages is None
-    assert not any(m.startswith("tuned") for m in gjit.explain(cm, x, w, b).matmuls)
+    assert_same(out_template, linear_gelu(x, w, b))
+    report = gjit.explain(cm, x, w, b)
+    assert [e.op for e in report.externs] == ["aten.addmm.default"]  # "auto": the library
+    assert "nothing measured (tuning off, GJIT_TUNE=0)" in report.externs[0].reason
+    assert cm_template.entries[0].program.kernels[0].num_stages is None  # the table's tiles
+    assert not any(m.startswith("tuned") for m in report.matmuls)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_on_a_gpu_the_choice_is_measured_and_exact(dtype):
-    """A product long enough that both choices are measured (over tuning.MIN_PROGRAM_MS even at
+    """A product long enough that both choices are measured (over tuning.MIN_KERNEL_MS even at
     cuBLAS's speed: 0.2 ms and more on an H100 or H200): the configurations and ATen are timed
     for real, and whichever runs computes what eager does."""
     n = 4096 if dtype == torch.float16 else 2048
@@ -171,24 +167,28 @@ def test_on_a_gpu_the_choice_is_measured_and_exact(dtype):
     w = torch.randn(n, n, device="cuda", dtype=dtype) / n**0.5
     b = torch.randn(n, device="cuda", dtype=dtype)
     cm = gjit.compile(linear_gelu)
-    with gjit.config.scope(tune=True):
+    with gjit.config.scope(tune=True, matmul="auto"):
         out = cm(x, w, b)
     expected, reference = linear_gelu(x, w, b), linear_gelu(x.double(), w.double(), b.double())
     assert_same(out, expected, reference)
     tuned = [m for m in gjit.explain(cm, x, w, b).matmuls if m.startswith("tuned on the GPU")]
     assert len(tuned) == 2, tuned
-    assert "ms by tiles" in tuned[0] and tuned[1].startswith("tuned on the GPU: program"), tuned
+    assert "ms by tiles" in tuned[0] and tuned[1].startswith("tuned on the GPU: addmm: "), tuned
+    assert "(measured" in tuned[1] and "ATen: addmm" in tuned[1], tuned
 
 
 def test_a_launch_bound_kernel_is_not_tuned_and_aten_not_tried(measured):
+    """16-bit: a float32 product without TF32 is compared with ATen however short
+    (tests/test_choice.py)."""
     times, calls = measured
-    x, w, b = torch.randn(65, 40), torch.randn(130, 40), torch.randn(130)
+    x, w, b = (t.half() for t in (torch.randn(65, 40), torch.randn(130, 40), torch.randn(130)))
     times += [0.005]  # the first configuration: below tuning.MIN_KERNEL_MS
     out, cm = run_compiled(linear_gelu, x, w, b)
     assert_same(out, linear_gelu(x, w, b))
     assert len(calls) == 1
-    (line,) = [m for m in gjit.explain(cm, x, w, b).matmuls if m.startswith("tuned")]
-    assert "too short to tune" in line
+    tiles, choice = [m for m in gjit.explain(cm, x, w, b).matmuls if m.startswith("tuned")]
+    assert "too short to tune" in tiles
+    assert "addmm: template (too short to matter: template 0.005 ms)" in choice, choice
     assert cm.entries[0].program.kernels[0].name.startswith("gjit_mm_")
 
 
@@ -199,12 +199,13 @@ def test_attention_configurations_are_measured_too(measured):
     q, k, v = (torch.randn(2, 3, 40, 16) for _ in range(3))
     fn = F.scaled_dot_product_attention
     cm = gjit.compile(fn, dynamic=True)
-    times += [1.0] * 8 + [1.0, 2.0]  # more than enough: each configuration, then end to end
+    configs = len(attention_configs(40, 40, 16, 16, torch.float32))
+    times += [1.0] * configs + [2.0]  # each configuration, then the library's side: SDPA alone
     out, _ = run_compiled(cm, q, k, v)
     assert_same(out, fn(q, k, v))
     (kernel,) = cm.entries[0].program.kernels
-    assert kernel.name.startswith("gjit_attn_") and kernel.configs > 1
-    assert len(calls) == kernel.configs + 2, calls
+    assert kernel.name.startswith("gjit_attn_") and kernel.configs == configs > 1
+    assert len(calls) == kernel.configs + 1 and not times, calls
     line = next(m for m in gjit.explain(cm, q, k, v).matmuls if "ms by tiles" in m)
     assert "not tuned" not in line and "does not build" not in line, line
 
@@ -297,8 +298,8 @@ def test_every_configuration_computes_what_the_first_does(measured, caplog, monk
         args = tuple(torch.randn(2, 3, 70, 16) for _ in range(3))
     args = tuple(a.to(dtype) for a in args)
     times += [1.0 - 0.1 * i for i in range(8)]  # each configuration faster than the one before
-    monkeypatch.setattr(tuning, "MIN_PROGRAM_MS", float("inf"))  # the templates stay: no ATen run
-    cm, report = check_against_float64(fn, *args)
+    with gjit.config.scope(matmul="template"):  # the templates stay: no library side measured
+        cm, report = check_against_float64(fn, *args)
     (kernel,) = [k for k in cm.entries[0].program.kernels if k.configs > 1]
     assert kernel.configs >= 3, kernel.configs
     (line,) = [m for m in report.matmuls if "ms by tiles" in m]
@@ -317,13 +318,14 @@ def test_layers_sharing_a_kernel_at_other_sizes_are_each_measured(measured):
 
     x, y = torch.randn(48, 40), torch.randn(200, 40)
     na, nb = len(matmul_configs(48, 70, 40, torch.float32)), len(matmul_configs(200, 70, 40, torch.float32))
-    times += [1.0] * na + [1.0] * (nb - 1) + [0.4] + [1.0, 3.0]
+    # the heavier (y's 200 rows) first; then each one's library side: its mm, its ReLU kernel
+    times += [1.0] * (nb - 1) + [0.4] + [1.0] * na + [1.0, 3.0] * 2
     with torch.no_grad():
         out, cm = run_compiled(two, x, y)
         for a, e in zip(out, two(x, y)):
             assert_same(a, e)
     first, second = cm.entries[0].program.kernels
-    assert len(calls) == na + nb + 2, "each region's launch is measured at its own sizes"
+    assert len(calls) == na + nb + 4, "each region's launch is measured at its own sizes"
     tuned = cm.entries[0].program.graph.tuning
     assert any(first.name in line for line in tuned) and any(second.name in line for line in tuned)
     assert second.code_of is None and second.blocks != first.blocks, "different choices: their own code"

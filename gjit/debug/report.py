@@ -57,7 +57,8 @@ class Report:
     perf_hints: list[str] = dataclasses.field(default_factory=list)
     # ops gjit has no lowering for that torch.compile's decompositions turned into ops it lowers
     decomposed: list[str] = dataclasses.field(default_factory=list)
-    # per matmul of the graph: the template kernel that computes it, or the extern and why
+    # per matmul of the graph: the template kernel that computes it, or the extern and why, with
+    # the per-region choice and its figures (gjit/choice.py); then tuning's lines
     matmuls: list[str] = dataclasses.field(default_factory=list)
     # whether calls replay CUDA graphs (mode="reduce-overhead"), how many are held, runs without one
     cuda_graphs: str = "off"
@@ -118,8 +119,9 @@ def build_report(entry: Any, sizes: tuple = ()) -> Report:
         )
         for k in program.kernels
     ]
+    templates = program.graph.templates
     externs = [
-        ExternInfo(s.name, str(s.fx_node.target), s.reason)
+        ExternInfo(s.name, str(s.fx_node.target), extern_reason(s, templates))
         for s in program.steps
         if isinstance(s, ExternNode) and s.reason != "element of an extern's result"
     ]
@@ -136,7 +138,8 @@ def build_report(entry: Any, sizes: tuple = ()) -> Report:
         list(entry.specialized),
         perf_hints(program, entry.specialized),
         decomposed_ops(program.captured.full_graph_module),
-        matmul_lines(program.steps) + [f"tuned on the GPU: {line}" for line in program.graph.tuning],
+        matmul_lines(program.steps, templates)
+        + [f"tuned on the GPU: {line}" for line in program.graph.tuning],
         cuda_graphs_line(entry),
     )
 
@@ -154,13 +157,23 @@ MATMUL_OPS = (
 )
 
 
-def matmul_lines(steps: list) -> list[str]:
+def extern_reason(step: ExternNode, templates: Any) -> str:
+    """Why an extern runs in ATen: its region's choice where one was made (the library measured
+    faster, say: the entry's program may be the all-ATen one tuning compiled), else lowering's."""
+    choice = templates.choice_of(step.name) if templates is not None else None
+    if choice is not None and not choice.template:
+        return f"matmul runs as an ATen extern (chosen per region: {choice.text()})"
+    return step.reason
+
+
+def matmul_lines(steps: list, templates: Any = None) -> list[str]:
     """Which way each matmul ran: in a template kernel (with what the kernel fused around it), or
-    as an ATen extern with the reason."""
+    as an ATen extern with the reason; with the region's choice (template ms, ATen ms, or why
+    it was not measured) where "auto" made one."""
     out = []
     for step in steps:
         if isinstance(step, ExternNode) and str(step.fx_node.target) in MATMUL_OPS:
-            out.append(f"{step.name} ({step.fx_node.target}): ATen extern: {step.reason}")
+            out.append(f"{step.name} ({step.fx_node.target}): ATen extern: {extern_reason(step, templates)}")
         elif isinstance(step, Region) and step.matmul:
             products = [next(n for n in p.nodes if isinstance(n, MatmulNode)) for p in step.parts or [step]]
             for part, node in zip(step.parts or [step], products):
@@ -174,7 +187,9 @@ def matmul_lines(steps: list) -> list[str]:
                 if len(products) > 1:
                     shared = ", ".join(n.name for n in products if n is not node)
                     fused += f"; launched with {shared}: they share the left operand"
-                out.append(f"{node.name} ({node.fx_node.target}): {kind} {step.name}{fused}")
+                choice = templates.choice_of(node.fx_node.name) if templates is not None else None
+                chosen = f"; chosen per region: {choice.text()}" if choice is not None else ""
+                out.append(f"{node.name} ({node.fx_node.target}): {kind} {step.name}{fused}{chosen}")
     return out
 
 
@@ -196,7 +211,7 @@ def perf_hints(program: CompiledProgram, specialized: list[str]) -> list[str]:
             if before and after and step.tensor_args:
                 hints.append(
                     f"extern {step.name} ({step.fx_node.target}) runs between kernels: its inputs and "
-                    f"outputs round-trip through memory ({step.reason})"
+                    f"outputs round-trip through memory ({extern_reason(step, program.graph.templates)})"
                 )
     for name, k in kernels.items():
         if k.rnumel is not None and not k.persistent:

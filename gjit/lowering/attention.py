@@ -48,8 +48,9 @@ def head_dim_reason(hint: int, dtype: torch.dtype, what: str) -> str | None:
 
 def template_reason(ctx: Lowering, q: TensorValue, k: TensorValue, v: TensorValue) -> str | None:
     """Why this attention stays an ATen extern, or None when the template takes it."""
-    if not ctx.matmul_template:
-        return "attention runs as an ATen extern (gjit.config.matmul is 'aten', or the backend is cupy)"
+    why = ctx.templates.reason(ctx.node.name)
+    if why is not None:
+        return f"attention runs as an ATen extern ({why})"
     dtypes = {q.dtype, k.dtype, v.dtype}
     if len(dtypes) != 1 or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"the attention template takes float16, bfloat16 or float32, not {sorted(map(str, dtypes))}"

@@ -52,15 +52,16 @@ from gjit.lowering.registry import (
     to_sympy,
     to_sympy_any,
 )
+from gjit.lowering.templates import NO_TEMPLATES, TemplateChoice
 
 log = logging.getLogger("gjit.lowering")
 aten = torch.ops.aten
 
 
 class Lowering:
-    def __init__(self, gm: torch.fx.GraphModule, matmul_template: bool = False):
+    def __init__(self, gm: torch.fx.GraphModule, templates: TemplateChoice = NO_TEMPLATES):
         self.gm = gm
-        self.matmul_template = matmul_template  # matmuls become MatmulNodes (else externs)
+        self.templates = templates  # which matmuls become MatmulNodes (the others externs)
         self.values: dict[torch.fx.Node, Any] = {}
         self.buffers: dict[str, ir.Buffer] = {}
         self.nodes: list[ir.ComputeNode | ir.ExternNode] = []
@@ -356,5 +357,5 @@ class Lowering:
         return self.buffer(node.name, val, "extern")
 
 
-def lower_graph(gm: torch.fx.GraphModule, matmul_template: bool = False) -> ir.LoopGraph:
-    return Lowering(gm, matmul_template).run()
+def lower_graph(gm: torch.fx.GraphModule, templates: TemplateChoice = NO_TEMPLATES) -> ir.LoopGraph:
+    return Lowering(gm, templates).run()

@@ -34,8 +34,9 @@ TEMPLATE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def template_reason(ctx: Lowering, a: TensorValue, b: TensorValue) -> str | None:
     """Why this product stays an ATen extern, or None when the template takes it."""
-    if not ctx.matmul_template:
-        return "matmul runs as an ATen extern (gjit.config.matmul is 'aten', or the backend is cupy)"
+    why = ctx.templates.reason(ctx.node.name)
+    if why is not None:
+        return f"matmul runs as an ATen extern ({why})"
     if a.dtype != b.dtype or a.dtype not in TEMPLATE_DTYPES:
         return (
             f"the matmul template takes float16, bfloat16 or float32 operands, not {a.dtype} x {b.dtype} "

@@ -41,13 +41,14 @@ from gjit import logs, stats
 from gjit.codegen.common import KernelSource, source_line
 from gjit.codegen.toolchain.files import atomic_write
 from gjit.config import CompileOptions, config
+from gjit.lowering.templates import TemplateChoice
 from gjit.runtime import remote_cache
 from gjit.runtime.graph import CompiledGraph
 from gjit.wrapper import graph_device
 
 cache_log = logs.logger("cache")
 
-FORMAT = 2  # bump when the entry layout changes
+FORMAT = 3  # bump when the entry layout changes
 T = TypeVar("T")
 
 
@@ -283,6 +284,8 @@ def graph_record(graph: CompiledGraph) -> dict:
         "kernels": kernels,
         "subgraphs": subgraphs,
         "tuning": graph.tuning,
+        # which products are templates (gjit/choice.py): a warm start lowers by it, measuring nothing
+        "templates": graph.templates.record() if graph.templates is not None else None,
     }
 
 
@@ -293,6 +296,11 @@ def graph_from_record(record: dict, gm: torch.fx.GraphModule) -> CompiledGraph:
         values["assumptions"] = [tuple(a) for a in values.get("assumptions", [])]
         kernels.append(KernelSource(**values))
     graph = CompiledGraph(gm, kernels, str(record["wrapper"]), tuning=list(record.get("tuning", [])))
+    if record.get("templates") is not None:
+        try:
+            graph.templates = TemplateChoice.from_record(record["templates"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CacheError(f"the entry's choice of templates does not parse ({e})") from e
     for name, sub in record["subgraphs"].items():
         branch = graph_from_record(sub, getattr(gm, name))
         # a branch's placeholders may carry no values (a served program): it runs where its parent does

@@ -25,6 +25,7 @@ from gjit.codegen.common import KernelSource, next_power_of_2
 from gjit.codegen.toolchain.files import import_file, write_source
 from gjit.codegen.triton.pointwise import KERNEL_PRELUDE
 from gjit.config import config
+from gjit.lowering.templates import TemplateChoice
 from gjit.runtime import cuda as runtime_cuda
 from gjit.runtime import interpret as interpret_libdevice
 from gjit.runtime import prebuild
@@ -144,6 +145,9 @@ class CompiledGraph:
     checker: Any = None  # GJIT_CHECK: a gjit.debug.check.RegionChecker the wrapper reports to
     last_check: list = dataclasses.field(default_factory=list)  # its rows for the latest call
     tuning: list[str] = dataclasses.field(default_factory=list)  # gjit/tuning.py's decisions, on a GPU
+    # which products are templates, and each region's choice with its figures (gjit/choice.py);
+    # None: an entry stored before it was kept
+    templates: TemplateChoice | None = None
     prebuilt: bool = False  # its first call on a GPU started its kernels' builds (gjit/runtime/prebuild.py)
     # that prebuild: its launches' entries in Triton's on-disk cache (gjit.save(binaries=True))
     prebuild_result: prebuild.Prebuild | None = None
