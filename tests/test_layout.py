@@ -41,6 +41,7 @@ LAYERS = [
             "gjit.calling",
             "gjit.export_budget",
             "gjit.capture",
+            "gjit.traces",
             "gjit.decompose",
         ],
     ),
