@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from gjit import kv_cache, logs, stats
+from gjit import kv_cache, logs, progress, stats
 from gjit.calling import bind_call, forward_signature
 from gjit.capture import TOO_SLOW, CaptureError, DecompositionError, capture, readable
 from gjit.codegen.toolchain.compile_only import start_warm_up
@@ -300,19 +300,21 @@ class CompiledFunction:
             )
             stats.COUNTERS["eager_runs"] += 1
             return self._eager(args, kwargs)
-        entry = self._compile(args, kwargs, flat, spec, names)
-        if entry is None:
-            return self._run_eager(args, kwargs)
-        sizes = entry.guards.check(flat)
-        if sizes is None:  # a guard-building bug must not become a wrong answer
-            log.warning(
-                "gjit: the new entry of %s does not admit the call it was compiled for (%s); running eagerly",
-                self._name(),
-                "; ".join(entry.guards.failures(flat)),
-            )
-            stats.COUNTERS["eager_runs"] += 1
-            return self._eager(args, kwargs)
-        return self._run(entry, args, kwargs, flat, sizes)
+        with progress.compiling(self._name()):  # the compile and the first call (its kernel builds)
+            entry = self._compile(args, kwargs, flat, spec, names)
+            if entry is None:
+                return self._run_eager(args, kwargs)
+            sizes = entry.guards.check(flat)
+            if sizes is None:  # a guard-building bug must not become a wrong answer
+                log.warning(
+                    "gjit: the new entry of %s does not admit the call it was compiled for (%s); "
+                    "running eagerly",
+                    self._name(),
+                    "; ".join(entry.guards.failures(flat)),
+                )
+                stats.COUNTERS["eager_runs"] += 1
+                return self._eager(args, kwargs)
+            return self._run(entry, args, kwargs, flat, sizes)
 
     def _nearest(self, flat: list, spec: pytree.TreeSpec) -> tuple[int, list[str]]:
         """The entry with the fewest failing guards, and those failures (expected vs actual)."""
@@ -383,7 +385,8 @@ class CompiledFunction:
             sizes = entry.guards.check(flat) if entry.spec == spec else None
             if sizes is not None:
                 return entry, sizes
-        entry = self._compile(args, kwargs, flat, spec, _input_names(args, kwargs, self.signature))
+        with progress.compiling(self._name()):
+            entry = self._compile(args, kwargs, flat, spec, _input_names(args, kwargs, self.signature))
         return entry, (entry.guards.check(flat) or () if entry is not None else ())
 
     @deferred_full_collections()  # a full collection mid-compile walks the whole heap

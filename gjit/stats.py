@@ -7,6 +7,8 @@ import contextlib
 import time
 from collections.abc import Iterator
 
+from gjit import progress
+
 COUNTERS: collections.Counter[str] = collections.Counter()
 STAGE_SECONDS: collections.Counter[str] = collections.Counter()
 
@@ -28,7 +30,9 @@ def clear() -> None:
 
 @contextlib.contextmanager
 def timed(name: str, timings: dict[str, float]) -> Iterator[None]:
-    """Time a compile stage into `timings` (this compile) and STAGE_SECONDS (the process)."""
+    """Time a compile stage into `timings` (this compile) and STAGE_SECONDS (the process); the
+    progress line (gjit/progress.py) shows it."""
+    progress.stage(name)
     start = time.perf_counter()
     try:
         yield

@@ -37,7 +37,7 @@ from typing import Any
 import sympy
 import torch
 
-from gjit import logs
+from gjit import logs, progress
 from gjit.codegen.common import KernelSource
 from gjit.codegen.share import code_text
 from gjit.fusion import Region, Step
@@ -129,6 +129,7 @@ def configure(
     lines: list[str] = []
     total = 0.0
     chosen: dict[str, tuple[int, float]] = {}  # kernel code and sizes -> (configuration, ms)
+    distinct = len({keys[r.name] for r in regions if keys.get(r.name) in launches})
     for region in regions:
         key = keys.get(region.name)
         if key in chosen:  # another layer's kernel
@@ -138,8 +139,10 @@ def configure(
         launch = launches.pop(key, None)  # measured once: its tensors go when it has been
         if launch is None:  # not launched (an empty tensor), or it writes what it reads
             continue
+        progress.tuning(len(chosen), distinct)
         config, ms, line = choose(region, by_name[region.name], launch, emit)
         chosen[key], region.config = (config, ms), config
+        progress.tuning(len(chosen), distinct)
         total += ms
         lines.append(line)
         log.info("%s", line)

@@ -32,7 +32,7 @@ MAX_LINES = 600
 # A prefix names a module and everything under it, the longest matching prefix decides;
 # "name=" names that module alone (the package `gjit` itself, not everything in it).
 LAYERS = [
-    ("base", ["gjit.config", "gjit.logs", "gjit.stats", "gjit.heap"]),
+    ("base", ["gjit.config", "gjit.progress", "gjit.logs", "gjit.stats", "gjit.heap"]),
     (
         "capture",
         [
