@@ -279,10 +279,10 @@ def _value_renamer(renaming: dict, env, fake_mode) -> Callable[[Any], Any]:
             if value.layout != torch.strided or value.storage_offset() != 0:  # rare: traced again
                 raise _NotRenamed("a value at an offset into its storage")
             sizes, strides = [size(d) for d in value.shape], [size(d) for d in value.stride()]
-            with fake_mode:
-                return torch.empty_strided(
-                    sizes, strides, dtype=value.dtype, device=value.device, requires_grad=value.requires_grad
-                )
+            # a meta tensor made fake, as torch's converter makes one (no dispatch through fake mode)
+            meta = torch.empty_strided(sizes, strides, dtype=value.dtype, device="meta")
+            fake = fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, meta, value.device)
+            return fake.requires_grad_(value.requires_grad)
         if isinstance(value, SYM_TYPES) or not isinstance(value, (int, float, bool, type(None))):
             raise _NotRenamed(f"a {type(value).__name__} value")
         return value
