@@ -51,13 +51,12 @@ class _Traced:
 
 
 class Traces:
-    """One program's traced decompositions (`get`), with what they cost (`made`, `renamed`)."""
+    """One program's traced decompositions (`get`); gjit.stats() counts the traces made
+    (`decomposition_traces`) and reused with other size symbols (`decomposition_traces_renamed`)."""
 
     def __init__(self) -> None:
         self.exact: dict[tuple, _Traced] = {}
         self.by_shape: dict[tuple, list[_Traced]] = {}  # the key with symbols numbered
-        self.made = 0  # traces made with make_fx
-        self.renamed = 0  # traces reused with other size symbols
 
     def get(
         self, node: torch.fx.Node, flat: list, spec: Any, table: dict, functional: bool = False
@@ -80,7 +79,6 @@ class Traces:
                 found = _Traced(_renamed(earlier.graph, renaming, flat, node), symbols, True)
             except _NotRenamed:
                 continue
-            self.renamed += 1
             stats.COUNTERS["decomposition_traces_renamed"] += 1
             break
         else:
@@ -92,9 +90,8 @@ class Traces:
 
     def _trace(self, node: torch.fx.Node, flat: list, spec: Any, table: dict, functional: bool) -> _Traced:
         env = _shape_env(flat, node)
-        before = _facts_size(env)
+        before = _facts_size(env) if env is not None else None
         graph = trace(node, flat, spec, table, functional).graph
-        self.made += 1
         stats.COUNTERS["decomposition_traces"] += 1
         return _Traced(graph, (), env is not None and _facts_size(env) == before)
 
@@ -276,8 +273,9 @@ def _value_renamer(renaming: dict, env, fake_mode) -> Callable[[Any], Any]:
         if isinstance(value, torch.SymInt):
             return size(value)
         if isinstance(value, torch.Tensor):
-            if value.layout != torch.strided or value.storage_offset() != 0:  # rare: traced again
-                raise _NotRenamed("a value at an offset into its storage")
+            offset = value.storage_offset()  # (a symbolic one is not compared: that would guard)
+            if value.layout != torch.strided or isinstance(offset, torch.SymInt) or offset != 0:
+                raise _NotRenamed("a value at an offset into its storage")  # rare: traced again
             sizes, strides = [size(d) for d in value.shape], [size(d) for d in value.stride()]
             # a meta tensor made fake, as torch's converter makes one (no dispatch through fake mode)
             meta = torch.empty_strided(sizes, strides, dtype=value.dtype, device="meta")
