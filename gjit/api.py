@@ -302,19 +302,20 @@ class CompiledFunction:
             return self._eager(args, kwargs)
         with progress.compiling(self._name()):  # the compile and the first call (its kernel builds)
             entry = self._compile(args, kwargs, flat, spec, names)
-            if entry is None:
-                return self._run_eager(args, kwargs)
-            sizes = entry.guards.check(flat)
-            if sizes is None:  # a guard-building bug must not become a wrong answer
-                log.warning(
-                    "gjit: the new entry of %s does not admit the call it was compiled for (%s); "
-                    "running eagerly",
-                    self._name(),
-                    "; ".join(entry.guards.failures(flat)),
-                )
-                stats.COUNTERS["eager_runs"] += 1
-                return self._eager(args, kwargs)
-            return self._run(entry, args, kwargs, flat, sizes)
+            sizes = entry.guards.check(flat) if entry is not None else None
+            if sizes is not None:
+                progress.stage("first call")
+                return self._run(entry, args, kwargs, flat, sizes)
+        if entry is None:
+            return self._run_eager(args, kwargs)
+        # a guard-building bug must not become a wrong answer
+        log.warning(
+            "gjit: the new entry of %s does not admit the call it was compiled for (%s); running eagerly",
+            self._name(),
+            "; ".join(entry.guards.failures(flat)),
+        )
+        stats.COUNTERS["eager_runs"] += 1
+        return self._eager(args, kwargs)
 
     def _nearest(self, flat: list, spec: pytree.TreeSpec) -> tuple[int, list[str]]:
         """The entry with the fewest failing guards, and those failures (expected vs actual)."""
