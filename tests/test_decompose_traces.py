@@ -184,3 +184,30 @@ def test_t5_is_decomposed_node_by_node_in_traces_its_depth_does_not_change():
         made[layers] = traces()
     # the decoder's self-attention, norms and feed-forward take the encoder's traces renamed
     assert made[2] == made[4] and made[2][1] >= 8, made
+
+
+WRITES = {  # a write in place into a fresh value: -> decomposed node by node
+    "fill_": (lambda x: (x * 2).fill_(3.0) + x, True),
+    "clamp_": (lambda x: (x * 2).clamp_(-0.5, 0.5) + x, True),
+    "copy_ broadcast": (lambda x: torch.empty(4, 5).copy_(x[0]) + 1, True),
+    "index_put_": (lambda x: (x * 1).index_put_((torch.tensor([0, 2]),), torch.tensor(9.0)) - x, True),
+    "masked_scatter_": (lambda x: (x * 1).masked_scatter_(x > 0, x * 10) + 1, True),
+    "floor div_ of int64": (lambda x: (x.long() * 3).div_(2, rounding_mode="floor") + 1, True),
+    "a view after": (lambda x: (lambda y: (y.add_(1), y.view(-1))[1] * 2)(x * 2), True),
+    # writes of a value's sizes or strides: functionalized alone they leave a write, so whole
+    "unsqueeze_": (lambda x: (x * 2).unsqueeze_(0) + 1, False),
+    "t_": (lambda x: (x * 2).t_() + 1, False),
+    "resize_": (lambda x: (x * 2).resize_(20) + 1, False),
+}
+
+
+@pytest.mark.parametrize("name", list(WRITES))
+def test_a_write_into_a_fresh_value_computes_what_eager_does(name):
+    fn, by_node = WRITES[name]
+    x = torch.randn(4, 5)
+    decomposed, how = decompose.decompose_program(export(fn, (x,)))
+    assert (how == "nodes") == by_node, how
+    assert not in_place_ops(decomposed)
+    got, want = decomposed.module()(x), fn(x)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want)
