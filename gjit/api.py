@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from gjit import kv_cache, locks, logs, stats
+from gjit import kv_cache, locks, logs, progress, stats
 from gjit.calling import (
     GUARDABLE,
     bind_call,
@@ -212,20 +212,22 @@ class CompiledFunction:
         """No entry admitted the call. Under the compile lock, look again (another thread may have
         compiled the entry this call needs while it waited), else compile a new entry, or say
         why it runs eagerly. The call runs after the lock is released."""
-        with locks.compiling():
-            # caches flatten as pytree nodes once registered (maybe by another thread meanwhile)
-            kv_cache.register([*args, *kwargs.values()], self.model)
-            flat, spec = self._flatten(args, kwargs)
-            found = self._lookup(flat, spec)
-            if found is not None:
-                stats.count("cache_hits")
-            else:
-                found = self._new_entry(args, kwargs, flat, spec)
+        with progress.compiling(self._name()):  # the compile and the first call (its kernel builds)
+            with locks.compiling():
+                # caches flatten as pytree nodes once registered (maybe by another thread meanwhile)
+                kv_cache.register([*args, *kwargs.values()], self.model)
+                flat, spec = self._flatten(args, kwargs)
+                found = self._lookup(flat, spec)
+                if found is not None:
+                    stats.count("cache_hits")
+                else:
+                    found = self._new_entry(args, kwargs, flat, spec)
+            if isinstance(found, tuple):
+                progress.stage("first call")
+                return self._run(found[0], args, kwargs, flat, found[1])
         if found is None:
             return self._eager(args, kwargs)
-        if isinstance(found, str):
-            return self._run_eager(args, kwargs, found)
-        return self._run(found[0], args, kwargs, flat, found[1])
+        return self._run_eager(args, kwargs, found)
 
     def _new_entry(
         self, args: tuple, kwargs: dict, flat: list, spec: pytree.TreeSpec
@@ -343,7 +345,8 @@ class CompiledFunction:
             found = self._lookup(flat, spec)
             if found is not None:
                 return found
-            entry = self._compile(args, kwargs, flat, spec, input_names(args, kwargs, self.signature))
+            with progress.compiling(self._name()):
+                entry = self._compile(args, kwargs, flat, spec, input_names(args, kwargs, self.signature))
         if isinstance(entry, str):
             raise CaptureError(f"gjit could not capture {self._name()}: {entry}")
         return entry, entry.guards.check(flat) or ()

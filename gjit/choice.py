@@ -44,7 +44,7 @@ from typing import Any
 import sympy
 import torch
 
-from gjit import tuning
+from gjit import progress, tuning
 from gjit.codegen.common import KernelSource
 from gjit.fusion import Region, Step
 from gjit.ir import AttentionNode, ExternNode, LoopGraph, MatmulNode, dot_operands
@@ -220,7 +220,8 @@ def template_decisions(program: tuple[LoopGraph, list[Step], CompiledGraph], reg
     emit = functools.partial(builder.emit, loop_graph, steps)
     # heaviest first: the place for a tuning budget, which would stop this loop; a decision left
     # unmeasured (template_ms None) takes the library in `decide`
-    for d in decisions:
+    for done, d in enumerate(decisions):
+        progress.tuning(done, len(decisions))
         first = d.regions[0]
         launch = launches.pop(d.key, None)  # measured once: its tensors go when it has been
         if launch is None:
@@ -229,6 +230,7 @@ def template_decisions(program: tuple[LoopGraph, list[Step], CompiledGraph], reg
         label = f"template {','.join(product_names(first))} {first.name}"
         d.config, d.template_ms, d.line = tuning.choose(first, by_name[first.name], launch, emit, label)
         log.info("%s", d.line)
+    progress.tuning(len(decisions), len(decisions))
     return decisions
 
 

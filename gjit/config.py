@@ -54,6 +54,10 @@
                                                          spend in ops slowed by symbolic size reasoning
                                                          (over 0.5 s each) before gjit exports the batch
                                                          dims only, then static (10; 0: no limit)
+    gjit.config.progress              GJIT_PROGRESS=0    no progress line on a terminal's stderr while a long
+                                                         compile runs (gjit/progress.py; on by default)
+    gjit.config.progress_after        GJIT_PROGRESS_AFTER  seconds a compile runs before its progress line
+                                                         shows (3)
 
 Tests override knobs with ``with gjit.config.scope(interpret=True): ...``.
 """
@@ -273,6 +277,18 @@ class Config:
         _env_float("GJIT_DYNAMIC_EXPORT_BUDGET", 10.0),
         "seconds an export with dynamic dims may spend in ops slowed by symbolic size reasoning (over "
         "0.5 s each); past it the callable exports the batch dims only, then static (0: no limit)",
+    )
+
+    progress = _Knob(
+        "GJIT_PROGRESS",
+        _env_bool("GJIT_PROGRESS", True),
+        "one line of progress on stderr while a compile runs past progress_after seconds, when stderr is "
+        "a terminal (stage, kernels built, tuning; gjit/progress.py)",
+    )
+    progress_after = _Knob(
+        "GJIT_PROGRESS_AFTER",
+        _env_float("GJIT_PROGRESS_AFTER", 3.0),
+        "seconds a compile runs before its progress line shows",
     )
 
     def __init__(self) -> None:

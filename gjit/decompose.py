@@ -2,23 +2,26 @@
 `run_decompositions()` over the whole program.
 
 `run_decompositions()` traces the whole program again, twice, through functionalization, and
-every symbolic size of every op is worked out again: on the tiny HF models that is more than
-half of a cold compile. An exported graph that mutates nothing is already functional, so most
-of that work is redone for nothing. Such a graph is decomposed here one node at a time: a node
-whose op the table decomposes is traced alone with `make_fx` over its arguments' fake values
-(in export's fake mode, so every size stays a symbol of export's shape environment and every
-guard lands there), and the traced ops replace it; every other node is kept as it is.
+every symbolic size of every op is worked out again: about 20 ms a node (T5-small: 20 s), more
+than half of a cold compile. An exported graph that mutates nothing is already functional, so
+most of that work is redone for nothing. Such a graph is decomposed here one node at a time: a
+node whose op the table decomposes is traced alone with `make_fx` over its arguments' fake
+values (in export's fake mode, so every size stays a symbol of export's shape environment and
+every guard lands there), and the traced ops replace it; every other node is kept as it is.
+Traces are shared between nodes (gjit/traces.py), so the cost is the number of distinct ops.
 
-Anything the node-by-node pass cannot vouch for goes through `run_decompositions()` whole: a
-mutating or aliasing-write op (but `detach_`, which changes autograd's flag, not a value, and is
-its input here: transformers' DynamicCache makes one with `torch.tensor([])`), a higher-order op
-or submodule, a call of anything but an ATen op, a symbolic-size function or `getitem`, a
+A write in place into a value the graph made and nothing else sees (T5's
+`relative_buckets += ...`: fresh memory, no view of it, no reader after) is decomposed node by
+node too, as its functional op (`private_write_reason`). Anything else the node-by-node pass
+cannot vouch for goes through `run_decompositions()` whole: a write into an input, a buffer or
+a value something else may see (but `detach_`, which changes autograd's flag, not a value, and
+is its input here: transformers' DynamicCache makes one with `torch.tensor([])`), a higher-order
+op or submodule, a call of anything but an ATen op, a symbolic-size function or `getitem`, a
 decomposition whose trace fails.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import operator
@@ -29,7 +32,6 @@ from typing import Any
 import sympy
 import torch
 import torch.utils._pytree as pytree
-from torch._dispatch.python import enable_python_dispatcher
 from torch.export import ExportedProgram
 from torch.export.graph_signature import (
     ExportGraphSignature,
@@ -39,13 +41,13 @@ from torch.export.graph_signature import (
     SymIntArgument,
     TensorArgument,
 )
-from torch.func import functionalize
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from gjit import logs, stats
 from gjit.capture import DecompositionError, Exported, shape_env_of, size_oblivious
 from gjit.stats import timed
+from gjit.traces import Arg, Traces, writes_in_place
 
 try:  # run_decompositions()'s own rules: which CompositeImplicitAutograd op it may keep, how it
     # updates ranges and the module call graph (torch 2.13); a torch without them decomposes whole
@@ -77,7 +79,6 @@ SIZE_FUNCTIONS = (
     }
 )
 
-SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
 # output specs that name the node producing the output
 NAMED_ARGUMENTS = (TensorArgument, SymIntArgument, SymFloatArgument, SymBoolArgument)
 
@@ -247,6 +248,7 @@ def decompose_unlowered(
 def whole_program_reason(program: ExportedProgram) -> str | None:
     """Why this program needs `run_decompositions()` whole (functionalization), or None."""
     signature = program.graph_signature
+    position: dict[torch.fx.Node, int] = {}  # each node's place in the graph, when a write asks
     if signature.buffers_to_mutate or signature.user_inputs_to_mutate or signature.backward_signature:
         return "it mutates a buffer or an input"
     for node in program.graph.nodes:
@@ -258,13 +260,69 @@ def whole_program_reason(program: ExportedProgram) -> str | None:
             return f"{node.op} {node.target}"
         target = node.target
         if isinstance(target, torch._ops.OpOverload):
-            schema = target._schema
-            if schema.is_mutable and target is not torch.ops.aten.detach_.default:
-                return f"{target} writes an argument in place"
+            if writes_in_place(node) and target is not torch.ops.aten.detach_.default:
+                position = position or {n: i for i, n in enumerate(program.graph.nodes)}
+                reason = private_write_reason(node, position)
+                if reason is not None:
+                    return reason
             continue
         if target not in SIZE_FUNCTIONS:
             return f"it calls {getattr(target, '__name__', target)}"
     return None
+
+
+def private_write_reason(node: torch.fx.Node, position: dict[torch.fx.Node, int]) -> str | None:
+    """Why `node`'s write in place needs functionalization of the whole program, or None: it
+    writes one argument, a value the graph made in fresh memory (its op returns no alias, or it
+    is such a write itself), that no view shares and nothing reads after the write. Then only
+    the node's own result shows what it wrote, and its functional op computes the same value
+    (T5's relative position buckets: `relative_buckets += ...` on a tensor it made)."""
+    written = _written_argument(node)
+    why = f"{node.target} writes an argument in place"
+    if written is None:
+        return why
+    if written.op == "placeholder":
+        return f"{why} (the program's input {written.name})"
+    chained = _written_argument(written) is not None  # x += a; x *= b: a private write itself
+    if not (_makes_fresh_memory(written) or (chained and private_write_reason(written, position) is None)):
+        return f"{why} ({written.name}, which may share memory with another value)"
+    for user in written.users:
+        if user is node:
+            continue
+        if position[user] > position[node]:
+            return f"{why} ({written.name}, which {user.name} reads after)"
+        if not _makes_fresh_memory(user):
+            return f"{why} ({written.name}, which {user.name} may alias)"
+    return None
+
+
+def _written_argument(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The one argument `node`'s op writes in place and returns (add_'s self, an out= tensor),
+    or None (a write of several arguments, or of one it does not return)."""
+    if not writes_in_place(node):
+        return None
+    schema = node.target._schema
+    written = [
+        (i, a) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+    ]
+    if len(written) != 1 or len(schema.returns) != 1 or schema.returns[0].alias_info is None:
+        return None
+    index, argument = written[0]
+    if schema.returns[0].alias_info.before_set != argument.alias_info.before_set:
+        return None
+    value = (
+        node.kwargs.get(argument.name) if argument.kwarg_only or index >= len(node.args) else node.args[index]
+    )
+    return value if isinstance(value, torch.fx.Node) else None
+
+
+def _makes_fresh_memory(node: torch.fx.Node) -> bool:
+    """Whether `node` is an ATen op whose results alias none of its arguments."""
+    return (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and all(r.alias_info is None for r in node.target._schema.returns)
+    )
 
 
 def decompose_nodes(
@@ -279,7 +337,7 @@ def decompose_nodes(
     pick = pick or (lambda node: decomposes(node, table))
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, Any] = {}  # old node -> new node, or a tree of them for multi-output ops
-    traces: dict[tuple, torch.fx.GraphModule] = {}
+    traces = Traces()
     for node in program.graph.nodes:
         if node.op == "call_function" and node.target is operator.getitem and node.args[0] in env:
             value = env[node.args[0]]
@@ -288,6 +346,8 @@ def decompose_nodes(
                 continue
         if node.target is torch.ops.aten.detach_.default:  # autograd's flag, not a value: its input
             env[node] = env[node.args[0]]
+        elif node.op == "call_function" and writes_in_place(node):  # a private write (whole_program_reason)
+            env[node] = _inline(graph, node, env, table, traces, tag, written=_written_argument(node))
         elif node.op == "call_function" and pick(node):
             env[node] = _inline(graph, node, env, table, traces, tag)
         else:
@@ -295,12 +355,12 @@ def decompose_nodes(
             if node.op == "placeholder" and env[node].name != node.name:  # a builtin's name, as export
                 env[node].name = env[node].target = node.name  # names inputs (the signature says so)
     graph.eliminate_dead_code()  # outputs of a decomposition nobody reads (a norm's saved stats)
-    graph_module = torch.fx.GraphModule(program.graph_module, graph)
-    graph_module.meta.update(program.graph_module.meta)
+    with _use_lazy_graph_module(True):  # the program's module writes its code: this one need not
+        graph_module = _make_graph_module(program.graph_module, graph)
     signature = _renamed_outputs(program.graph_signature, program.graph, graph)
     return ExportedProgram(
-        root=graph_module,
-        graph=graph_module.graph,
+        root=program.graph_module,  # its attributes and meta
+        graph=graph,
         graph_signature=signature,
         state_dict=program.state_dict,
         # as run_decompositions() updates them: a decomposition's guard may have replaced a symbol
@@ -332,31 +392,36 @@ def decomposes(node: torch.fx.Node, table: dict) -> bool:
 
 
 def _inline(
-    graph: torch.fx.Graph, node: torch.fx.Node, env: dict, table: dict, traces: dict, tag: bool = False
+    graph: torch.fx.Graph,
+    node: torch.fx.Node,
+    env: dict,
+    table: dict,
+    traces: Traces,
+    tag: bool = False,
+    written: torch.fx.Node | None = None,
 ) -> Any:
     """Trace `node`'s op alone over its arguments' fake values and copy the traced ops into
-    `graph`; returns what replaces the node (a node, or a tuple of them). A trace is reused for
-    a node of the same op over arguments of the same sizes, strides and dtypes (`traces`, one
-    program's: the 15 projections of a tiny Llama are traced 3 times)."""
-    args = pytree.tree_map_only(torch.fx.Node, lambda n: _Arg(n, n.meta["val"]), (node.args, node.kwargs))
-    flat, spec = pytree.tree_flatten(args, is_leaf=lambda a: isinstance(a, _Arg))
-    traced_at = [i for i, a in enumerate(flat) if isinstance(a, _Arg)]
-    key = _trace_key(node, flat, spec)
-    traced = traces.get(key) if key is not None else None
-    if traced is None:
-        traced = _trace(node, flat, spec, traced_at, table)
-        if key is not None:
-            traces[key] = traced
-    inputs = iter(env[flat[i].node] for i in traced_at)
+    `graph`; returns what replaces the node (a node, or a tuple of them). `traces` (one
+    program's, gjit/traces.py) reuses a trace for a node of the same op over arguments of the
+    same sizes, strides and dtypes, up to size symbols the shape environment cannot tell apart.
+    `written`: the node writes this argument in place, privately (`private_write_reason`): it is
+    traced functionalized, and the trace's copy of the new value into that argument is dropped
+    (nothing reads the argument after)."""
+    args = pytree.tree_map_only(torch.fx.Node, lambda n: Arg(n, n.meta["val"]), (node.args, node.kwargs))
+    flat, spec = pytree.tree_flatten(args, is_leaf=lambda a: isinstance(a, Arg))
+    traced = traces.get(node, flat, spec, table, functional=written is not None)
+    inputs = iter(env[a.node] for a in flat if isinstance(a, Arg))
     mapping: dict[torch.fx.Node, Any] = {}
     result = None
-    for sub in traced.graph.nodes:
+    for sub in traced.nodes:
         if sub.op == "placeholder":
             mapping[sub] = next(inputs)
         elif sub.op == "output":
             result = pytree.tree_map_only(torch.fx.Node, mapping.__getitem__, sub.args[0])
         elif sub.op == "call_function":
-            if _writes_in_place(sub):
+            if written is not None and _copies_into(sub, mapping, env[written]):
+                continue
+            if writes_in_place(sub):
                 raise NotImplementedError(
                     f"{node.target} decomposes into {sub.target}, which writes in place"
                 )
@@ -380,6 +445,11 @@ def _inline(
     return result
 
 
+def _copies_into(sub: torch.fx.Node, mapping: dict, target: torch.fx.Node) -> bool:
+    """Whether a traced node is functionalization's copy of a new value into `target`."""
+    return sub.target is torch.ops.aten.copy_.default and mapping.get(sub.args[0]) is target
+
+
 def _as_dtype_of(graph: torch.fx.Graph, node: torch.fx.Node, result: torch.fx.Node) -> torch.fx.Node:
     """`result` in `node`'s dtype: some of torch's decompositions return another one
     (select_scatter of a bool tensor with an int64 source gives int64, eager bool)."""
@@ -391,72 +461,6 @@ def _as_dtype_of(graph: torch.fx.Graph, node: torch.fx.Node, result: torch.fx.No
     cast.meta.update({name: node.meta[name] for name in KEPT_META if name in node.meta})
     cast.meta["val"] = got.to(want.dtype)
     return cast
-
-
-@dataclasses.dataclass(frozen=True)
-class _Arg:
-    """A node argument of a node being decomposed, with its fake value."""
-
-    node: torch.fx.Node
-    val: Any
-
-
-def _trace(
-    node: torch.fx.Node, flat: list, spec: Any, traced_at: list[int], table: dict
-) -> torch.fx.GraphModule:
-    op = node.target
-
-    def call(*values):
-        leaves = list(flat)
-        for i, value in zip(traced_at, values, strict=True):
-            leaves[i] = value
-        args, kwargs = pytree.tree_unflatten(leaves, spec)
-        return op(*args, **kwargs)
-
-    values = [flat[i].val for i in traced_at]
-    fake_mode = torch._guards.detect_fake_mode([*values, node.meta["val"]])  # export's
-    if fake_mode is None:
-        raise NotImplementedError(f"{op} has no fake tensor argument")
-    with fake_mode, enable_python_dispatcher():  # CIA decompositions written in Python, as in export
-        traced = make_fx(call, decomposition_table=table)(*values)
-        if any(_writes_in_place(n) for n in traced.graph.nodes):
-            # a decomposition that restrides or fills its own fresh result in place
-            # (adaptive_avg_pool1d's squeeze is an as_strided_): functionalized, as export's
-            # whole-program pass would; a write to an argument stays a copy_ (_inline refuses it)
-            traced = make_fx(functionalize(traced, remove="mutations"))(*values)
-        return traced
-
-
-def _writes_in_place(node: torch.fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
-
-
-def _trace_key(node: torch.fx.Node, flat: list, spec: Any) -> tuple | None:
-    """What a node's traced decomposition depends on: the op, the arguments' structure and
-    constants, each tensor's sizes, strides, offset and dtype (as export's expressions), which
-    arguments are the same node. None when a value is not one to key on."""
-    if free_unbacked_symbols(node.meta.get("val")):
-        return None
-    first: dict[torch.fx.Node, int] = {}
-    parts: list[Any] = [node.target, str(spec)]
-    for i, leaf in enumerate(flat):
-        if not isinstance(leaf, _Arg):  # 1, 1.0 and True are equal keys, and so are 0.0 and -0.0:
-            parts.append((type(leaf).__name__, repr(leaf)))  # the type and the spelling tell them apart
-            continue
-        val = leaf.val
-        if isinstance(val, torch.Tensor):
-            desc = (str(val.shape), str(val.stride()), str(val.storage_offset()), val.dtype, str(val.device))
-        elif isinstance(val, SYM_TYPES):
-            desc = (type(val).__name__, str(val))
-        else:
-            return None
-        parts.append((desc, first.setdefault(leaf.node, i)))
-    key = tuple(parts)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
 
 
 def _renamed_outputs(

@@ -208,7 +208,8 @@ def compile_program(
     if key is not None:
         try:
             # before captured_program's in-place rewrite; export's own constants are read live
-            stored = program_store.dump_program(decomposed, live=exported.program.constants)
+            with timed("serialize", timings):  # torch.export's serializer: seconds for a large model
+                stored = program_store.dump_program(decomposed, live=exported.program.constants)
         except program_store.ProgramStoreError as e:
             cache_log.info("not storing the compiled graph: %s", e)
             key = None

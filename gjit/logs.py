@@ -20,6 +20,8 @@ import sys
 import warnings
 from collections.abc import Iterator
 
+from gjit import progress
+
 ARTIFACTS: dict[str, str] = {
     "graph": "the exported ATen graph after decomposition, with shapes like f32[s0, 64] (+graph: before too)",
     "dynamic": "size symbols export creates and every guard it adds, with the user line that caused it",
@@ -93,6 +95,12 @@ def set_logs(spec: str | None = None, **artifacts: bool | int) -> None:
     _install_handler(bool(levels))
 
 
+class _Handler(logging.StreamHandler):
+    def emit(self, record: logging.LogRecord) -> None:
+        progress.clear_line()  # a record on its own line; the progress line comes back after it
+        super().emit(record)
+
+
 class _Formatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         artifact = record.name.removeprefix("gjit.")
@@ -106,7 +114,7 @@ def _install_handler(on: bool) -> None:
     global _HANDLER
     root = logging.getLogger("gjit")
     if on and _HANDLER is None:
-        _HANDLER = logging.StreamHandler(sys.stderr)
+        _HANDLER = _Handler(sys.stderr)
         _HANDLER.setFormatter(_Formatter("%(message)s"))
         root.addHandler(_HANDLER)
         root.propagate = False

@@ -14,6 +14,8 @@ import time
 import weakref
 from collections.abc import Iterator
 
+from gjit import progress
+
 
 class _Tally:
     def __init__(self) -> None:
@@ -88,7 +90,9 @@ def clear() -> None:
 
 @contextlib.contextmanager
 def timed(name: str, timings: dict[str, float]) -> Iterator[None]:
-    """Time a compile stage into `timings` (this compile) and the process's stage seconds."""
+    """Time a compile stage into `timings` (this compile) and the process's stage seconds; the
+    progress line (gjit/progress.py) shows it."""
+    progress.stage(name)
     start = time.perf_counter()
     try:
         yield

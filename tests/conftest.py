@@ -3,6 +3,7 @@ import os
 
 import pytest
 import torch
+from _pytest.mark.expression import Expression
 
 import gjit
 from masked_lanes import poison_masked_loads
@@ -18,23 +19,58 @@ if TEST_DEVICE:
 POISONED = not TEST_DEVICE and poison_masked_loads()
 
 
+def _gates() -> dict[str, tuple[bool, str]]:
+    """marker -> (whether this run can run its tests, what runs them)."""
+    return {
+        "opinfo": (
+            os.environ.get("GJIT_TEST_OPINFO") == "1",
+            "all of OpInfo: GJIT_TEST_OPINFO=1 runs it (CI does)",
+        ),
+        "slow": (os.environ.get("GJIT_TEST_SLOW") == "1", "a long sweep: GJIT_TEST_SLOW=1 runs it (CI does)"),
+        "gpu": (torch.cuda.is_available(), "needs a CUDA device"),
+        "soak": (os.environ.get("GJIT_TEST_SOAK") == "1", "a long soak: GJIT_TEST_SOAK=1 runs it (CI does)"),
+    }
+
+
+def _asks_for(config, marker: str, item) -> bool:
+    """Whether the run names this test's kind itself: `-m` selects the marker alone (`-m gpu`,
+    `-m "cpu or gpu"`), or an argument names the test (`path::name`)."""
+    expression = config.option.markexpr
+    if expression and Expression.compile(expression).evaluate(lambda name: name == marker):
+        return True
+    for arg in config.args:
+        path, _, name = arg.partition("::")
+        if (
+            name
+            and os.path.abspath(path) == str(item.path)
+            and item.nodeid.split("::", 1)[1].startswith(name)
+        ):
+            return True
+    return False
+
+
 def pytest_collection_modifyitems(config, items):
-    has_cuda = torch.cuda.is_available()
     untiered = [item.nodeid for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
     if untiered:
         raise pytest.UsageError(f"tests without a tier marker ({', '.join(TIERS)}): {untiered[:10]}")
-    slow = os.environ.get("GJIT_TEST_SLOW") == "1"
-    soak = os.environ.get("GJIT_TEST_SOAK") == "1"
-    opinfo = os.environ.get("GJIT_TEST_OPINFO") == "1"
+    # what this run does not run is deselected, so its summary counts what ran; what the run asks
+    # for by name or marker but cannot run here is a skip with the reason
+    gates = _gates()
+    kept, deselected = [], []
     for item in items:
-        if "opinfo" in item.keywords and not opinfo:
-            item.add_marker(pytest.mark.skip(reason="all of OpInfo: GJIT_TEST_OPINFO=1 runs it (CI does)"))
-        if "gpu" in item.keywords and not has_cuda:
-            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
-        if "slow" in item.keywords and not slow:
-            item.add_marker(pytest.mark.skip(reason="a long sweep: GJIT_TEST_SLOW=1 runs it (CI does)"))
-        if "soak" in item.keywords and not soak:
-            item.add_marker(pytest.mark.skip(reason="a long soak: GJIT_TEST_SOAK=1 runs it (CI does)"))
+        closed = [
+            (marker, why) for marker, (runs, why) in gates.items() if marker in item.keywords and not runs
+        ]
+        if not closed:
+            kept.append(item)
+        elif any(_asks_for(config, marker, item) for marker, _ in closed):
+            item.add_marker(pytest.mark.skip(reason=closed[0][1]))
+            kept.append(item)
+        else:
+            deselected.append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -32,7 +32,7 @@ MAX_LINES = 600
 # A prefix names a module and everything under it, the longest matching prefix decides;
 # "name=" names that module alone (the package `gjit` itself, not everything in it).
 LAYERS = [
-    ("base", ["gjit.config", "gjit.logs", "gjit.stats", "gjit.heap", "gjit.locks"]),
+    ("base", ["gjit.config", "gjit.progress", "gjit.logs", "gjit.stats", "gjit.heap", "gjit.locks"]),
     (
         "capture",
         [
@@ -42,6 +42,7 @@ LAYERS = [
             "gjit.module_copy",
             "gjit.export_budget",
             "gjit.capture",
+            "gjit.traces",
             "gjit.decompose",
         ],
     ),

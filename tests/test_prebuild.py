@@ -463,3 +463,23 @@ def test_a_package_for_another_gpu_or_an_unwritable_triton_cache_installs_nothin
     with gjit.config.scope(interpret=True), torch.no_grad():
         for a, b in zip(loaded(x), model(x)):
             torch.testing.assert_close(a, b)
+
+
+def test_the_progress_line_counts_the_workers_builds(sm90, monkeypatch):
+    import io
+    import sys
+
+    from gjit import progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    graph, args, sizes = first_call(MlpNorm().eval(), INPUTS["contiguous"]())
+    call = graph.call_fn(interpret=False)
+    with gjit.config.scope(progress_after=0.0), progress.compiling("MlpNorm"):
+        graph.prebuild(call, args, sizes).wait()  # the workers' futures complete in the pool's thread
+        time.sleep(3 * progress.TICK_SECONDS)
+    assert "kernels built 3/3" in screen.getvalue().split("\r")[-3], screen.getvalue()[-300:]

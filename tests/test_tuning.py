@@ -329,3 +329,15 @@ def test_layers_sharing_a_kernel_at_other_sizes_are_each_measured(measured):
     tuned = cm.entries[0].program.graph.tuning
     assert any(first.name in line for line in tuned) and any(second.name in line for line in tuned)
     assert second.code_of is None and second.blocks != first.blocks, "different choices: their own code"
+
+
+def test_tuning_reports_its_progress(measured, monkeypatch):
+    from gjit import progress
+
+    reported = []
+    monkeypatch.setattr(progress, "tuning", lambda done, total: reported.append((done, total)))
+    times, _ = measured
+    x, w, b = torch.randn(65, 40), torch.randn(130, 40), torch.randn(130)
+    times += [1.0] * (len(matmul_configs(65, 130, 40, torch.float32)) + 2)
+    run_compiled(linear_gelu, x, w, b)
+    assert reported == [(0, 1), (1, 1)]  # the progress line's "tuned 0/1", then "tuned 1/1"

@@ -44,7 +44,7 @@ import triton
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from gjit import logs, stats
+from gjit import logs, progress, stats
 from gjit.codegen.toolchain.compile_only import build_pool, finish_warm_up, quiet_forks
 from gjit.codegen.toolchain.files import import_file
 from gjit.config import config
@@ -402,6 +402,8 @@ def _submit(
         with quiet_forks():  # the workers fork at the first submit
             for b in sorted(todo, key=lambda b: -len(b.kernel.src)):
                 future = pool.submit(build_one, paths[b.name], b.kernel.fn.__name__, b.data, b.target)
+                progress.building(1)
+                future.add_done_callback(_progress_built)
                 _pending.add(future)
                 future.add_done_callback(_pending.discard)
                 if b.entry is not None:
@@ -412,6 +414,10 @@ def _submit(
         note_failure("starting build workers", e)
     pool.shutdown(wait=False)  # the queued builds still run; the workers exit after them
     return futures
+
+
+def _progress_built(future: concurrent.futures.Future) -> None:
+    progress.built()  # (in the pool's thread) the progress line counts it at its next tick
 
 
 def _built(
