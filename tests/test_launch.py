@@ -4,6 +4,8 @@ compiled graph runs on CPU tensors, every launch goes through Triton's C launche
 cuLaunchKernelEx. A variant's first launch takes Triton's path (JITFunction.run), the later ones
 call the compiled kernel it bound, with the same arguments Triton's path passes."""
 
+import threading
+
 import pytest
 import torch
 import triton
@@ -34,10 +36,12 @@ class Recording(CudaLauncher):
     """Triton's launcher, recording what each launch passes it (grid and arguments)."""
 
     calls: list = []
+    streams: list = []  # (the launching thread, the stream it launched on)
 
     def __call__(self, gridX, gridY, gridZ, stream, function, *rest):
         args = rest[5:]  # after the packed metadata, launch metadata, hooks
         Recording.calls.append((function, (gridX, gridY, gridZ), [_value(a) for a in args]))
+        Recording.streams.append((threading.get_ident(), stream))
         return super().__call__(gridX, gridY, gridZ, stream, function, *rest)
 
 
@@ -48,7 +52,7 @@ def _value(a):
 @pytest.fixture
 def recording(null_cuda, monkeypatch):
     monkeypatch.setattr(null_cuda, "launcher_cls", Recording)
-    Recording.calls = []
+    Recording.calls, Recording.streams = [], []
     return Recording.calls
 
 
@@ -164,3 +168,32 @@ def test_a_new_driver_drops_the_bound_variants(null_cuda, monkeypatch):
     monkeypatch.setattr(driver, "_active", other)
     call(inputs, sizes)
     assert all(launcher.triton_launches == 2 and launcher.driver is other for launcher in bound.values())
+
+
+def test_each_thread_launches_on_its_own_current_stream(recording, null_cuda, monkeypatch):
+    """A pre-bound launch reads the calling thread's current stream at each launch (as Triton's
+    path does): threads with streams of their own launch on them, also through variants another
+    thread bound."""
+    graph, inputs, sizes = first_graph_call(MlpNorm().eval(), torch.randn(3, 40, 32))[1:]
+    call = graph.call_fn(interpret=False)
+    current = threading.local()  # each thread's current stream, as torch.cuda.current_stream keeps it
+    monkeypatch.setattr(null_cuda, "get_current_stream", lambda device=None: getattr(current, "stream", 0))
+    call(inputs, sizes)  # the variants, bound on the default stream
+    Recording.streams.clear()
+    start = threading.Barrier(3)
+
+    def serve(stream: int) -> None:
+        current.stream = stream
+        start.wait()
+        for _ in range(5):
+            call(inputs, sizes)
+
+    threads = {threading.Thread(target=serve, args=(s,)): s for s in (11, 22, 33)}
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    by_thread = {t.ident: s for t, s in threads.items()}
+    assert len(Recording.streams) == 3 * 5 * 3  # 3 threads, 5 calls, 3 kernels
+    assert all(stream == by_thread[thread] for thread, stream in Recording.streams)
+    assert all(launcher.triton_launches == 1 for launcher in launchers(call).values())  # all pre-bound
