@@ -18,6 +18,7 @@ from gjit.debug.report import Report
 from gjit.guards import mark_dynamic
 from gjit.logs import set_logs
 from gjit.packaging import load, save
+from gjit.runtime import tuning_store as _tuning_store
 from gjit.runtime.package import PackageError
 
 __version__ = "0.1.0"
@@ -29,11 +30,13 @@ def stats() -> dict:
 
 
 def reset() -> None:
-    """Forget every compiled entry (of every live compiled callable) and every counter."""
+    """Forget every compiled entry (of every live compiled callable), the tuning records held in
+    memory (those on disk stay) and every counter."""
     with _api.LIVE_LOCK:
         live = list(_api.LIVE)
     for cm in live:
         cm.reset()
+    _tuning_store.forget()
     _stats.clear()
 
 

@@ -129,13 +129,13 @@ def aot(
     kernel, torch.cond branches included, for `arch`; PTX and cubins go to `out_dir`. `workers`
     processes build at once (default `gjit.config.compile_workers`, the CPU count). The call is
     compiled for that card: nothing measured there, its matmuls and attention are ATen's but where
-    kernels/template_wins.py, measured on such a card, says the template wins (gjit/choice.py)."""
+    kernels/template_wins.py, measured on such a card, says the template wins (gjit/choice/)."""
     from gjit.api import CompiledFunction
 
     number = int(arch.removeprefix("sm_"))
     start_warm_up()  # Triton's one-time start beside capture, not after it
     cm = model if isinstance(model, CompiledFunction) else CompiledFunction(model)
-    if cm.target is None:  # what runs on that card where nothing is measured (gjit/choice.py)
+    if cm.target is None:  # what runs on that card where nothing is measured (gjit/choice/)
         cm.target = number
     entry, _ = cm.entry_for(args, kwargs)  # CaptureError (a RuntimeError) when capture fails
     out_dir = out_dir or os.path.join(config.cache_dir, "aot", arch)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import threading
 import weakref
 from typing import Any
@@ -23,7 +24,7 @@ from gjit.calling import (
     structure_change,
 )
 from gjit.capture import TOO_SLOW, CaptureError, DecompositionError, capture, readable
-from gjit.choice import card_of
+from gjit.choice.regions import card_of
 from gjit.codegen.toolchain.compile_only import start_warm_up
 from gjit.config import BACKENDS, CompileOptions, config
 from gjit.debug import dump
@@ -390,7 +391,10 @@ class CompiledFunction:
         cache_log.info("%s: no entry admits the call (in-memory cache miss); compiling", self._name())
         on_gpu = any(isinstance(v, torch.Tensor) and v.is_cuda for v in flat)
         tf32, target = tf32_allowed(on_gpu), card_of(flat, self.target)
-        options = CompileOptions.from_config(backend=self.backend, check=self.check, tf32=tf32, target=target)
+        budget = math.inf if self.mode.startswith("max-autotune") else None  # torch's word for "tune it all"
+        options = CompileOptions.from_config(
+            backend=self.backend, check=self.check, tf32=tf32, target=target, tune_budget=budget
+        )
         if options.backend == "triton" and on_gpu:
             start_warm_up()  # Triton's first build in this process pays it: run it beside capture
         try:

@@ -24,11 +24,16 @@
                                                          neighbours fused in, or as ATen externs; auto:
                                                          per region, whichever is measured faster on the
                                                          GPU, else ATen but where a table measured on the
-                                                         card says the template wins (gjit/choice.py)
+                                                         card says the template wins (gjit/choice/)
     gjit.config.tune                  GJIT_TUNE=0        on a GPU (default on): time each template
                                                          kernel's tile configurations and, under auto,
                                                          each region's template against ATen's kernels at
                                                          compile time; keep the fastest (gjit/tuning.py)
+    gjit.config.tune_budget           GJIT_TUNE_BUDGET   the share of a cold compile tuning may take (0.2:
+                                                         a fifth; heaviest kernels first, the rest keep
+                                                         the table's choice; 1 or mode="max-autotune":
+                                                         no limit). What was measured is kept for every
+                                                         later compile (gjit/runtime/tuning_store.py)
     gjit.config.rblock                GJIT_RBLOCK        chunk size of looped reductions
     gjit.config.recompile_limit       GJIT_RECOMPILE_LIMIT  entries per compiled callable; calls that
                                                          miss past it run eagerly (one warning)
@@ -45,9 +50,9 @@
                                                          kernel bound at its first launch (A/B timing)
     gjit.config.mode                  GJIT_MODE          torch.compile's mode for gjit.compile calls that give
                                                          none: default | reduce-overhead (CUDA graphs) |
-                                                         max-autotune (CUDA graphs) |
-                                                         max-autotune-no-cudagraphs (tuning follows GJIT_TUNE
-                                                         in every mode)
+                                                         max-autotune (CUDA graphs, tuning without a
+                                                         budget) | max-autotune-no-cudagraphs (the same
+                                                         tuning; tuning follows GJIT_TUNE in every mode)
     gjit.config.cuda_graph_limit      GJIT_CUDA_GRAPH_LIMIT  CUDA graphs an entry holds in the modes that
                                                          record them (8); past it calls run without one
     gjit.config.dynamic_export_budget  GJIT_DYNAMIC_EXPORT_BUDGET  seconds an export with dynamic dims may
@@ -202,7 +207,7 @@ class Config:
         _env_str("GJIT_MATMUL", lambda: "auto"),
         "matmuls and attention: auto (per region, the template or ATen's kernels, whichever is "
         "measured faster on the GPU; not measured, ATen but where a table measured on the card says "
-        "the template wins: gjit/choice.py) | template (generated tensor-core kernels with operand "
+        "the template wins: gjit/choice/) | template (generated tensor-core kernels with operand "
         "views and the consuming pointwise work fused in; the Triton backend) | aten (ATen externs)",
     )
     tune = _Knob(
@@ -210,7 +215,13 @@ class Config:
         _env_bool("GJIT_TUNE", True),
         "on a GPU, measure each template kernel's tile configurations and (matmul auto) each region's "
         "template against ATen's kernels at compile time, and keep the fastest (gjit/tuning.py, "
-        "gjit/choice.py; the choice is stored with the entry)",
+        "gjit/choice/; the choice is stored with the entry)",
+    )
+    tune_budget = _Knob(
+        "GJIT_TUNE_BUDGET",
+        _env_float("GJIT_TUNE_BUDGET", 0.2),
+        "the share of a cold compile that tuning may take (heaviest kernels first; what is left keeps "
+        "the table's configuration and choice); 1 or more, or mode max-autotune: no limit",
     )
     persistent_max = _Knob(
         "GJIT_PERSISTENT_MAX",
@@ -263,7 +274,8 @@ class Config:
         "GJIT_MODE",
         _env_str("GJIT_MODE", lambda: "default"),
         "torch.compile's mode for gjit.compile calls that give none: default | reduce-overhead | "
-        "max-autotune (both record CUDA graphs) | max-autotune-no-cudagraphs",
+        "max-autotune (records CUDA graphs and tunes without a budget) | max-autotune-no-cudagraphs "
+        "(the same tuning)",
     )
     cuda_graph_limit = _Knob(
         "GJIT_CUDA_GRAPH_LIMIT",
@@ -314,8 +326,8 @@ class Config:
 config = Config()
 
 BACKENDS = ("triton", "cupy")
-# torch.compile's modes. gjit tunes template kernels on a GPU in every mode (GJIT_TUNE), so the
-# max-autotune modes differ from the others only in CUDA graphs
+# torch.compile's modes. gjit tunes template kernels on a GPU in every mode (GJIT_TUNE); the
+# max-autotune modes lift the tuning budget (GJIT_TUNE_BUDGET)
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # gjit/runtime/cuda_graphs.py
 MATMUL_SETTINGS = ("auto", "template", "aten")
@@ -343,6 +355,9 @@ class CompileOptions:
     # call's device, or gjit.aot's arch; None: no GPU. Where nothing is measured, the table of
     # kernels/template_wins.py for that card picks templates. Not a gjit knob either.
     target: int | None = None
+    # the share of the cold compile tuning may take (gjit/tuning.py's Budget); math.inf under
+    # mode="max-autotune"
+    tune_budget: float = 0.2
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

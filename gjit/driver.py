@@ -13,7 +13,7 @@ from typing import Any
 import sympy
 import torch
 
-from gjit import choice, ir, locks, logs, stats, tuning
+from gjit import ir, locks, logs, stats, tuning
 from gjit.capture import (
     CapturedProgram,
     Exported,
@@ -21,6 +21,7 @@ from gjit.capture import (
     shape_guard_texts,
     size_hints,
 )
+from gjit.choice import measure, regions, table
 from gjit.codegen.common import KernelSource, kernel_name
 from gjit.codegen.generate import generate_kernel
 from gjit.codegen.share import share_code
@@ -224,11 +225,13 @@ def compile_program(
     else:
         loop_graph, steps, graph = compile_graph(gm, symbols, passes, initial_templates(options))
     # measured: under "auto" each template region against the library, else the configurations
-    choices = choice.template_regions(steps) if options.matmul == "auto" else []
+    choices = regions.template_regions(steps) if options.matmul == "auto" else []
     if why is None and options.matmul_template and (choices or any(k.configs > 1 for k in graph.kernels)):
         analysis, inputs = (loop_graph, steps, graph), captured.graph_inputs(example)
         try:
-            loop_graph, steps, graph = passes("tune", tune_graph, gm, symbols, analysis, passes, inputs)
+            compiled = sum(timings.values())  # the compile's seconds so far: what the budget is a share of
+            tune = (gm, symbols, analysis, passes, inputs, compiled)
+            loop_graph, steps, graph = passes("tune", tune_graph, *tune)
         except Exception as e:  # measuring is an optimization: never a reason not to run
             tuning.log.warning("gjit: tuning failed (%s); nothing measured is used", tuning.first_line(e))
             failed = f"tuning failed: {tuning.first_line(e)}"
@@ -295,14 +298,14 @@ def compile_graph(
 ) -> tuple[LoopGraph, list[Step], CompiledGraph]:
     """One FX graph -> kernels + wrapper; `symbols` are the sizes the caller passes in bound.
     `templates`: which products are templates; None: the library but where the table of
-    kernels/template_wins.py has the region (gjit/choice.py; `unmeasured`: why nothing is timed).
+    kernels/template_wins.py has the region (gjit/choice/; `unmeasured`: why nothing is timed).
     The branches of a torch.cond are compiled the same way (binding their sizes themselves)."""
     options = run.options
     # lower, attention, fuse, statistics, rows, products: ATen FX graph -> loop IR -> the schedule
     if templates is None:
         hints = size_hints(gm)
         schedule = functools.partial(schedule_graph, gm, run=run)
-        loop_graph, steps, templates = choice.unmeasured(
+        loop_graph, steps, templates = table.unmeasured(
             schedule, gm, hints, options.target, options.tf32, unmeasured
         )
     else:
@@ -339,7 +342,7 @@ def on_gpu(gm: torch.fx.GraphModule) -> bool:
 def unmeasurable(
     gm: torch.fx.GraphModule, symbols: list[sympy.Symbol], options: CompileOptions, example: list | None
 ) -> str | None:
-    """Why this compile measures nothing (gjit/tuning.py, gjit/choice.py), or None: it measures on
+    """Why this compile measures nothing (gjit/tuning.py, gjit/choice/), or None: it measures on
     a GPU, when asked for, not under GJIT_CHECK, with the example's sizes known, and with torch's
     deterministic algorithms off (a choice made by timing is not reproducible bit for bit: tiles
     set the order of the sums)."""
@@ -365,10 +368,12 @@ def tune_graph(
     analysis: tuple[LoopGraph, list[Step], CompiledGraph],
     run: Passes,
     graph_inputs: list,
+    compiled: float = 0.0,
 ) -> tuple[LoopGraph, list[Step], CompiledGraph]:
     """The program with each template kernel in its fastest configuration and, under "auto", each
     matmul and attention region a template or the library's kernels, whichever is faster
-    (gjit/choice.py), measured at the example's sizes."""
+    (gjit/choice/), measured at the example's sizes within a budget: a share of the compile,
+    whose first `compiled` seconds are done."""
     hints, options = size_hints(gm), run.options
     sizes = tuple(hints[s] for s in symbols)
     branches = analysis[2].subgraphs  # compiled once: their choice is not measured
@@ -385,9 +390,10 @@ def tune_graph(
         return generate_kernel(region, loop_graph, hints, index, options)
 
     schedule = functools.partial(schedule_graph, gm, run=_untimed)
-    builder = choice.Builder(schedule, build, emit, hints, options.tf32)
-    call = choice.Call(graph_inputs, sizes, dict(zip(symbols, sizes)))
-    chosen = choice.measured(analysis, builder, call, compare=options.matmul == "auto")
+    budget = tuning.Budget(options.tune_budget, compiled)
+    builder = measure.Builder(schedule, build, emit, hints, options.tf32, budget, options.target)
+    call = measure.Call(graph_inputs, sizes, dict(zip(symbols, sizes)))
+    chosen = measure.measured(analysis, builder, call, compare=options.matmul == "auto")
     return chosen.loop_graph, chosen.steps, chosen.graph
 
 

@@ -62,7 +62,7 @@ def save(compiled: CompiledFunction, path: str, *, weights: bool = False, binari
         "weights": weights,
         "signature": _signature_record(compiled.signature),
         # the GPU its kernels' tiles and templates-or-ATen were measured (or taken from the table)
-        # on (gjit/tuning.py, gjit/choice.py): a configuration chosen there may not fit another
+        # on (gjit/tuning.py, gjit/choice/): a configuration chosen there may not fit another
         # card's shared memory
         "tuned_on": _tuned_on(compiled),
     }

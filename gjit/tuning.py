@@ -1,5 +1,5 @@
 """On a GPU, the measurements of a compile: a template kernel in each of its tile configurations,
-and the pieces of the library's alternative (gjit/choice.py decides with them).
+and the pieces of the library's alternative (gjit/choice/ decides with them).
 
 Codegen emits a template kernel (kernels/matmul.py, kernels/attention.py) in the first of its
 configurations: the table's pick for the example sizes. With CUDA example inputs and
@@ -29,6 +29,7 @@ import functools
 import inspect
 import math
 import re
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -78,29 +79,97 @@ def same_kernel_key(kernel: KernelSource, sizes: list[int]) -> str:
     """What two kernels that compute alike at these sizes (of their size arguments) share: the
     code (not its comments, which name the nodes) with the kernel and size-symbol names replaced
     by positions, and the sizes."""
+    code, ordered = same_kernel_parts(kernel, sizes)
+    return code + str(ordered)
+
+
+def same_kernel_parts(kernel: KernelSource, sizes: list[int]) -> tuple[str, list[int]]:
+    """same_kernel_key's code and its sizes, in the order the code names them."""
     values = dict(zip(map(str, kernel.size_args), sizes))
     # comments (the header, a statistics loop's) name nodes; the def line lists sizes by name
     body = "\n".join(ln for ln in code_text(kernel.source, {}).splitlines() if not ln.startswith("def "))
     order = list(dict.fromkeys(t for t in re.findall(r"\w+", body) if t in values))
     names = {s: f"size{i}" for i, s in enumerate(order)}
-    return code_text(body, names) + str([values[s] for s in order])
+    return code_text(body, names), [values[s] for s in order]
 
 
-def choose(
-    region: Region, kernel: KernelSource, launch: Launch, emit: Callable, label: str
-) -> tuple[int, float | None, str]:
-    """(configuration, ms, the decision's line) of one template kernel on its kept launch; ms None
-    when it could not be timed. `label`: what the kernel computes, for `bench`."""
+class Budget:
+    """The seconds tuning may take in one compile: `share` of the cold compile (0.2: tuning at most
+    a fifth of it, so a quarter of what the compile took without it; `math.inf`: no limit,
+    mode="max-autotune"). `compiled`: the compile's seconds before tuning; the program's first run
+    (`not_tuning`: its kernels build for the user's call either way) adds to them and costs nothing."""
+
+    def __init__(self, share: float, compiled: float):
+        self.share, self.compiled = share, compiled
+        self.start, self.excluded = clock(), 0.0
+
+    @property
+    def seconds(self) -> float:
+        return math.inf if self.share >= 1 else self.share / (1 - self.share) * self.compiled
+
+    def spent(self) -> float:
+        return clock() - self.start - self.excluded
+
+    def left(self) -> bool:
+        return self.spent() < self.seconds
+
+    @contextlib.contextmanager
+    def not_tuning(self) -> Iterator[None]:
+        start = clock()
+        try:
+            yield
+        finally:
+            self.excluded += clock() - start
+            self.compiled += clock() - start
+
+    def text(self) -> str:
+        if math.isinf(self.seconds):
+            return f"{self.spent():.2f} s, without a budget (mode max-autotune, or GJIT_TUNE_BUDGET 1)"
+        share = f"{self.share:.0%} of the cold compile"
+        return f"{self.spent():.2f} s of a budget of {self.seconds:.2f} s ({share})"
+
+
+def clock() -> float:
+    """Seconds, for budgets (tests replace it)."""
+    return time.perf_counter()
+
+
+def first_time(kernel: KernelSource, launch: Launch, label: str) -> tuple[float | None, str]:
+    """(ms, the line) of a template kernel in the configuration it was emitted in (its table's)
+    on its kept launch; ms None when it could not be timed."""
     try:
         fn = loaded(kernel, launch)
         first = bench(lambda: run_kernel(kernel, launch, fn), f"{label} configuration 0")
     except Exception as e:  # its sizes not all known here, say: the table's configuration runs
-        return 0, None, f"{kernel.name}: not tuned ({first_line(e)})"
+        return None, f"{kernel.name}: not tuned ({first_line(e)})"
     if kernel.configs <= 1 or first < MIN_KERNEL_MS:
         why = "its one configuration" if kernel.configs <= 1 else "too short to tune"
-        return 0, first, f"{kernel.name}: {describe(kernel)} {first:.3f} ms ({why})"
-    best, best_ms, notes = 0, first, [f"{describe(kernel)} {first:.3f}"]
-    for index in range(1, kernel.configs):
+        return first, f"{kernel.name}: {describe(kernel)} {first:.3f} ms ({why})"
+    return first, f"{kernel.name}: ms by tiles: {describe(kernel)} {first:.3f}"
+
+
+@dataclasses.dataclass
+class Explored:
+    """How far a template kernel's configurations were tried: 0 .. tried-1, the best of them."""
+
+    config: int
+    ms: float
+    tried: int
+    line: str
+
+
+def explore(region: Region, kernel: KernelSource, launch: Launch, emit: Callable, label: str,
+            start: Explored, more: Callable[[], bool]) -> Explored:  # fmt: skip
+    """The configurations after `start.tried` on the kept launch while `more()`: each emitted,
+    launched, rejected where its output differs from configuration 0's beyond rounding (or it
+    does not build), else timed; the fastest kept. A kernel under MIN_KERNEL_MS is not tuned."""
+    if start.ms < MIN_KERNEL_MS:
+        return dataclasses.replace(start, tried=kernel.configs)
+    best, notes = dataclasses.replace(start), []
+    for index in range(start.tried, kernel.configs):
+        if not more():
+            notes.append("the rest not tried: over the tuning budget")
+            break
         candidate = kernel
         try:
             candidate = emit(region, index)
@@ -117,10 +186,23 @@ def choose(
         notes.append(f"{name} " + (differs or f"{ms:.3f}"))
         if differs == "computes something else":  # a codegen bug in that configuration
             log.warning("gjit: %s %s %s; not used", kernel.name, describe(candidate), differs)
-        if ms < best_ms:
-            best, best_ms = index, ms
+        best.tried = index + 1
+        if ms < best.ms:
+            best.config, best.ms = index, ms
     region.config = 0
-    return best, best_ms, f"{kernel.name}: ms by tiles: {', '.join(notes)}; chose configuration {best}"
+    if notes:
+        best.line = f"{start.line}, {', '.join(notes)}"
+    if best.tried >= kernel.configs and kernel.configs > 1 and "chose" not in best.line:
+        best.line += f"; chose configuration {best.config}"
+    return best
+
+
+def device_name(launch: Launch) -> str:
+    """The GPU a kept launch ran on, by name (a tuning record's)."""
+    tensor = next(iter(launch.inputs or launch.outputs), None)
+    if tensor is None or not tensor.is_cuda:
+        return "cpu"
+    return torch.cuda.get_device_name(tensor.device)
 
 
 def first_line(e: Exception) -> str:

@@ -86,6 +86,9 @@ def _gjit_cache_dir(tmp_path_factory):
     # tests/test_choice.py checks that choice)
     gjit.config.tune = False
     gjit.config.matmul = "template"
+    # where a test turns tuning on, it measures everything: a budget in real seconds would make
+    # what it measures depend on the machine's load (tests/test_tuning_budget.py sets its own)
+    gjit.config.tune_budget = 1.0
     yield
 
 

@@ -531,7 +531,7 @@ def test_a_binary_for_another_gpu_is_not_installed(server, tmp_path, sm90):
 
 
 def test_a_remote_hit_keeps_the_per_region_choice_and_measures_nothing(server, tmp_path, monkeypatch):
-    """The choice between templates and ATen (gjit/choice.py), measured on the first machine,
+    """The choice between templates and ATen (gjit/choice/), measured on the first machine,
     travels with its entry: a second machine serves the same program and measures nothing."""
     from gjit import driver, tuning
 

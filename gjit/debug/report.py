@@ -58,7 +58,7 @@ class Report:
     # ops gjit has no lowering for that torch.compile's decompositions turned into ops it lowers
     decomposed: list[str] = dataclasses.field(default_factory=list)
     # per matmul of the graph: the template kernel that computes it, or the extern and why, with
-    # the per-region choice and its figures (gjit/choice.py); then tuning's lines
+    # the per-region choice and its figures (gjit/choice/); then tuning's lines
     matmuls: list[str] = dataclasses.field(default_factory=list)
     # whether calls replay CUDA graphs (mode="reduce-overhead"), how many are held, runs without one
     cuda_graphs: str = "off"
@@ -138,8 +138,7 @@ def build_report(entry: Any, sizes: tuple = ()) -> Report:
         list(entry.specialized),
         perf_hints(program, entry.specialized),
         decomposed_ops(program.captured.full_graph_module),
-        matmul_lines(program.steps, templates)
-        + [f"tuned on the GPU: {line}" for line in program.graph.tuning],
+        matmul_lines(program.steps, templates) + tuning_lines(program.graph.tuning),
         cuda_graphs_line(entry),
     )
 
@@ -149,6 +148,11 @@ def cuda_graphs_line(entry: Any) -> str:
     if graphs is None:
         return "off (the callable's mode records none: mode='reduce-overhead' does)"
     return graphs.describe()
+
+
+def tuning_lines(lines: list[str]) -> list[str]:
+    """The decisions' lines marked as measured, the budget's (gjit/choice/) as it is."""
+    return [line if line.startswith("tuning took") else f"tuned on the GPU: {line}" for line in lines]
 
 
 MATMUL_OPS = (

@@ -1,6 +1,6 @@
 """Which matmul and attention nodes lowering makes template nodes, and why the others stay ATen
 externs: the setting (GJIT_MATMUL, the backend) or, under "auto", the per-region choice
-(gjit/choice.py: measured on the GPU, or the table of kernels/template_wins.py). Keyed by FX
+(gjit/choice/: measured on the GPU, or the table of kernels/template_wins.py). Keyed by FX
 node name: a region's products (q, k and v launched as one kernel; both products of a written-out
 attention) are chosen together. The choice is stored with the compiled entry (the disk cache, a
 package, the remote cache), so a warm start lowers exactly as the compile that measured did.

@@ -284,7 +284,7 @@ def graph_record(graph: CompiledGraph) -> dict:
         "kernels": kernels,
         "subgraphs": subgraphs,
         "tuning": graph.tuning,
-        # which products are templates (gjit/choice.py): a warm start lowers by it, measuring nothing
+        # which products are templates (gjit/choice/): a warm start lowers by it, measuring nothing
         "templates": graph.templates.record() if graph.templates is not None else None,
     }
 

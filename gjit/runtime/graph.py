@@ -145,7 +145,7 @@ class CompiledGraph:
     checker: Any = None  # GJIT_CHECK: a gjit.debug.check.RegionChecker the wrapper reports to
     last_check: list = dataclasses.field(default_factory=list)  # its rows for the latest call
     tuning: list[str] = dataclasses.field(default_factory=list)  # gjit/tuning.py's decisions, on a GPU
-    # which products are templates, and each region's choice with its figures (gjit/choice.py);
+    # which products are templates, and each region's choice with its figures (gjit/choice/);
     # None: an entry stored before it was kept
     templates: TemplateChoice | None = None
     prebuilt: bool = False  # its first call on a GPU started its kernels' builds (gjit/runtime/prebuild.py)

@@ -164,8 +164,9 @@ class RemoteCache:
 
     # -- writes ------------------------------------------------------------------------------------
 
-    def put(self, key: str, text: str) -> None:
-        """Queue `text` for the background writer; never blocks the call."""
+    def put(self, key: str, text: str, replace: bool = False) -> None:
+        """Queue `text` for the background writer; never blocks the call. `replace`: written over
+        what the server holds (else only where it holds nothing)."""
         raw = text.encode("utf-8")
         if len(raw) > self.max_bytes:
             self.fault(
@@ -178,7 +179,7 @@ class RemoteCache:
                 self.writer = threading.Thread(target=self.write_loop, name="gjit-remote-cache", daemon=True)
                 self.writer.start()
         try:
-            self.pending.put_nowait((key, value))
+            self.pending.put_nowait((key, value, replace))
         except queue.Full:
             self.fault("write queue full", f"{QUEUE_SIZE} entries wait to be written; dropped one")
 
@@ -192,12 +193,12 @@ class RemoteCache:
             finally:
                 self.pending.task_done()
 
-    def write(self, key: str, value: bytes) -> None:
+    def write(self, key: str, value: bytes, replace: bool = False) -> None:
         if time.monotonic() < self.down_until:  # left alone after a connection failure
             stats.count("remote_cache_writes_dropped")
             return
         try:
-            written = self.client.set(self.prefix + key, value, nx=key not in self.damaged)
+            written = self.client.set(self.prefix + key, value, nx=not replace and key not in self.damaged)
             self.damaged.discard(key)
         except Exception as e:  # noqa: BLE001 - a failed write costs only another machine's compile
             kind, down = self.classify(e)
