@@ -6,7 +6,7 @@ Each case is a matmul with the pointwise work that follows it in the model (bias
 add, SiLU gate), or one attention, at the sizes of GPT-2 small, BERT-base and a Llama-7B layer.
 Per case the median time (triton.testing.do_bench) of: gjit as it compiles by default (on a GPU
 the template's tile configurations and, per region, the template against ATen's kernels measured
-at compile time: gjit/tuning.py, gjit/choice.py), gjit's template in the table's configuration
+at compile time: gjit/tuning.py, gjit/choice/), gjit's template in the table's configuration
 (`gjit.config.matmul = "template"`, `gjit.config.tune = False`; one kernel, epilogue fused), gjit
 with `gjit.config.matmul = "aten"` (the extern plus a pointwise kernel), eager, and torch.compile
 (default mode). `table/aten` under 1 means the untuned

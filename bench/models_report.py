@@ -65,7 +65,7 @@ def graph_op_counts(gm: torch.fx.GraphModule) -> tuple[int, int]:
 def run_gjit(model: torch.nn.Module, inputs: tuple) -> dict[str, Any]:
     gjit.reset()
     # every product a template, as a GPU where they win runs it: on the CPU the default ("auto")
-    # leaves matmuls and attention to ATen, nothing being measured (gjit/choice.py)
+    # leaves matmuls and attention to ATen, nothing being measured (gjit/choice/)
     with torch.no_grad(), gjit.config.scope(matmul="template"):
         expected = model(*inputs)
         start = time.perf_counter()

@@ -1,6 +1,6 @@
 """Where a template beat the library, measured on a card: the table the per-region choice reads
 when nothing can be measured (tuning off, `gjit.aot` for a card that is not there, a package
-built without measuring; gjit/choice.py). Everywhere else the library runs (cuBLAS, SDPA), so
+built without measuring; gjit/choice/). Everywhere else the library runs (cuBLAS, SDPA), so
 an entry is only a measurement on a real card, at its sizes, of the region as it fused: the
 template's kernel (in the configuration it ran in) against the library's kernels plus the
 generated kernels that carry what the template fused. A region matches an entry exactly: the
