@@ -14,7 +14,8 @@ import sympy
 import torch
 
 from gjit import choice, ir, locks, logs, stats, tuning
-from gjit.capture import (
+from gjit.capture.decompose import decompose
+from gjit.capture.export import (
     CapturedProgram,
     Exported,
     captured_program,
@@ -27,7 +28,6 @@ from gjit.codegen.share import share_code
 from gjit.config import CompileOptions, config
 from gjit.debug import dump
 from gjit.debug.check import RegionChecker
-from gjit.decompose import decompose
 from gjit.fusion import Region, Step, fuse, verify_schedule
 from gjit.guards.builder import input_symbols
 from gjit.ir import LoopGraph
