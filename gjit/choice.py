@@ -46,7 +46,7 @@ import torch
 
 from gjit import progress, tuning
 from gjit.codegen.common import KernelSource
-from gjit.fusion import Region, Step
+from gjit.fusion.regions import Region, Step
 from gjit.ir import AttentionNode, ExternNode, LoopGraph, MatmulNode, dot_operands
 from gjit.kernels import template_wins
 from gjit.lowering.templates import EVERY_TEMPLATE, RegionChoice, TemplateChoice

@@ -36,10 +36,7 @@ LAYERS = [
     ("capture", ["gjit.capture"]),
     ("ir", ["gjit.ir"]),
     ("lowering", ["gjit.lowering"]),
-    (
-        "fusion",
-        ["gjit.spaces", "gjit.fusion", "gjit.schedule", "gjit.statistics", "gjit.rows", "gjit.products"],
-    ),
+    ("fusion", ["gjit.fusion"]),
     ("kernels", ["gjit.kernels"]),
     ("codegen", ["gjit.codegen"]),
     ("toolchain", ["gjit.codegen.toolchain"]),

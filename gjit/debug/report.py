@@ -15,7 +15,7 @@ import torch
 from gjit.capture.decompose import DECOMPOSED_FROM
 from gjit.capture.export import size_hints
 from gjit.debug.byte_model import Traffic, traffic
-from gjit.fusion import Region
+from gjit.fusion.regions import Region
 from gjit.ir import AttentionNode, ExternNode, MatmulNode
 
 if TYPE_CHECKING:  # the driver makes the program a report describes
