@@ -13,7 +13,7 @@ import hashlib
 import sympy
 import torch
 
-from gjit.fusion import Region
+from gjit.fusion.regions import Region
 from gjit.ir import Const, Expr, IndexValue
 
 # Ops both kernel languages spell as one infix operator with the same meaning.

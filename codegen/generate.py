@@ -17,7 +17,7 @@ from gjit.codegen.triton.reduction import ReductionWriter
 from gjit.codegen.triton.scan import ScanWriter
 from gjit.codegen.triton.scatter import ScatterWriter
 from gjit.config import CompileOptions
-from gjit.fusion import Region
+from gjit.fusion.regions import Region
 
 WRITERS = {  # (backend, region kind) -> writer class
     ("triton", "pointwise"): KernelWriter,

@@ -21,7 +21,7 @@ from gjit.codegen import online
 from gjit.codegen.common import KernelSource, hint, source_line, unique
 from gjit.codegen.indexing import XINDEX, coalesce
 from gjit.config import CompileOptions
-from gjit.fusion import Region
+from gjit.fusion.regions import Region
 from gjit.ir import Const, Expr, IndexValue, Masked, Op, Read, ReduceNode, ScatterNode
 
 

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from gjit import kv_cache, locks, logs, progress, stats
-from gjit.calling import (
+from gjit import locks, logs, progress, stats
+from gjit.capture import kv_cache
+from gjit.capture.calling import (
     GUARDABLE,
     bind_call,
     fast_arity,
@@ -23,7 +24,7 @@ from gjit.calling import (
     inputs_record,
     structure_change,
 )
-from gjit.capture import TOO_SLOW, CaptureError, DecompositionError, capture, readable
+from gjit.capture.export import TOO_SLOW, CaptureError, DecompositionError, capture, readable
 from gjit.choice.regions import card_of
 from gjit.codegen.toolchain.compile_only import start_warm_up
 from gjit.config import BACKENDS, CompileOptions, config

@@ -14,7 +14,8 @@ import sympy
 import torch
 
 from gjit import ir, locks, logs, stats, tuning
-from gjit.capture import (
+from gjit.capture.decompose import decompose
+from gjit.capture.export import (
     CapturedProgram,
     Exported,
     captured_program,
@@ -28,20 +29,19 @@ from gjit.codegen.share import share_code
 from gjit.config import CompileOptions, config
 from gjit.debug import dump
 from gjit.debug.check import RegionChecker
-from gjit.decompose import decompose
-from gjit.fusion import Region, Step, fuse, verify_schedule
+from gjit.fusion.products import group_products
+from gjit.fusion.regions import Region, Step, fuse, verify_schedule
+from gjit.fusion.rows import fold_rows
+from gjit.fusion.statistics import absorb_row_statistics
 from gjit.guards.builder import input_symbols
 from gjit.ir import LoopGraph
 from gjit.lowering.attention_pattern import match_attention
 from gjit.lowering.graph import lower_graph
 from gjit.lowering.registry import EXTERN_REASONS, LOWERINGS, size_reason
 from gjit.lowering.templates import EVERY_TEMPLATE, NO_TEMPLATES, TemplateChoice
-from gjit.products import group_products
-from gjit.rows import fold_rows
 from gjit.runtime import disk_cache as cache
 from gjit.runtime import program_store
 from gjit.runtime.graph import CompiledGraph
-from gjit.statistics import absorb_row_statistics
 from gjit.stats import timed
 from gjit.wrapper import WrapperWriter, graph_device
 

@@ -16,7 +16,7 @@ only take turns for the GIL. Re-entrant: a compile runs the model, whose forward
 another compiled callable that compiles (a compiled model within a compiled model), or a
 torch.compile'd function.
 
-Export itself traces a copy of the module tree (gjit/module_copy.py), so other threads keep
+Export itself traces a copy of the module tree (gjit/capture/module_copy.py), so other threads keep
 calling the model, eagerly or through its entries, while it exports.
 """
 

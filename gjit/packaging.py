@@ -21,14 +21,15 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from gjit import kv_cache, logs, stats
+from gjit import logs, stats
 from gjit.api import CompiledFunction, Entry, Package, RecompileError
-from gjit.capture import CapturedProgram, Exported, captured_program
+from gjit.capture import kv_cache
+from gjit.capture.export import CapturedProgram, Exported, captured_program
+from gjit.capture.in_place import as_functional
 from gjit.driver import CompiledProgram
 from gjit.guards import build_guards
 from gjit.guards.builder import shape_env_of, tf32_setting
 from gjit.heap import deferred_full_collections
-from gjit.in_place import as_functional
 from gjit.runtime import disk_cache, package, program_store, triton_binaries
 from gjit.runtime.package import PackageError
 

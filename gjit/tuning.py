@@ -39,7 +39,7 @@ import torch
 from gjit import logs
 from gjit.codegen.common import KernelSource
 from gjit.codegen.share import code_text
-from gjit.fusion import Region
+from gjit.fusion.regions import Region
 from gjit.runtime import interpret as interpret_libdevice
 from gjit.runtime.graph import KERNEL_PRELUDE, CompiledGraph, load_kernel, write_source
 

@@ -19,7 +19,7 @@ import torch
 from gjit import ir
 from gjit.codegen.common import KernelSource
 from gjit.codegen.printer import pyexpr
-from gjit.fusion import Region, Step
+from gjit.fusion.regions import Region, Step
 from gjit.lowering.registry import to_sympy
 
 

@@ -28,7 +28,7 @@ import sympy
 import torch
 from torch.utils._sympy.numbers import int_oo
 
-from gjit.capture import state_reader
+from gjit.capture.export import state_reader
 from gjit.codegen.printer import pyexpr
 
 

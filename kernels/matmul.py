@@ -65,10 +65,10 @@ def fit_stages(blocks: MatmulBlocks, itemsize: int, loops: int = 1) -> MatmulBlo
 
 def row_blocks(m: int, n: int, k: int, dtype: torch.dtype) -> MatmulBlocks:
     """Tiles for a product whose epilogue reduces each output row (a norm after a linear,
-    gjit/rows.py): BLOCK_N covers the row (N at most 1024, 512 in float32), and as many rows as keep a tile at
-    8192 elements (16 at least: tl.dot's smallest), so the accumulator and the norm's values on it
-    fit the registers; k steps as the table's (16 from 512 columns, so two fit SHARED_MEMORY),
-    8 warps from 256 columns."""
+    gjit/fusion/rows.py): BLOCK_N covers the row (N at most 1024, 512 in float32), and as many rows
+    as keep a tile at 8192 elements (16 at least: tl.dot's smallest), so the accumulator and the
+    norm's values on it fit the registers; k steps as the table's (16 from 512 columns, so two fit
+    SHARED_MEMORY), 8 warps from 256 columns."""
     wide = dtype in (torch.float16, torch.bfloat16)
     block_n = max(16, power_of_2(n))
     block_m = max(16, min(64, power_of_2(m), 8192 // block_n))

@@ -138,7 +138,7 @@ def test_a_daemonic_process_builds_in_process(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_norm_statistics_in_a_matmul_prologue_do_not_spill(tmp_path, dtype):
-    """A layer norm's statistics computed in the next linear's prologue (gjit/statistics.py), at a
+    """A layer norm's statistics computed in the next linear's prologue (gjit/fusion/statistics.py), at a
     GPT-2-small width: no spills, and the 16-bit product still on tensor cores."""
     from test_matmul import NormLinear
 

@@ -172,7 +172,7 @@ def test_a_qkv_group_is_weighed_against_every_product_and_the_norm_it_absorbed(t
 
 
 def test_a_post_norm_in_the_epilogue_is_weighed_with_its_kernel(timing):
-    """A norm after a linear runs in the template's epilogue (gjit/rows.py): the library's side
+    """A norm after a linear runs in the template's epilogue (gjit/fusion/rows.py): the library's side
     is addmm and the kernel of the residual add and the norm."""
 
     def post(x, w, b, r):

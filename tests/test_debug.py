@@ -9,7 +9,7 @@ import torch
 from conftest import POISONED, TEST_DEVICE
 from gjit import driver, ir
 from gjit.codegen.triton.pointwise import KernelWriter
-from gjit.fusion import fuse, verify_schedule
+from gjit.fusion.regions import fuse, verify_schedule
 from gjit.lowering.graph import lower_graph
 from gjit.runtime.graph import gjit_alloc_poisoned
 from helpers import check

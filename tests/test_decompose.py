@@ -1,4 +1,4 @@
-"""Decomposition node by node (gjit/decompose.py), checked against torch's run_decompositions().
+"""Decomposition node by node (gjit/capture/decompose.py), checked against torch's run_decompositions().
 
 A program that mutates nothing is decomposed one node at a time; anything the node-by-node pass
 cannot vouch for (a write in place, a higher-order op, a data-dependent size, a decomposition
@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 
 import gjit
 import model_zoo
-from gjit import decompose
+from gjit.capture import decompose
 from helpers import check, run_compiled
 from model_zoo import MODELS
 

@@ -1,4 +1,4 @@
-"""What node-by-node decomposition costs (gjit/decompose.py, gjit/traces.py), counted as work.
+"""What node-by-node decomposition costs (gjit/capture/decompose.py, gjit/capture/traces.py), counted as work.
 
 A program that writes in place into a value only it sees (T5's relative position buckets) is
 decomposed node by node, not through run_decompositions() over the whole program (about 20 ms a
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import gjit
 import model_zoo
-from gjit import decompose
+from gjit.capture import decompose
 from helpers import check
 
 pytestmark = pytest.mark.cpu

@@ -578,7 +578,7 @@ def _(x, dim=1):
 
 
 def test_an_export_past_its_budget_exports_the_batch_dims_only(caplog):
-    from gjit.export_budget import mode_stacks
+    from gjit.capture.export_budget import mode_stacks
 
     stacks = mode_stacks()
     cm = gjit.compile(lambda x: slow_when_dynamic(x.sin()) + 1)
@@ -687,7 +687,7 @@ def test_an_export_past_its_budget_leaves_a_hint_for_the_next_process(tmp_path, 
 def test_an_interrupted_exports_modes_are_taken_off_torchs_stacks():
     from torch.overrides import TorchFunctionMode
 
-    from gjit.export_budget import mode_stacks, restore_mode_stacks
+    from gjit.capture.export_budget import mode_stacks, restore_mode_stacks
 
     before = mode_stacks()
     TorchFunctionMode().__enter__()  # an __exit__ the interruption skipped

@@ -169,7 +169,7 @@ def test_conv_batchnorm_relu_is_conv_extern_plus_one_kernel():
 def test_residual_mlp_with_matmul_templates():
     """The same block with matmul templates: fc1 with its bias, fc2 with gelu on its operand's
     load (prologue) and its bias, the residual add and the norm on its tile (epilogue: one tile
-    covers a row, gjit/rows.py)."""
+    covers a row, gjit/fusion/rows.py)."""
     model = ResidualMLP().eval()
     x = torch.randn(2, 5, 32)
     with torch.no_grad():

@@ -33,25 +33,10 @@ MAX_LINES = 600
 # "name=" names that module alone (the package `gjit` itself, not everything in it).
 LAYERS = [
     ("base", ["gjit.config", "gjit.progress", "gjit.logs", "gjit.stats", "gjit.heap", "gjit.locks"]),
-    (
-        "capture",
-        [
-            "gjit.kv_cache",
-            "gjit.in_place",
-            "gjit.calling",
-            "gjit.module_copy",
-            "gjit.export_budget",
-            "gjit.capture",
-            "gjit.traces",
-            "gjit.decompose",
-        ],
-    ),
+    ("capture", ["gjit.capture"]),
     ("ir", ["gjit.ir"]),
     ("lowering", ["gjit.lowering"]),
-    (
-        "fusion",
-        ["gjit.spaces", "gjit.fusion", "gjit.schedule", "gjit.statistics", "gjit.rows", "gjit.products"],
-    ),
+    ("fusion", ["gjit.fusion"]),
     ("kernels", ["gjit.kernels"]),
     ("codegen", ["gjit.codegen"]),
     ("toolchain", ["gjit.codegen.toolchain"]),

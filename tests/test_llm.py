@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import gjit
-from gjit import kv_cache
+from gjit.capture import kv_cache
 from gjit.debug.report import build_report
 from helpers import run_compiled
 

@@ -230,7 +230,7 @@ def test_int64_offsets_reach_the_k_index():
 
 class NormLinear(torch.nn.Module):
     """A residual from a matmul's epilogue, a norm, a linear: the norm's statistics are computed in
-    the linear's prologue (gjit/statistics.py), so there is no statistics kernel."""
+    the linear's prologue (gjit/fusion/statistics.py), so there is no statistics kernel."""
 
     def __init__(self, hidden, out, norm):
         super().__init__()

@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import gjit
-from gjit.fusion import Region
+from gjit.fusion.regions import Region
 from gjit.ir import MatmulNode
 from helpers import run_compiled
 from model_zoo import MODELS, gpt2, max_rel_err
@@ -53,7 +53,7 @@ MATMULS = {  # the matmul ops outside attention: template kernels (Triton), exte
     "conv_bn_relu": {},
 }
 # Template kernels for those: the products of one input (q, k and v; gate and up) are one kernel
-# (gjit/products.py): bert 4 per layer + pooler, llama 4 per layer + lm_head.
+# (gjit/fusion/products.py): bert 4 per layer + pooler, llama 4 per layer + lm_head.
 MATMUL_KERNELS = {
     "gpt2-eager": 9,
     "gpt2-sdpa": 9,
@@ -212,7 +212,7 @@ def test_gpt2_loss_gathers_from_the_logits_and_never_writes_log_softmax():
 # gelu + residual. Llama: q, k and v in one kernel with the RMS norm's statistics, attention (rotary
 # in its prologue), o-projection + residual, gate and up in one kernel with the norm's statistics,
 # down + silu * up + residual. BERT: q, k and v in one kernel, attention, out-projection + residual
-# + LayerNorm (one tile covers a row: gjit/rows.py), intermediate + bias, output + gelu + residual
+# + LayerNorm (one tile covers a row: gjit/fusion/rows.py), intermediate + bias, output + gelu + residual
 # + LayerNorm.
 KERNELS_PER_LAYER = {"gpt2": ("_h_{}_", 5), "llama": ("_layers_{}_", 5), "bert": ("_layer_{}_", 5)}
 

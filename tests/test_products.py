@@ -1,4 +1,4 @@
-"""Products that share their left operand in one kernel (gjit/products.py): q, k and v of one
+"""Products that share their left operand in one kernel (gjit/fusion/products.py): q, k and v of one
 input (grouped-query widths: k and v narrower than q), a gated MLP's gate and up, batched
 products of one operand. Each program computes one tile of one product; a norm before them has
 its statistics in that kernel's prologue (no norm kernel). Numerics against eager and float64 in

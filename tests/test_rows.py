@@ -1,4 +1,4 @@
-"""A norm after a linear in the linear's epilogue (gjit/rows.py): when one tile covers a whole
+"""A norm after a linear in the linear's epilogue (gjit/fusion/rows.py): when one tile covers a whole
 output row, the norm's sums run over the tile in registers and the norm needs no kernel. Numerics
 against eager and float64 in three dtypes at odd sizes; what may not fold keeps its kernel (a row
 wider than a tile, a norm that reads what a later kernel computes); NaN and inf stay in their row;
@@ -16,7 +16,7 @@ from gjit.kernels.matmul import SHARED_MEMORY
 from helpers import check, check_against_float64
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-ROW_EPILOGUE = "row epilogue (gjit/rows.py)"
+ROW_EPILOGUE = "row epilogue (gjit/fusion/rows.py)"
 
 
 class PostNorm(nn.Module):

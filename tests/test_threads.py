@@ -1,6 +1,6 @@
 """Threads that call one compiled callable at once, as a server's workers do: every call answered
 as eagerly, each size compiled once, cached calls never waiting for a compile, errors kept to the
-thread that hit them (gjit/locks.py, gjit/module_copy.py).
+thread that hit them (gjit/locks.py, gjit/capture/module_copy.py).
 
 The first calls of every test meet at a barrier, so they really collide. Kernels run in Triton's
 interpreter (one thread at a time: its state is process-wide); the compile lock, the entry list,
@@ -24,7 +24,7 @@ import torch
 
 import gjit
 from gjit import api
-from gjit.module_copy import private_tree
+from gjit.capture.module_copy import private_tree
 from gjit.runtime import graph as runtime_graph
 from helpers import assert_same
 

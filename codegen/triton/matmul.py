@@ -22,12 +22,12 @@ from gjit import ir
 from gjit.codegen.common import KernelSource, hint
 from gjit.codegen.triton.pointwise import TL_DTYPES, KernelWriter, comment
 from gjit.config import CompileOptions
-from gjit.fusion import Region
+from gjit.fusion.regions import Region
+from gjit.fusion.rows import node_placement, row_placement, value_index
+from gjit.fusion.statistics import row_index, statistics_row
 from gjit.ir import Expr, MatmulNode, Op, Read, ReduceNode, dot_operands
 from gjit.kernels.matmul import fit_stages, matmul_configs, row_blocks, shared_lhs, template, tile_order
 from gjit.kernels.triton_helpers import HELPERS
-from gjit.rows import node_placement, row_placement, value_index
-from gjit.statistics import row_index, statistics_row
 
 
 def operands(body: Expr) -> tuple[Expr, Expr]:
@@ -104,7 +104,7 @@ class MatmulWriter(KernelWriter):
         return super().read(r)
 
     def statistics(self, index_dtype: str) -> list[str]:
-        """The row statistics the left operand reads (gjit/statistics.py), before the k loop: a
+        """The row statistics the left operand reads (gjit/fusion/statistics.py), before the k loop: a
         loop over each row's elements per sum, then the per-row nodes, each [BLOCK_M, 1]."""
         stats = self.region.row_statistics
         if stats is None:
@@ -175,7 +175,7 @@ class MatmulWriter(KernelWriter):
             self.lines.append(f"tl.store({arg} + ({offset}), {value}, out_mask)")
 
     def in_registers(self, r: Read) -> bool:
-        if r.name in self.row_bodies:  # gjit/rows.py checked: each reads the others on its own row
+        if r.name in self.row_bodies:  # gjit/fusion/rows.py checked: each reads the others on its own row
             return True
         return r.name in self.bodies and r.index == self.space.value_index(self.nodes[r.name])
 
@@ -248,7 +248,7 @@ class MatmulWriter(KernelWriter):
         self.region = launched
         index_dtype = self.pick_index_dtype(out_numel)
         n_hint = max(hint(n, self.hints) for n in widths)
-        if launched.row_epilogue is not None:  # one tile covers each output row (gjit/rows.py)
+        if launched.row_epilogue is not None:  # one tile covers each output row (gjit/fusion/rows.py)
             configs = [row_blocks(hint(m, self.hints), n_hint, hint(k, self.hints), lhs.dtype)]
             fits = (sympy.Le(widths[0], configs[0].n), f"N = {widths[0]} <= {configs[0].n} (one tile a row)")
             if not sympy.sympify(widths[0]).is_number:  # a dynamic N: a wider one recompiles
@@ -290,8 +290,8 @@ class MatmulWriter(KernelWriter):
             sums = [n.name for n in launched.row_epilogue.nodes if isinstance(n, ReduceNode)]
             rest = ", ".join(n for n in self.row_bodies if n not in sums)
             extra.append(
-                f"row epilogue (gjit/rows.py): {', '.join(sums)} summed over each output row in registers, "
-                f"then {rest}: BLOCK_N = {blocks.n} covers N"
+                f"row epilogue (gjit/fusion/rows.py): {', '.join(sums)} summed over each output row in "
+                f"registers, then {rest}: BLOCK_N = {blocks.n} covers N"
             )
         return self.template_source(
             name, out_numel, extra, lines, tiles, blocks, index_dtype, len(configs),

@@ -20,7 +20,7 @@ from gjit.codegen.common import INFIX, KernelSource, constant, hint, next_power_
 from gjit.codegen.plan import RegionPlan
 from gjit.codegen.printer import TritonPrinter
 from gjit.config import CompileOptions
-from gjit.fusion import Region
+from gjit.fusion.regions import Region
 from gjit.ir import Expr, IndexValue, Masked, Op, Read
 from gjit.kernels.polynomials import POLYNOMIALS
 from gjit.kernels.triton_helpers import HELPERS

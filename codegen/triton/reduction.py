@@ -21,7 +21,7 @@ from gjit.codegen.common import KernelSource, hint, next_power_of_2
 from gjit.codegen.plan import ReductionPlan
 from gjit.codegen.triton.pointwise import TL_DTYPES, KernelWriter, comment, to_dtype
 from gjit.config import CompileOptions
-from gjit.fusion import Region
+from gjit.fusion.regions import Region
 from gjit.ir import ReduceNode
 from gjit.kernels.triton_helpers import HELPERS
 

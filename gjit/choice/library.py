@@ -14,7 +14,7 @@ import torch
 
 from gjit import tuning
 from gjit.choice.regions import PRODUCT_OPS, members, product_names, products
-from gjit.fusion import Region, Step
+from gjit.fusion.regions import Region, Step
 from gjit.ir import ExternNode
 from gjit.runtime.graph import CompiledGraph
 

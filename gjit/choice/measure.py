@@ -27,7 +27,7 @@ from gjit.choice.regions import (
     template_regions,
 )
 from gjit.codegen.common import KernelSource
-from gjit.fusion import Region, Step
+from gjit.fusion.regions import Region, Step
 from gjit.ir import LoopGraph
 from gjit.kernels import template_wins
 from gjit.lowering.templates import EVERY_TEMPLATE, RegionChoice, TemplateChoice

@@ -11,7 +11,7 @@ import sympy
 import torch
 
 from gjit.codegen.common import KernelSource
-from gjit.fusion import Region, Step
+from gjit.fusion.regions import Region, Step
 from gjit.ir import AttentionNode, MatmulNode, dot_operands
 
 aten = torch.ops.aten

@@ -11,7 +11,7 @@ import sympy
 import torch
 
 from gjit.choice.regions import PRODUCT_OPS, hint, product_names, table_key, template_regions
-from gjit.fusion import Step
+from gjit.fusion.regions import Step
 from gjit.ir import LoopGraph
 from gjit.kernels import template_wins
 from gjit.lowering.templates import RegionChoice, TemplateChoice

@@ -14,7 +14,7 @@ import operator
 import sympy
 import torch
 
-from gjit.fusion import Region, Step
+from gjit.fusion.regions import Region, Step
 from gjit.ir import ExternNode, LoopGraph
 
 NO_TRAFFIC = {operator.getitem}

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from gjit.fusion import Region, Step
+from gjit.fusion.regions import Region, Step
 from gjit.ir import ExternNode
 
 _COUNTER = itertools.count()

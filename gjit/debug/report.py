@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 import sympy
 import torch
 
-from gjit.capture import size_hints
+from gjit.capture.decompose import DECOMPOSED_FROM
+from gjit.capture.export import size_hints
 from gjit.debug.byte_model import Traffic, traffic
-from gjit.decompose import DECOMPOSED_FROM
-from gjit.fusion import Region
+from gjit.fusion.regions import Region
 from gjit.ir import AttentionNode, ExternNode, MatmulNode
 
 if TYPE_CHECKING:  # the driver makes the program a report describes

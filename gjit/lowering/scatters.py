@@ -315,7 +315,7 @@ def index_put(ctx: Lowering, x: TensorValue, indices: list, values, accumulate: 
 
 @register_lowering(aten.index_put_.default)
 def index_put_(ctx: Lowering, x: TensorValue, indices: list, values, accumulate: bool = False):
-    """In place (gjit/in_place.py made it so: nothing else reads x's old value): into x's own
+    """In place (gjit/capture/in_place.py made it so: nothing else reads x's old value): into x's own
     memory when x is a value a kernel computes here; a graph input or an extern's result (the
     caller's KV cache) is written by ATen."""
     if not ctx.is_computed(x):

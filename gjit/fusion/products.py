@@ -7,7 +7,7 @@ k loop and epilogue, so no program holds more than one accumulator and the tile 
 ones each product would have had (taken for the widest). What it saves: a launch per product, and
 the kernel that would store the shared operand: fusion inlines an operand that only such a group
 reads into their prologue (`Fusion.shared_left_operands`), where a norm's statistics follow it
-(gjit/statistics.py), once per program as before.
+(gjit/fusion/statistics.py), once per program as before.
 
 The pass runs on the schedule after the statistics pass (`group_products`): matmul regions (not
 attention) with equal batch, M and K sizes, the same left operand expression, the same dtype
@@ -20,8 +20,8 @@ from __future__ import annotations
 import logging
 
 from gjit import ir
-from gjit.fusion import Region, Step, data_dependent_symbols
-from gjit.schedule import in_memory_before, step_reads
+from gjit.fusion.regions import Region, Step, data_dependent_symbols
+from gjit.fusion.schedule import in_memory_before, step_reads
 
 log = logging.getLogger("gjit.fusion")
 

@@ -1,4 +1,4 @@
-"""The schedule as the passes after fusion see it (gjit/rows.py, gjit/products.py move a region
+"""The schedule as the passes after fusion see it (gjit/fusion/rows.py, gjit/fusion/products.py move a region
 to an earlier step): what each step reads, and what is in memory when each step starts."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import sympy
 
 from gjit import ir
-from gjit.fusion import Step
+from gjit.fusion.regions import Step
 from gjit.ir import ExternNode, LoopGraph
 
 

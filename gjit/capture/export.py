@@ -1,4 +1,4 @@
-"""Capture: a model (module, function, ExportedProgram or .pt2 path) -> decomposed ATen graph.
+"""The export: a model (module, function, ExportedProgram or .pt2 path) -> torch.export's program.
 
 The captured program remembers how to rebuild the graph's flat inputs from a user call:
 parameters and buffers are read live from the module on every call (new weights give new
@@ -26,13 +26,14 @@ try:  # how export marks an int input dynamic (ShapesCollection's docstring); ab
 except ImportError:
     _IntWrapper = None
 
-from gjit import kv_cache, locks, logs, stats
-from gjit.calling import as_module, constants_as_tokens, explicit_keywords
+from gjit import locks, logs, stats
+from gjit.capture import kv_cache
+from gjit.capture.calling import as_module, constants_as_tokens, explicit_keywords
+from gjit.capture.export_budget import ExportTooSlow, export_budget
+from gjit.capture.in_place import write_in_place
+from gjit.capture.kv_cache import CacheAliases
+from gjit.capture.module_copy import private_tree, shares_state
 from gjit.config import config
-from gjit.export_budget import ExportTooSlow, export_budget
-from gjit.in_place import write_in_place
-from gjit.kv_cache import CacheAliases
-from gjit.module_copy import private_tree, shares_state
 from gjit.stats import timed
 
 log = logs.logger("capture")
@@ -71,7 +72,7 @@ def export_model(
 ) -> tuple[ExportedProgram, bool]:
     """torch.export with the chosen dims as Dim.AUTO (export specializes what it must), the rest static.
 
-    `module` is the copy of `live` (the user's tree) that export traces (gjit/module_copy.py); if
+    `module` is the copy of `live` (the user's tree) that export traces (gjit/capture/module_copy.py); if
     the copy's trace reached the user's weights, `live` itself is exported (as without a copy).
 
     Not size-oblivious by default: export assumes a dynamic size is at least 2 (its range says so)
@@ -379,7 +380,7 @@ def capture(
             raise CaptureError(f"an input has layout {leaf.layout}: gjit compiles strided tensors only")
     kv_cache.register([*args, *kwargs.values()], model)
     # calls read their weights from `module`; export traces a copy of it, so that other threads
-    # may call the model meanwhile (gjit/module_copy.py)
+    # may call the model meanwhile (gjit/capture/module_copy.py)
     traced = _exported_module(private_tree(model), args, kwargs)[0]
     module, args, kwargs = _exported_module(model, args, kwargs)
     aliases = CacheAliases()

@@ -33,6 +33,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from gjit import ir
+from gjit.fusion.spaces import ReductionSpace
 from gjit.ir import (
     AttentionNode,
     ComputeNode,
@@ -45,7 +46,6 @@ from gjit.ir import (
     ScanNode,
     ScatterNode,
 )
-from gjit.spaces import ReductionSpace
 
 OWN_KERNEL = (ReduceNode, ScanNode, ScatterNode)  # never inlined: what reads them reads memory
 
@@ -61,11 +61,11 @@ class Region:
     name: str = ""  # the kernel name, given by codegen
     config: int = 0  # a template's: which of its tile configurations codegen emits (gjit/tuning.py)
     reduction: ReductionSpace | None = None  # None: a pointwise region
-    # a matmul's: the region of per-row statistics its prologue computes (gjit/statistics.py)
+    # a matmul's: the region of per-row statistics its prologue computes (gjit/fusion/statistics.py)
     row_statistics: Region | None = None
-    # a matmul's: the row reductions of its output (a post-norm) its epilogue computes (gjit/rows.py)
+    # a matmul's: the row reductions of its output (a post-norm) its epilogue computes (gjit/fusion/rows.py)
     row_epilogue: Region | None = None
-    # matmul regions sharing their left operand that this one launches together (gjit/products.py)
+    # matmul regions sharing their left operand that this one launches together (gjit/fusion/products.py)
     parts: list[Region] = dataclasses.field(default_factory=list)
 
     @property
@@ -100,8 +100,8 @@ class Region:
     @property
     def lone_product(self) -> MatmulNode | None:
         """The product of a matmul template region that computes one and nothing besides (no
-        attention, no products launched with it, no row epilogue): what gjit/rows.py and
-        gjit/products.py may still extend; else None."""
+        attention, no products launched with it, no row epilogue): what gjit/fusion/rows.py and
+        gjit/fusion/products.py may still extend; else None."""
         if self.attention or self.parts or self.row_epilogue is not None:
             return None
         return next((n for n in self.nodes if isinstance(n, MatmulNode)), None)
@@ -232,7 +232,7 @@ class Fusion:
             if all(type(self.compute[r]) is ReduceNode or r in reduced_only for r in readers[name]):
                 reduced_only.add(name)
         lhs_groups = self.shared_left_operands()
-        # matmuls that share their left operand launch as one kernel (gjit/products.py): they
+        # matmuls that share their left operand launch as one kernel (gjit/fusion/products.py): they
         # count as one reader of it
         keys = {
             name: {
@@ -247,7 +247,7 @@ class Fusion:
     def shared_left_operands(self) -> dict[tuple[str, str], tuple]:
         """(matmul, name) -> a key shared by the matmuls whose left operand is the same expression
         over the same (batch..., M, K) and reads `name` (their right operands do not), when two
-        or more do: gjit/products.py puts them in one kernel, so an operand they alone read
+        or more do: gjit/fusion/products.py puts them in one kernel, so an operand they alone read
         (a norm's output before q, k and v) is inlined into that kernel's prologue, not stored."""
         by_lhs: dict[tuple, list[MatmulNode]] = {}
         for node in self.compute.values():

@@ -20,7 +20,7 @@ import logging
 import sympy
 
 from gjit import ir
-from gjit.fusion import Region, Step
+from gjit.fusion.regions import Region, Step
 from gjit.ir import ExternNode, MatmulNode, Op, ReduceNode
 
 log = logging.getLogger("gjit.fusion")

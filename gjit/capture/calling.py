@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
-from gjit import kv_cache
+from gjit.capture import kv_cache
 
 
 def as_module(model: Any) -> torch.nn.Module:

@@ -8,7 +8,7 @@ most of that work is redone for nothing. Such a graph is decomposed here one nod
 node whose op the table decomposes is traced alone with `make_fx` over its arguments' fake
 values (in export's fake mode, so every size stays a symbol of export's shape environment and
 every guard lands there), and the traced ops replace it; every other node is kept as it is.
-Traces are shared between nodes (gjit/traces.py), so the cost is the number of distinct ops.
+Traces are shared between nodes (gjit/capture/traces.py), so the cost is the number of distinct ops.
 
 A write in place into a value the graph made and nothing else sees (T5's
 `relative_buckets += ...`: fresh memory, no view of it, no reader after) is decomposed node by
@@ -45,9 +45,9 @@ from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_modu
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from gjit import logs, stats
-from gjit.capture import DecompositionError, Exported, shape_env_of, size_oblivious
+from gjit.capture.export import DecompositionError, Exported, shape_env_of, size_oblivious
+from gjit.capture.traces import Arg, Traces, writes_in_place
 from gjit.stats import timed
-from gjit.traces import Arg, Traces, writes_in_place
 
 try:  # run_decompositions()'s own rules: which CompositeImplicitAutograd op it may keep, how it
     # updates ranges and the module call graph (torch 2.13); a torch without them decomposes whole
@@ -402,7 +402,7 @@ def _inline(
 ) -> Any:
     """Trace `node`'s op alone over its arguments' fake values and copy the traced ops into
     `graph`; returns what replaces the node (a node, or a tuple of them). `traces` (one
-    program's, gjit/traces.py) reuses a trace for a node of the same op over arguments of the
+    program's, gjit/capture/traces.py) reuses a trace for a node of the same op over arguments of the
     same sizes, strides and dtypes, up to size symbols the shape environment cannot tell apart.
     `written`: the node writes this argument in place, privately (`private_write_reason`): it is
     traced functionalized, and the trace's copy of the new value into that argument is dropped

@@ -1,7 +1,7 @@
 """The iteration space of a reduction, scan or template region, and where each member of the
 region lives in it: a reduction's input space split into kept (outer) and reduced dims, a matmul
 or attention template's (batch..., M, N, K) with members over its output tile or over a reshape
-of it read through the output's view. Fusion (gjit/fusion.py) asks `placement` whether a node can
+of it read through the output's view. Fusion (gjit/fusion/regions.py) asks `placement` whether a node can
 join a region; the writers of codegen/ print members with `value_index`.
 """
 

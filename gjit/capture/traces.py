@@ -1,6 +1,6 @@
 """One node's decomposition traced alone, and the traces one program's nodes share.
 
-Node-by-node decomposition (gjit/decompose.py) traces a node's op with `make_fx` over its
+Node-by-node decomposition (gjit/capture/decompose.py) traces a node's op with `make_fx` over its
 arguments' fake values, in export's fake mode. A trace costs about 10 ms however small the op
 (make_fx's set-up and the symbolic metadata of every value), so what a program's decomposition
 costs is the number of traces it makes. `Traces` makes as few as it can:

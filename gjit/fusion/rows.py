@@ -23,9 +23,9 @@ import sympy
 import torch
 
 from gjit import ir
-from gjit.fusion import Region, Step, data_dependent_symbols
+from gjit.fusion.regions import Region, Step, data_dependent_symbols
+from gjit.fusion.schedule import in_memory_before, step_reads
 from gjit.ir import ReduceNode
-from gjit.schedule import in_memory_before, step_reads
 
 log = logging.getLogger("gjit.fusion")
 
