@@ -437,6 +437,7 @@ def test_generate_with_a_static_cache_replays_one_graph_per_decode_step():
 
 
 @pytest.mark.cpu
+@pytest.mark.slow  # CI's sweep step: half a minute
 def test_generate_with_the_dynamic_cache_records_a_bounded_set():
     from test_llm import prompt
 

@@ -145,6 +145,7 @@ def test_sizes_zero_and_one_are_correct():
     assert compiles() == 3
 
 
+@pytest.mark.slow  # CI's sweep step: most of a minute
 def test_gpt2_sweep_over_sequence_and_batch_in_mixed_order():
     """seq 8..64 and batch 1..4 changing at different calls: two entries in total (GPT-2 branches
     on batch == 1, so batch 1 gets its own entry; torch.compile needs 4 on such a sweep)."""

@@ -119,8 +119,9 @@ def counters() -> tuple[int, int]:
 # generate(): greedy and sampled, then another prompt length and batch size
 
 
-# the models beyond one of each kind (GPT-2, Llama, T5; Mistral's sliding-window cache also runs by
-# hand below) run in CI's sweep step (GJIT_TEST_SLOW=1)
+# the models beyond one of each kind (GPT-2 and T5 through generate(), Llama by hand below; Mistral's
+# sliding-window cache by hand too) run in CI's sweep step (GJIT_TEST_SLOW=1), and so do the longest
+# runs of the default models: the default run stays inside its 15 minutes
 SWEEP = pytest.mark.slow
 
 
@@ -128,7 +129,7 @@ SWEEP = pytest.mark.slow
     "name",
     [
         "gpt2",
-        "llama",
+        pytest.param("llama", marks=SWEEP),  # the default run's Llama: the manual decode loop below
         "t5",
         pytest.param("mistral", marks=SWEEP),
         pytest.param("qwen2", marks=SWEEP),
@@ -153,6 +154,7 @@ def test_generate_matches_eager_with_two_compiles(name):
     assert externs(cm) <= MATMUL_ATTENTION, externs(cm) - MATMUL_ATTENTION
 
 
+@SWEEP  # 32 tokens: a minute of the default run's
 def test_generate_32_tokens_two_compiles_any_prompt_length():
     """A prompt of length 1 and one of length 9: the decode entry admits a KV cache of length 1."""
     model = build("gpt2")
@@ -225,7 +227,7 @@ def cache_tensors(cache) -> list[torch.Tensor]:
     return [t for t in torch.utils._pytree.tree_leaves(cache) if isinstance(t, torch.Tensor)]
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral"])
+@pytest.mark.parametrize("name", ["llama", pytest.param("mistral", marks=SWEEP)])
 def test_manual_decode_loop_updates_the_callers_cache(name):
     model = build(name)
     ids = prompt(2, 6, seed=6)
