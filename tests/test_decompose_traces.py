@@ -172,6 +172,7 @@ def t5(layers: int):
     return transformers.T5ForConditionalGeneration(config).eval(), (ids, None, decoder_ids)
 
 
+@pytest.mark.slow  # CI's sweep step: two T5 compiles, 20 s
 def test_t5_is_decomposed_node_by_node_in_traces_its_depth_does_not_change():
     made = {}
     for layers in (2, 4):

@@ -457,6 +457,7 @@ def test_index_write_that_reads_its_own_target_stays_functional():
     assert "index_put_.default(" not in open(cm.entries[0].program.graph.wrapper_path).read()
 
 
+@SWEEP  # transformers' own torch.compile of the decode step: 17 s
 def test_static_cache_generate_under_transformers_auto_compile():
     """On a GPU, generate() with a static cache wraps the model's __call__ in torch.compile
     (forced here on CPU): Dynamo must not trace into the compiled forward, gjit still runs it."""
