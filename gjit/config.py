@@ -366,6 +366,11 @@ class CompileOptions:
             raise ValueError(
                 f"gjit: unknown matmul setting {self.matmul!r}: expected one of {MATMUL_SETTINGS}"
             )
+        if not self.tune_budget >= 0:  # NaN too
+            raise ValueError(
+                f"gjit: a tuning budget of {self.tune_budget!r}: expected a share of the cold compile "
+                "(0.2: a fifth; 0: nothing measured; 1 or more: no limit)"
+            )
 
     @property
     def matmul_template(self) -> bool:

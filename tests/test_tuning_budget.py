@@ -260,3 +260,8 @@ def test_a_second_machine_of_a_fleet_tunes_nothing_the_first_tuned(measuring, tm
     assert sum("(an earlier compile's measurements)" in m for m in lines) == 2, lines
     assert len(os.listdir(tmp_path / "b" / "tuning")) >= 1, "kept on the second machine's disk"
     assert_close_to_float64(out, mlp, *args)
+
+
+def test_the_budget_is_checked():
+    with gjit.config.scope(tune_budget=-0.5), pytest.raises(ValueError, match="a share of the cold compile"):
+        gjit.compile(torch.mm)(torch.randn(4, 4), torch.randn(4, 4))
