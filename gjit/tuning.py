@@ -10,11 +10,12 @@ configurations: the table's pick for the example sizes. With CUDA example inputs
    of the weights), and, in the program with every matmul an ATen extern, the arguments of each
    extern call of a product;
 2. per distinct template kernel (the layers of a model share theirs), times the first
-   configuration on the kept arguments (`choose`); one that runs for at least MIN_KERNEL_MS is
-   emitted in each other configuration, launched on the same arguments, rejected where its output
-   differs from the first's beyond rounding (or it does not build), else timed; the fastest is
-   kept. An extern call or a kernel of the library's side is timed the same way, on its kept
-   arguments.
+   configuration on the kept arguments (`first_time`); later (`explore`, from where an earlier
+   compile's record stopped), one that runs for at least MIN_KERNEL_MS is emitted in each other
+   configuration while the budget lasts (`Budget`: a share of the cold compile), launched on the
+   same arguments, rejected where its output differs from the first's beyond rounding (or it does
+   not build), else timed; the fastest is kept. An extern call or a kernel of the library's side
+   is timed the same way, on its kept arguments.
 
 Kernel times are medians of triton.testing.do_bench (`bench`); on the CPU nothing is measured
 (kernel times there would be the interpreter's; tests/test_tuning.py and tests/test_choice.py
@@ -119,8 +120,9 @@ class Budget:
         try:
             yield
         finally:
-            self.excluded += clock() - start
-            self.compiled += clock() - start
+            took = clock() - start
+            self.excluded += took
+            self.compiled += took
 
     def text(self) -> str:
         if math.isinf(self.seconds):
@@ -195,6 +197,22 @@ def explore(region: Region, kernel: KernelSource, launch: Launch, emit: Callable
     if best.tried >= kernel.configs and kernel.configs > 1 and "chose" not in best.line:
         best.line += f"; chose configuration {best.config}"
     return best
+
+
+def computes_the_same(region: Region, launch: Launch, emit: Callable, index: int) -> str:
+    """'' when configuration `index` of the region's kernel writes, on the kept launch, what the
+    emitted one wrote (up to rounding); else why not (an earlier compile's choice checked here)."""
+    try:
+        candidate = emit(region, index)
+        fn = loaded(candidate, launch)
+        for out in launch.outputs:
+            out.fill_(math.nan if out.dtype.is_floating_point else -1)
+        run_kernel(candidate, launch, fn)
+        return mismatch(launch)
+    except Exception as e:  # noqa: BLE001 - it does not build here: not used
+        return f"does not build: {first_line(e)}"
+    finally:
+        region.config = 0
 
 
 def device_name(launch: Launch) -> str:

@@ -76,6 +76,8 @@ class Decision:
         if self.explored is not None:
             explored = self.explored
             self.config, self.template_ms, self.line = explored.config, explored.ms, explored.line
+            if self.found is not None:
+                self.line += " (an earlier compile's measurements)"
 
 
 @dataclasses.dataclass
@@ -92,9 +94,14 @@ def template_decisions(program: tuple[LoopGraph, list[Step], CompiledGraph], reg
     first run, whose kernels the user's call builds either way, is not tuning's time."""
     loop_graph, steps, graph = program
     budget = builder.budget
-    with budget.not_tuning() if first else contextlib.nullcontext():
-        keys, launches = tuning.record(graph, {r.name for r in regions}, call.inputs, call.sizes, call.values)
+    if not first and not budget.left():  # a later round past the budget: the table's, without a run
+        keys, launches = {}, {}
+    else:
+        with budget.not_tuning() if first else contextlib.nullcontext():
+            names = {r.name for r in regions}
+            keys, launches = tuning.record(graph, names, call.inputs, call.sizes, call.values)
     by_name = {k.name: k for k in graph.kernels}
+    emit = functools.partial(builder.emit, loop_graph, steps)
     groups: dict[str, Decision] = {}
     for region in regions:
         key = keys.get(region.name, region.name)  # never launched: a decision of its own
@@ -109,6 +116,10 @@ def template_decisions(program: tuple[LoopGraph, list[Step], CompiledGraph], reg
         progress.tuning(done, len(decisions))
         first_region = d.regions[0]
         launch = launches.pop(d.key, None)  # measured once: its tensors go when it has been
+        if launch is None and not keys:
+            d.over_budget = True
+            d.line = f"{first_region.name}: not measured: over the tuning budget"
+            continue
         if launch is None:
             d.line = f"{first_region.name}: not launched at these sizes, or it writes what it reads"
             d.line += ": not measured"
@@ -116,10 +127,15 @@ def template_decisions(program: tuple[LoopGraph, list[Step], CompiledGraph], reg
         code, sizes = tuning.same_kernel_parts(d.kernel, launch.sizes)
         d.record = tuning_store.record_key(code, sizes, tuning.device_name(launch))
         d.found = tuning_store.lookup(d.record)
+        if d.found is not None and d.found.configs == d.kernel.configs and d.found.config != 0:
+            differs = tuning.computes_the_same(first_region, launch, emit, d.found.config)
+            if differs:  # at these sizes (another of its bucket's, say) the record does not hold
+                log.info("%s: configuration %d of an earlier compile's record %s here: measured again",
+                         d.kernel.name, d.found.config, differs)  # fmt: skip
+                d.found = None
         if d.found is not None and d.found.configs == d.kernel.configs:
             stats.count("tuning_records_reused")
-            line = f"{d.found.line} (an earlier compile's measurements)"
-            d.explored = tuning.Explored(d.found.config, d.found.template_ms, d.found.tried, line)
+            d.explored = tuning.Explored(d.found.config, d.found.template_ms, d.found.tried, d.found.line)
         elif not budget.left():
             d.found, d.over_budget = None, True
             d.line = f"{first_region.name}: not measured: over the tuning budget"
@@ -131,11 +147,24 @@ def template_decisions(program: tuple[LoopGraph, list[Step], CompiledGraph], reg
                 d.line = line
                 continue
             d.explored = tuning.Explored(0, ms, 1, line)
-        if d.explored.tried < d.kernel.configs:
-            d.launch = launch
+        if d.explored.tried < d.kernel.configs and d.explored.ms >= tuning.MIN_KERNEL_MS:
+            if budget.left():
+                d.launch = launch  # else its tensors go now, before the library's program runs
+            else:
+                d.explored.line += ", the rest not tried: over the tuning budget"
         d.settle()
+        if d.found is not None:
+            log.info("%s", d.line)
     progress.tuning(len(decisions), len(decisions))
     return decisions
+
+
+def needs_library(d: Decision, tf32: bool | None) -> bool:
+    """Whether a decision is weighed against a library time it has no record of."""
+    if d.template_ms is None or (d.found is not None and d.found.compared):
+        return False
+    ieee = operand_dtype(d.regions[0]) == torch.float32 and not tf32
+    return ieee or d.template_ms >= tuning.MIN_KERNEL_MS  # else "too short to matter" (decide)
 
 
 def label(region: Region) -> str:
@@ -171,8 +200,6 @@ def decide(d: Decision, side: LibrarySide | None, claims: collections.Counter, b
     else:
         library = side.cost(first, claims) if side is not None else None
     if library is None:
-        if side is None and not builder.budget.left():
-            return table_choice(d, builder, "the library's side not measured: over the tuning budget")
         return RegionChoice(names, False, "the library's side could not be measured", d.template_ms)
     ms, pieces = d.library = library
     template = d.template_ms < ms  # a tie goes to the library
@@ -205,8 +232,8 @@ def keep(d: Decision) -> None:
         return
     if found is not None and found.compared:
         library_ms, pieces = found.library_ms, found.library
-    line = d.explored.line.removesuffix(" (an earlier compile's measurements)")
-    tuned = tuning_store.Tuned(d.explored.config, d.explored.ms, d.explored.tried, d.kernel.configs, line,
+    explored = d.explored
+    tuned = tuning_store.Tuned(explored.config, explored.ms, explored.tried, d.kernel.configs, explored.line,
                                library_ms, pieces)  # fmt: skip
     tuning_store.store(d.record, tuned, replace=found is not None)
 
@@ -238,14 +265,13 @@ def choose_measured(first: tuple[LoopGraph, list[Step], CompiledGraph], builder:
     templates = EVERY_TEMPLATE
     for round_ in range(MAX_ROUNDS):
         decisions = template_decisions((loop_graph, steps, graph), todo, builder, call, first=round_ == 0)
-        weigh = [d for d in decisions if d.template_ms is not None and not (d.found and d.found.compared)]
+        # the library's side, whenever a timed template needs it (a timed template without it decides
+        # nothing: one program past the budget, at most); not for one too short to matter
+        weigh = [d for d in decisions if needs_library(d, builder.tf32)]
         if compare and side is None and weigh:
-            if builder.budget.left():
-                library_steps = builder.schedule(EVERY_EXTERN)
-                library = (*library_steps, builder.build(*library_steps, EVERY_EXTERN))
-                side = LibrarySide(library[1], library[2], call)
-            else:
-                lines.append("the library's side: not measured, over the tuning budget")
+            library_steps = builder.schedule(EVERY_EXTERN)
+            library = (*library_steps, builder.build(*library_steps, EVERY_EXTERN))
+            side = LibrarySide(library[1], library[2], call)
         explore_configurations(decisions, functools.partial(builder.emit, loop_graph, steps), builder.budget)
         lines += [d.line for d in decisions]
         stats.count("tuning_over_budget", sum(d.over_budget for d in decisions))

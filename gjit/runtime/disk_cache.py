@@ -146,6 +146,7 @@ def graph_key(
     `options`: what the compile was asked for (backend, debug, block sizes...); `program`: the
     ExportedProgram (its calling convention: input and output structure, the signature);
     `shape_guards`: export's own guards (decomposition simplifies with them)."""
+    untuned = () if _tuned_on(gm) else ("tune_budget",)  # nothing measured: the budget changes nothing
     parts = {
         "graph": graph_text(gm),
         "call": _call_text(program),
@@ -153,7 +154,7 @@ def graph_key(
         "symbols": [s.name for s in symbols],
         "hints": sorted((str(k), int(v)) for k, v in hints.items()),
         "ranges": sorted(f"{k}: {v}" for k, v in range_constraints.items()),
-        "options": {k: repr(v) for k, v in dataclasses.asdict(options).items()},
+        "options": {k: repr(v) for k, v in dataclasses.asdict(options).items() if k not in untuned},
         # lowering keeps float atomics out when torch asks for deterministic algorithms
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "versions": versions(),

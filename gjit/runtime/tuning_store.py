@@ -12,8 +12,10 @@ Tiers, as for compiled entries and only while the disk cache is on (`GJIT_CACHE`
 memory, the disk (`<cache_dir>/tuning/`), the remote cache (GJIT_REMOTE_CACHE, as
 `tuning-<key>`, written by the background writer: a first record with SET NX, one that goes
 further than the record it started from in its place). A record that does not check out
-(another format, a value that is not a record) is a miss, logged and counted as the remote
-cache's faults are.
+(another format, a value that is not a record) is a miss: logged, and from the remote cache
+counted as its faults are. A disk record that is short of complete, or has no library time, is
+checked against the remote one, and the one that goes further is used. Two machines that go on
+from one record at once both write it: the last write stays (each is a valid record).
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def decoded(text: str, key: str) -> Tuned:
     fields = {f.name: value.get(f.name) for f in dataclasses.fields(Tuned)}
     ints = ("config", "tried", "configs")
     counts = all(type(fields[n]) is int and fields[n] >= 0 for n in ints)
-    if not counts or fields["config"] >= fields["configs"]:
+    if not counts or not fields["config"] < fields["tried"] <= fields["configs"]:
         raise ValueError("a configuration count or index that is not one")
     numbers = [fields["template_ms"]] + ([] if fields["library_ms"] is None else [fields["library_ms"]])
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in numbers):
@@ -119,29 +121,34 @@ def lookup(key: str) -> Tuned | None:
             found = decoded(f.read(), key)
     except FileNotFoundError:
         found = None
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - unreadable, not JSON, not a record: measured again
         log.info("tuning record %s not used: %s", path, e)
         found = None
-    if found is None:
-        found = from_remote(key, path)
+    if found is None or not (found.complete and found.compared):  # the fleet may have gone further
+        remote = from_remote(key, path, found)
+        found = remote if remote is not None else found
     if found is not None:
         with _lock:
             _memory[key] = found
     return found
 
 
-def from_remote(key: str, path: str) -> Tuned | None:
+def from_remote(key: str, path: str, local: Tuned | None) -> Tuned | None:
+    """The remote cache's record of `key` where it goes further than `local` (kept on disk), else None."""
     remote = remote_cache.current()
     if remote is None:
         return None
     text = remote.get(f"tuning-{key}", lambda text: decoded(text, key), counter="remote_tuning")
     if text is None:
         return None
+    found = decoded(text, key)
+    if local is not None and (found.tried, found.compared) <= (local.tried, local.compared):
+        return None
     try:
         atomic_write(path, text)
     except OSError as e:  # this machine's next process measures again; this one is served
         log.info("tuning record not written to %s: %s", path, e)
-    return decoded(text, key)
+    return found
 
 
 def store(key: str, tuned: Tuned, replace: bool = False) -> None:
