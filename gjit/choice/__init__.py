@@ -12,7 +12,9 @@ fifth of the cold compile; none under mode="max-autotune"):
    gave it, or takes the record an earlier compile kept (gjit/runtime/tuning_store.py: by kernel
    code, size bucket, GPU and versions, on disk and in the remote cache).
 2. The program with every product an ATen extern (`library.LibrarySide`), run once, its extern
-   calls of products and its kernels kept: unless every decision's record has the library's time.
+   calls of products and its kernels kept, whenever a timed template needs the library's time
+   (its record has none, it is not too short to matter), past the budget too: a timed template
+   without it decides nothing. A record's configuration is run once on this call first.
    A region's library side is the extern calls of its products plus, of each kernel there that
    computes nodes the template fused (a bias, an activation, a residual, a post-norm, the
    statistics of the norm its prologue applies; every product of a q/k/v group), the share those
