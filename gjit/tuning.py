@@ -175,11 +175,7 @@ def explore(region: Region, kernel: KernelSource, launch: Launch, emit: Callable
         candidate = kernel
         try:
             candidate = emit(region, index)
-            fn = loaded(candidate, launch)
-            for out in launch.outputs:  # what a configuration leaves unwritten shows
-                out.fill_(math.nan if out.dtype.is_floating_point else -1)
-            run_kernel(candidate, launch, fn)
-            differs = mismatch(launch)
+            fn, differs = run_checked(candidate, launch)
             timed = functools.partial(run_kernel, candidate, launch, fn)
             ms = math.inf if differs else bench(timed, f"{label} configuration {index}")
         except Exception as e:  # a configuration that does not build (shared memory, registers)
@@ -203,16 +199,21 @@ def computes_the_same(region: Region, launch: Launch, emit: Callable, index: int
     """'' when configuration `index` of the region's kernel writes, on the kept launch, what the
     emitted one wrote (up to rounding); else why not (an earlier compile's choice checked here)."""
     try:
-        candidate = emit(region, index)
-        fn = loaded(candidate, launch)
-        for out in launch.outputs:
-            out.fill_(math.nan if out.dtype.is_floating_point else -1)
-        run_kernel(candidate, launch, fn)
-        return mismatch(launch)
+        return run_checked(emit(region, index), launch)[1]
     except Exception as e:  # noqa: BLE001 - it does not build here: not used
         return f"does not build: {first_line(e)}"
     finally:
         region.config = 0
+
+
+def run_checked(kernel: KernelSource, launch: Launch) -> tuple[Any, str]:
+    """`kernel` (a configuration) loaded and run once on the kept launch into poisoned outputs (what
+    it leaves unwritten shows): its function, and '' or how its output differs from the first's."""
+    fn = loaded(kernel, launch)
+    for out in launch.outputs:
+        out.fill_(math.nan if out.dtype.is_floating_point else -1)
+    run_kernel(kernel, launch, fn)
+    return fn, mismatch(launch)
 
 
 def device_name(launch: Launch) -> str:

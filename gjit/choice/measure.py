@@ -127,21 +127,22 @@ def template_decisions(program: tuple[LoopGraph, list[Step], CompiledGraph], reg
         code, sizes = tuning.same_kernel_parts(d.kernel, launch.sizes)
         d.record = tuning_store.record_key(code, sizes, tuning.device_name(launch))
         d.found = tuning_store.lookup(d.record)
-        if d.found is not None and d.found.configs == d.kernel.configs and d.found.config != 0:
+        if d.found is not None and d.found.configs != d.kernel.configs:  # another configuration table
+            d.found = None
+        if d.found is not None and d.found.config != 0:
             differs = tuning.computes_the_same(first_region, launch, emit, d.found.config)
             if differs:  # at these sizes (another of its bucket's, say) the record does not hold
                 log.info("%s: configuration %d of an earlier compile's record %s here: measured again",
                          d.kernel.name, d.found.config, differs)  # fmt: skip
                 d.found = None
-        if d.found is not None and d.found.configs == d.kernel.configs:
+        if d.found is not None:
             stats.count("tuning_records_reused")
             d.explored = tuning.Explored(d.found.config, d.found.template_ms, d.found.tried, d.found.line)
         elif not budget.left():
-            d.found, d.over_budget = None, True
+            d.over_budget = True
             d.line = f"{first_region.name}: not measured: over the tuning budget"
             continue
         else:
-            d.found = None
             ms, line = tuning.first_time(d.kernel, launch, label(first_region))
             if ms is None:
                 d.line = line
