@@ -19,7 +19,7 @@ import sympy
 from gjit import ir
 from gjit.codegen import online
 from gjit.codegen.common import KernelSource, hint, source_line, unique
-from gjit.codegen.indexing import XINDEX, coalesce
+from gjit.codegen.indexing import XINDEX, coalesce, linear_coeffs
 from gjit.config import CompileOptions
 from gjit.fusion.regions import Region
 from gjit.ir import Const, Expr, IndexValue, Masked, Op, Read, ReduceNode, ScatterNode
@@ -323,6 +323,34 @@ class ReductionPlan(RegionPlan):
         mode = self.options.reduction
         persistent = mode == "persistent" or (mode == "auto" and rhint <= self.options.persistent_max)
         return xnumel, rnumel, rhint, persistent
+
+    def walk(self) -> str:
+        """How memory runs along the kernel's rows: "inner" where consecutive reduced elements are
+        adjacent (a softmax's row), "outer" where the kept dims are and consecutive reduced elements
+        lie a stride apart (a sum over the first dim: a tile then spans many rows, few elements of
+        each). Every full-row read and store votes with its bytes."""
+        space = self.space
+        kept = [k for k in self.kept if space.full[k] != 1]
+        reduced = [k for k in space.reduced if space.full[k] != 1]
+        if not kept or not reduced:
+            return "inner"
+        x, r = space.vars[kept[-1]], space.vars[reduced[-1]]
+        reads = [a for b in self.bodies.values() for a in ir.reads(b) if not self.in_registers(a)]
+        accesses = [(a.name, a.index) for a in reads]
+        accesses += [(s, space.value_index(self.nodes[s])) for s in self.region.stores if self.is_full(s)]
+        votes = {"inner": 0, "outer": 0}
+        for name, index in accesses:
+            lay = self.layout(name)
+            linear = linear_coeffs(lay.offset_of(index), [x, r])
+            if linear is None:
+                continue
+            along_x, along_r = linear[1]
+            if along_r == 0:  # one element a row
+                continue
+            walk = "inner" if along_r == 1 else "outer" if along_x == 1 else None
+            if walk is not None:
+                votes[walk] += hint(sympy.Mul(*lay.size), self.hints) * lay.dtype.itemsize
+        return "outer" if votes["outer"] > votes["inner"] else "inner"
 
     def reductions_by_level(self) -> list[list[ReduceNode]]:
         """The region's reductions, one list per level, innermost level first."""

@@ -34,7 +34,7 @@
                                                          the table's choice; 1 or mode="max-autotune":
                                                          no limit). What was measured is kept for every
                                                          later compile (gjit/runtime/tuning_store.py)
-    gjit.config.rblock                GJIT_RBLOCK        chunk size of looped reductions
+    gjit.config.rblock                GJIT_RBLOCK        chunk size of looped reductions (0: the tile table)
     gjit.config.recompile_limit       GJIT_RECOMPILE_LIMIT  entries per compiled callable; calls that
                                                          miss past it run eagerly (one warning)
     gjit.config.fail_on_recompile_limit  GJIT_FAIL_ON_RECOMPILE_LIMIT  raise instead of running eagerly
@@ -228,7 +228,11 @@ class Config:
         _env_int("GJIT_PERSISTENT_MAX", 1024),
         "auto picks a persistent reduction when a row has at most this many elements",
     )
-    rblock = _Knob("GJIT_RBLOCK", _env_int("GJIT_RBLOCK", 64), "chunk size of looped reductions")
+    rblock = _Knob(
+        "GJIT_RBLOCK",
+        _env_int("GJIT_RBLOCK", 0),
+        "chunk size of looped reductions; 0: by the tile table (codegen/triton/tiles.py)",
+    )
     recompile_limit = _Knob(
         "GJIT_RECOMPILE_LIMIT",
         _env_int("GJIT_RECOMPILE_LIMIT", 8),

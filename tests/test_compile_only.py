@@ -138,3 +138,28 @@ def test_template_operands_go_straight_from_async_copies_to_the_dot(case):
     ops = _loop_ops(kernel, path, divisible=tuple(str(s) for s in kernel.size_args))
     assert ops["async_copy_global_to_local"] >= 2 and ops["warp_group_dot"] >= 1, ops
     assert ops["ttg.local_load"] == 0 and ops["ttg.local_alloc"] == 0, ops
+
+
+TILED_REDUCTIONS = {  # the bench's slow classes at their sizes: a sum over the first dim, long rows
+    "sum_first": (lambda x: x.sum(0), (512, 8192)),
+    "softmax_vocab": (lambda x: F.softmax(x, -1), (64, 32000)),
+    "layer_norm_wide": (lambda x: F.layer_norm(x, (8192,)), (64, 8192)),
+}
+
+
+@pytest.mark.parametrize("case", list(TILED_REDUCTIONS))
+def test_reduction_tiles_load_whole_vectors_without_spills(case, tmp_path):
+    """The tile table's reductions for sm_90 (codegen/triton/tiles.py): every global load a 128-bit
+    vector (a sum over the first dim reads across rows, each row a sector), no register spills."""
+    from gjit.aot import build
+
+    fn, shape = TILED_REDUCTIONS[case]
+    x = torch.randn(*shape)
+    cm = gjit.compile(fn, dynamic=False)
+    gjit.explain(cm, x)  # codegen only: nothing runs
+    program = cm.entries[-1].program
+    (kernel,) = program.kernels
+    binary = build(kernel, program.graph.kernel_paths[kernel.name], 90, str(tmp_path))
+    assert binary.vector_loads and not binary.scalar_loads, binary
+    assert "ld.global.v4" in open(binary.ptx_path).read()
+    assert not binary.spills, binary

@@ -1,6 +1,8 @@
 """Reductions and normalizations: each one kernel, persistent and looped, against eager on
 random data including negative, large-magnitude and NaN inputs, odd sizes and low precision."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -464,3 +466,53 @@ def test_vector_norm_of_other_orders_and_0d(ord):
     z = torch.randn(4, 5, dtype=torch.complex64)
     cm = check(torch.linalg.vector_norm, z)
     assert [e.op for e in gjit.explain(cm, z).externs] == ["aten.linalg_vector_norm.default"]
+
+
+TABLE_TILES = {  # shape, fn: the table's tiles (no chunk forced), several chunks and masked tails
+    "sum_first_outer": ((301, 45), lambda x: x.sum(0)),
+    "mean_middle_outer": ((3, 130, 20), lambda x: x.mean(1)),
+    "softmax_first_outer": ((70, 33), lambda x: F.softmax(x, 0)),
+    "var_first_outer": ((90, 17), lambda x: x.var(0)),
+    "argmax_first_outer": ((77, 19), lambda x: x.argmax(0)),
+    "softmax_long_rows": ((3, 4100), lambda x: F.softmax(x, -1)),
+    "layer_norm_long_rows": ((2, 2500), lambda x: F.layer_norm(x, (2500,))),
+    "sum_all_long": ((5000,), lambda x: x.sum()),
+}
+
+
+@pytest.mark.parametrize("name", list(TABLE_TILES), ids=list(TABLE_TILES))
+def test_reductions_in_the_tile_tables_shapes(name):
+    """The tile table's kernels (codegen/triton/tiles.py): outer tiles across rows over the kept
+    dims, long rows one a program in chunks of 2048; contiguous and transposed inputs, NaN, fp16."""
+    shape, fn = TABLE_TILES[name]
+    x = torch.randn(*shape) * 3
+    x.view(-1)[7] = float("nan")
+    cm = check(fn, x)
+    walk = "tiles span rows" if "outer" in name else "rows contiguous"
+    assert walk in gjit.explain(cm, x).kernels[0].source
+    check(fn, x.half())
+    if x.dim() == 2:
+        check(fn, x.t().contiguous().t())  # the other walk over the same values
+
+
+def test_tile_table():
+    from gjit.codegen.triton.tiles import RowTiles, reduction_tiles
+    from gjit.config import CompileOptions
+
+    auto = CompileOptions.from_config(reduction="auto", rblock=0, persistent_max=1024)
+    forced = dataclasses.replace(auto, rblock=4)
+    persistent = dataclasses.replace(auto, reduction="persistent")
+    # outer: wide over the kept dims where there are programs enough, a 32-byte sector at least
+    assert reduction_tiles("outer", 2**19, 512, True, True, 4, auto) == RowTiles(128, 4, False, walk="outer")
+    assert reduction_tiles("outer", 768, 4096, False, True, 4, auto) == RowTiles(8, 64, False, walk="outer")
+    assert reduction_tiles("outer", 768, 4096, False, True, 2, auto) == RowTiles(16, 32, False, walk="outer")
+    assert reduction_tiles("outer", 2**19, 3, True, True, 4, auto) == RowTiles(128, 4, True, walk="outer")
+    assert not reduction_tiles("outer", 2**19, 3, True, False, 4, auto).persistent  # a dynamic row
+    assert reduction_tiles("outer", 2**19, 512, True, True, 4, forced).rblock == 4
+    forced_persistent = reduction_tiles("outer", 64, 512, True, True, 4, persistent)
+    assert forced_persistent == RowTiles(2, 512, True, walk="outer")
+    # inner: a row in registers up to persistent_max, then one row a program in 2048-element chunks
+    assert reduction_tiles("inner", 4096, 768, True, True, 2, auto) == RowTiles(1, 1024, True)
+    assert reduction_tiles("inner", 4096, 100, True, True, 4, auto) == RowTiles(8, 128, True)
+    assert reduction_tiles("inner", 4096, 32000, False, True, 4, auto) == RowTiles(1, 2048, False, 8)
+    assert reduction_tiles("inner", 4096, 32000, False, True, 4, forced) == RowTiles(256, 4, False)

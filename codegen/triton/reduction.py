@@ -20,6 +20,7 @@ from gjit.codegen import online
 from gjit.codegen.common import KernelSource, hint, next_power_of_2
 from gjit.codegen.plan import ReductionPlan
 from gjit.codegen.triton.pointwise import TL_DTYPES, KernelWriter, comment, to_dtype
+from gjit.codegen.triton.tiles import TILE, reduction_tiles
 from gjit.config import CompileOptions
 from gjit.fusion.regions import Region
 from gjit.ir import ReduceNode
@@ -225,17 +226,19 @@ class ReductionWriter(ReductionPlan, KernelWriter):
     def generate(self, name: str) -> KernelSource:
         space = self.space
         xnumel, rnumel, rhint, persistent = self.row_shape()
-        rblock = next_power_of_2(max(rhint, 1)) if persistent else self.options.rblock
-        xhint = next_power_of_2(hint(xnumel, self.hints))
-        xblock = max(1, min(xhint, max(1, 1024 // rblock)))
+        xhint = hint(xnumel, self.hints)
+        tiles = reduction_tiles(
+            self.walk(), xhint, rhint, persistent, not rnumel.free_symbols, self.narrowest(), self.options
+        )
+        persistent = tiles.persistent
         launch_blocks = {}
         if persistent and rnumel.free_symbols:
             # the row length varies between calls: the block is sized at launch (same source,
             # Triton specializes the constexpr), valid while a row fits one block
-            limit = max(self.options.persistent_max, rblock)
+            limit = max(self.options.persistent_max, tiles.rblock)
             launch_blocks = {
                 "RBLOCK": "next_power_of_2(rnumel)",
-                "XBLOCK": f"max(1, min({xhint}, 1024 // RBLOCK))",
+                "XBLOCK": f"max(1, min({next_power_of_2(xhint)}, {TILE} // RBLOCK))",
             }
             self.assumptions.append(
                 (sympy.Le(rnumel, limit), f"persistent reduction: a row fits one block: {rnumel} <= {limit}")
@@ -277,15 +280,18 @@ class ReductionWriter(ReductionPlan, KernelWriter):
         self.mask = "xmask"
         for s in outer_stores:
             self.store(s)
-        return self.finish_source(
-            name, xnumel, rnumel, xblock, rblock, persistent, index_dtype, launch_blocks
-        )
+        return self.finish_source(name, xnumel, rnumel, tiles, index_dtype, launch_blocks)
 
-    def finish_source(
-        self, name, xnumel, rnumel, xblock, rblock, persistent, index_dtype, launch_blocks
-    ) -> KernelSource:
+    def narrowest(self) -> int:
+        """Bytes of the narrowest element the kernel reads or stores along its rows."""
+        names = [r.name for b in self.bodies.values() for r in ir.reads(b) if not self.in_registers(r)]
+        names += [s for s in self.region.stores if self.is_full(s)]
+        return min((self.layout(n).dtype.itemsize for n in names), default=4)
+
+    def finish_source(self, name, xnumel, rnumel, tiles, index_dtype, launch_blocks) -> KernelSource:
+        persistent = tiles.persistent
         shape = "persistent" if persistent else "looped"
-        reduction = [f"reduction: {rnumel} elements per row, {shape}", *self.online_header()]
+        reduction = [f"reduction: {rnumel} elements per row, {shape}", tiles.text(), *self.online_header()]
         header = comment(self.header(name, xnumel, reduction))
         helpers = [HELPERS[h] for h in sorted(self.helpers)]
         return self.kernel_source(
@@ -294,10 +300,11 @@ class ReductionWriter(ReductionPlan, KernelWriter):
             helpers=helpers,
             body=self.lines,
             sizes={"xnumel": xnumel, "rnumel": rnumel},
-            blocks={"XBLOCK": xblock, "RBLOCK": rblock},
+            blocks={"XBLOCK": tiles.xblock, "RBLOCK": tiles.rblock},
             index_dtype=index_dtype,
             rnumel=rnumel,
             persistent=persistent,
             passes=1 if persistent else self.pass_id,
             launch_blocks=launch_blocks,
+            num_warps=tiles.num_warps,
         )

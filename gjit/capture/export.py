@@ -252,7 +252,6 @@ class CapturedProgram:
                 out.append((self.module.get_submodule(owner_name), attr, val, key))
         return out
 
-
     def finish(self, flat_user: list[Any], flat_out: list[Any], graph_inputs: list[Any]) -> Any:
         """Apply recorded mutations, then rebuild the user's output pytree. An output that is (a
         view of) the new value of a mutated input is returned as (that view of) the input, as in
