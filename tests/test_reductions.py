@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import gjit
 from gjit.codegen.toolchain.compile_only import compile_kernel
-from helpers import check
+from helpers import check, check_against_float64
 
 pytestmark = pytest.mark.cpu
 
@@ -516,3 +516,55 @@ def test_tile_table():
     assert reduction_tiles("inner", 4096, 100, True, True, 4, auto) == RowTiles(8, 128, True)
     assert reduction_tiles("inner", 4096, 32000, False, True, 4, auto) == RowTiles(1, 2048, False, 8)
     assert reduction_tiles("inner", 4096, 32000, False, True, 4, forced) == RowTiles(256, 4, False)
+
+
+SPLIT = {  # few rows of many elements: partial results of chunks, then their reduction (two kernels)
+    "sum_all": ((40000,), lambda x: x.sum()),
+    "sum_all_2d": ((200, 300), lambda x: x.sum()),
+    "mean_all_3d": ((3, 7, 2000), lambda x: x.mean()),
+    "sum_first_tall": ((40000, 16), lambda x: x.sum(0)),
+    "amax_several_keepdim": ((100, 3, 300), lambda x: x.amax((0, 2), keepdim=True)),
+    "amin_all": ((50000,), lambda x: x.amin()),
+    "any": ((40000,), lambda x: (x > 3.5).any()),
+    "prod": ((20000,), lambda x: (2.0 ** ((x > 1.4).float() - (x < 0.6).float())).prod()),  # exact
+    "int_sum": ((40000,), lambda x: (x * 100).long().sum()),
+    "vector_norm": ((40000,), lambda x: torch.linalg.vector_norm(x)),
+}
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("name", list(SPLIT), ids=list(SPLIT))
+def test_few_long_rows_reduce_in_two_levels(name, dynamic):
+    """gjit/lowering/split.py: each chunk's lanes past the row hold the identity; NaN and inf
+    propagate through the partials as through one reduction; float64 is the judge of sums (of
+    positive elements: a long float32 sum near zero is off by its elements' rounding, not its own)."""
+    shape, fn = SPLIT[name]
+    x = torch.rand(*shape) + 0.5
+    x.view(-1)[x.numel() // 3] = 30.0
+    cm, report = check_against_float64(gjit.compile(fn, dynamic=dynamic), x, reference_fn=fn)
+    assert len(report.kernels) == 2, report
+    assert any("_split" in k.source for k in report.kernels)
+    check(fn, x.half())
+    y = x.clone()
+    y.view(-1)[-1] = float("nan")
+    check(fn, y)
+
+
+def test_a_split_reduction_is_exact_at_other_sizes():
+    """The chunk count is fixed at the example size; the chunks' length follows a dynamic row."""
+    cm = gjit.compile(lambda x: (x.sum(), x.amax()), dynamic=True)
+    for n in (40000, 17, 100003, 16 * 1024 + 1):
+        check_against_float64(cm, torch.randn(n), reference_fn=cm.model)
+
+
+def test_long_rows_split_only_where_there_are_few():
+    from gjit.lowering.split import parts
+
+    check(lambda x: F.softmax(x, -1), torch.randn(300, 16500), kernels=1)  # rows enough
+    check(lambda x: x.sum(), torch.randn(16000), kernels=1)  # a short row: one program
+    check(lambda x: x.argmax(), torch.randn(40000), kernels=1)  # an argmax stays whole
+    assert parts(1, 2**24, False) == 1024  # a sum of everything: 1024 chunks of 16384
+    assert parts(1, 40000, False) == 16  # chunks of 2048 elements at least
+    assert parts(64, 2**16, True) == 32  # a tall sum over the first dim: 8 programs, then 256
+    assert parts(300, 2**20, False) == 1  # programs enough
+    assert parts(1, 16383, False) == 1

@@ -32,6 +32,7 @@ from gjit.lowering import (  # noqa: F401 - each registers its lowerings
     scatters,
     spatial,
     special,
+    split,
     views,
 )
 from gjit.lowering.registry import (
@@ -131,9 +132,12 @@ class Lowering:
                 1 if k in reduced else s for k, s in enumerate(full_size) if keepdim or k not in reduced
             )
             layout = contiguous_layout(tuple(sympy.sympify(s) for s in size), dtype)
+        name = self.node.name + suffix
+        two_levels = split.maybe_split(self, body_fn, full_size, reduced, reduce_type, layout, keepdim, name)
+        if two_levels is not None:  # few long rows: partial results of chunks, then their reduction
+            return two_levels
         idx = ir.index_vars(len(full_size))
         body = body_fn(idx)
-        name = self.node.name + suffix
         node = ir.ReduceNode(
             name, layout, body, self.node, self.aten_name, tuple(full_size), reduced, reduce_type, keepdim
         )
