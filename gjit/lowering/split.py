@@ -4,10 +4,11 @@ side (the partial results, in the accumulation dtype), then the partials reduced
 A kernel runs a program per row (or per tile of rows); a sum of everything, or a sum over the
 first dim of a tall, narrow tensor, is then one or a few programs walking millions of elements on
 one SM each while the rest of the card idles. Two levels give the card `TARGET_PROGRAMS` programs
-for the price of one more launch. Only where that pays: rows of at least `SPLIT_FROM` elements,
-fewer programs than `ENOUGH_PROGRAMS`, chunks of at least `LEAST_CHUNK` elements. The example sizes
-decide (a dynamic row keeps its number of chunks, their length follows the row); the result is
-exact for every size (a chunk's lanes past the row hold the identity).
+for the price of one more launch (and a softmax's or a variance's levels their own kernels). Only
+where that pays: rows of at least `SPLIT_FROM` elements, fewer programs than `ENOUGH_PROGRAMS`,
+chunks of at least `LEAST_CHUNK` elements. The example sizes decide (a dynamic row keeps its
+number of chunks, their length follows the row); the result is exact for every size (a chunk's
+lanes past the row hold the identity). None of this is measured on a card yet.
 
 Sums, products, maxima and minima split (a partial of each combines as its elements do); an
 argmax, or a row whose length has no example value (data-dependent), stays one.
@@ -31,7 +32,10 @@ if TYPE_CHECKING:  # the walk that calls this; it imports this module
 log = logging.getLogger("gjit.lowering")
 
 SPLIT_FROM = 16384  # elements a row at least
-ENOUGH_PROGRAMS = 256  # about two a SM: no split
+# at least this many programs: no split. One program streams a row at a fraction of the card's
+# bandwidth (the bytes its warps keep in flight); the card runs a split's two or three passes (a
+# softmax's, a variance's) and its launches in about the time a few such programs take
+ENOUGH_PROGRAMS = 16
 TARGET_PROGRAMS = 1024
 LEAST_CHUNK = 2048
 MOST_PARTS = 1024
