@@ -52,6 +52,7 @@ class KernelSource:
     bytes_read: sympy.Expr = sympy.Integer(0)  # modeled: each buffer once per pass over it
     bytes_written: sympy.Expr = sympy.Integer(0)
     rnumel: sympy.Expr | None = None  # reduction kernels: elements reduced per output element
+    ynumel: sympy.Expr | None = None  # 2-D tiled kernels: the tile's other side (its rows)
     persistent: bool = False  # reduction kernels: the whole row in one block (needs rnumel <= RBLOCK)
     passes: int = 1  # looped reduction kernels: loops over each row, each reading it from memory
     # block sizes the wrapper computes at launch (Python over xnumel / rnumel), overriding `blocks`

@@ -13,6 +13,7 @@ from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 from gjit.ir import statically_known_equal
 
 XINDEX = sympy.Symbol("xindex", integer=True, nonnegative=True)
+YINDEX = sympy.Symbol("yindex", integer=True, nonnegative=True)
 
 
 def linear_coeffs(expr: sympy.Expr, variables: list[sympy.Symbol]) -> tuple[sympy.Expr, list] | None:
@@ -137,3 +138,14 @@ def coalesce(
         else:
             var_exprs.append(_modular(xindex, inner, dims[k]))
     return IndexPlan(dims, new_vars, var_exprs, groups, old_vars, list(sizes))
+
+
+def tile_exprs(sizes: list[sympy.Expr], split: int) -> list[sympy.Expr]:
+    """A 2-D tile's index variables: kernel dims up to `split` (inclusive) are digits of yindex,
+    the rest digits of xindex (each side row-major)."""
+    out = []
+    for side, index in ((sizes[: split + 1], YINDEX), (sizes[split + 1 :], XINDEX)):
+        for k in range(len(side)):
+            inner = sympy.Mul(*side[k + 1 :]) if k + 1 < len(side) else sympy.Integer(1)
+            out.append(_floordiv(index, inner) if k == 0 else _modular(index, inner, side[k]))
+    return out

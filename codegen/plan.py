@@ -19,7 +19,7 @@ import sympy
 from gjit import ir
 from gjit.codegen import online
 from gjit.codegen.common import KernelSource, hint, source_line, unique
-from gjit.codegen.indexing import XINDEX, coalesce, linear_coeffs
+from gjit.codegen.indexing import XINDEX, YINDEX, coalesce, linear_coeffs
 from gjit.config import CompileOptions
 from gjit.fusion.regions import Region
 from gjit.ir import Const, Expr, IndexValue, Masked, Op, Read, ReduceNode, ScatterNode
@@ -156,6 +156,33 @@ class RegionPlan:
         self.vars = plan.vars
         return numel, idx, plan, self.pick_index_dtype(numel)
 
+    def tile_split(self, plan) -> int | None:
+        """Where a pointwise kernel's dims split into a 2-D tile's sides, or None (a 1-D block).
+        A tile pays where a large read runs contiguous along another dim than the store (a
+        transpose): its dims up to that one (inclusive) go down the tile, the rest (the store's
+        contiguous dim last) across, so each of the two walks memory in runs of a tile's side."""
+        if len(plan.sizes) < 2 or not self.region.stores:
+            return None
+        store = linear_coeffs(
+            plan.substitute(self.primary_access(ir.index_vars(len(self.region.size)))), plan.vars
+        )
+        if store is None or store[1][-1] != 1:
+            return None
+        numel = hint(sympy.Mul(*plan.sizes), self.hints)
+        best, split = 0, None
+        for body in self.region.bodies.values():
+            for r in ir.reads(body):
+                if r.indirect or self.in_registers(r):
+                    continue
+                lay = self.layout(r.name)
+                linear = linear_coeffs(plan.substitute(lay.offset_of(r.index)), plan.vars)
+                if linear is None or linear[1][-1] in (0, 1) or 1 not in linear[1]:
+                    continue
+                elements = hint(sympy.Mul(*lay.size), self.hints)
+                if 2 * elements >= numel and elements * lay.dtype.itemsize > best:
+                    best, split = elements * lay.dtype.itemsize, linear[1].index(1)
+        return split
+
     def primary_access(self, idx: ir.Index) -> sympy.Expr | None:
         """The access the iteration order follows (the first store's)."""
         return self.layout(self.region.stores[0]).offset_of(idx) if self.region.stores else None
@@ -164,7 +191,7 @@ class RegionPlan:
 
     def kernel_size_symbols(self) -> list[sympy.Symbol]:
         """The size symbols the kernel takes as arguments, in parameter order."""
-        return sorted(self.symbols - set(self.vars) - {XINDEX}, key=lambda s: s.name)
+        return sorted(self.symbols - set(self.vars) - {XINDEX, YINDEX}, key=lambda s: s.name)
 
     def kernel_record(
         self,

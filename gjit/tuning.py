@@ -250,9 +250,14 @@ def run_kernel(kernel: KernelSource, launch: Launch, fn: Any) -> None:
     if kernel.num_stages is not None:
         options["num_stages"] = kernel.num_stages
     grid = (math.ceil(xnumel / kernel.blocks.get("XBLOCK", 1)),)
+    numels = [xnumel]
+    if kernel.ynumel is not None:  # a 2-D tile's programs, in one grid dim
+        ynumel = int(sympy.sympify(kernel.ynumel).subs(values))
+        grid = (grid[0] * math.ceil(ynumel / kernel.blocks["YBLOCK"]),)
+        numels.append(ynumel)
     on_device = launch.inputs[0].is_cuda
     with contextlib.nullcontext() if on_device else interpret_libdevice.stdlib_interpreted():
-        fn[grid](*launch.inputs, *launch.outputs, *launch.sizes, xnumel, **options)
+        fn[grid](*launch.inputs, *launch.outputs, *launch.sizes, *numels, **options)
 
 
 def replay(launch: Launch) -> None:

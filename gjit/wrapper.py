@@ -160,13 +160,19 @@ class WrapperWriter:
         if kernel.rnumel is not None:
             self.lines.append(f"rnumel = {self.sym(kernel.rnumel)}")
             sizes.append("rnumel")
+        if kernel.ynumel is not None:
+            self.lines.append(f"ynumel = {self.sym(kernel.ynumel)}")
+            sizes.append("ynumel")
         blocks = {k: str(v) for k, v in kernel.blocks.items()}
         for k, expr in kernel.launch_blocks.items():
             self.lines.append(f"{k} = {expr}")
             blocks[k] = k
         # integer math, not triton.cdiv: a call of it from Python costs microseconds each launch
         xblock = blocks["XBLOCK"]
-        if not xblock.isdigit():
+        if kernel.ynumel is not None:  # a 2-D tile's programs, in one grid dim
+            yblock = blocks["YBLOCK"]
+            grid = f"((xnumel + {xblock} - 1) // {xblock} * ((ynumel + {yblock} - 1) // {yblock}),)"
+        elif not xblock.isdigit():
             grid = f"((xnumel + {xblock} - 1) // {xblock},)"
         else:
             grid = "(xnumel,)" if xblock == "1" else f"((xnumel + {int(xblock) - 1}) // {xblock},)"
@@ -175,7 +181,7 @@ class WrapperWriter:
         if kernel.num_stages is not None:
             blocks["num_stages"] = str(kernel.num_stages)
         launch = ", ".join(f"{k}={v}" for k, v in blocks.items())
-        self.lines.append("if xnumel > 0:")
+        self.lines.append("if xnumel > 0 and ynumel > 0:" if kernel.ynumel is not None else "if xnumel > 0:")
         self.lines.append(f"    {kernel.name}[{grid}]({', '.join(args + sizes)}, {launch})")
         if self.check:
             self.lines.append(f"gjit_check({kernel.name!r}, locals())")

@@ -213,3 +213,22 @@ PROGRAMS = [
         knobs={"debug": True},
     ),
 ]
+
+
+# -- programs added later (here, so the line numbers above stay) --------------------------------
+
+
+def to_channels_last(x, y):
+    return x.permute(0, 2, 3, 1).contiguous() * y
+
+
+def sum_and_max_of_everything(x):
+    return x.sum(), x.abs().amax()
+
+
+PROGRAMS += [
+    Program(
+        "transpose_tiles", to_channels_last, lambda: (torch.randn(2, 5, 6, 7), torch.randn(5)), dynamic=True
+    ),
+    Program("split_reduction", sum_and_max_of_everything, _randn(3, 20000)),
+]

@@ -403,3 +403,40 @@ def test_as_strided_past_the_values_elements_is_never_a_kernel_read():
     with pytest.raises(RuntimeError, match="out of bounds"), gjit.config.scope(interpret=True):
         cm(x)
     assert [e.op for e in gjit.explain(cm, x).externs] == ["aten.as_strided.default"]
+
+
+TRANSPOSED = {  # a read contiguous along another dim than the store: 2-D tiles (codegen/plan.py)
+    "t_add": (lambda x, y: x.t() + y, ((70, 130), (130, 70))),
+    "t_contiguous": (lambda x: x.t().contiguous(), ((70, 130),)),
+    "nchw_to_nhwc": (lambda x: x.permute(0, 2, 3, 1).contiguous() * 2, ((2, 40, 9, 11),)),
+    "three_channels": (lambda x: x.permute(0, 2, 3, 1).contiguous(), ((2, 3, 9, 11),)),
+    "swap_middle": (lambda x: x.transpose(1, 2).contiguous().sin(), ((3, 50, 70),)),
+    "one_side_reads": (
+        lambda y, x, b, c: y + x.t() * b + c + torch.arange(y.shape[1]),
+        ((33, 65), (65, 33), (65,), (33, 1)),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(TRANSPOSED), ids=list(TRANSPOSED))
+def test_transposed_reads_in_two_dimensional_tiles(name):
+    """A [YBLOCK, XBLOCK] tile: the transposed read runs down it, the stores across; tails of
+    both sides masked; reads of one side broadcast over the tile; other dtypes; sizes that change."""
+    fn, shapes = TRANSPOSED[name]
+    args = inputs(shapes)
+    cm = check(fn, *args, kernels=1)
+    assert "tile:" in gjit.explain(cm, *args).kernels[0].source
+    check(fn, *[a.half() for a in args])
+    check(fn, *[(a * 10).int() for a in args])
+    dynamic = gjit.compile(fn, dynamic=True)
+    for scale in (1, 2):
+        check(dynamic, *inputs([[s * scale + 1 if s > 1 else 1 for s in shape] for shape in shapes]))
+    if len(shapes) == 1:  # a side of one row
+        check(dynamic, *inputs([[1, *shapes[0][1:]]]))
+
+
+def test_a_read_along_the_store_keeps_one_dimensional_blocks():
+    """Eager keeps a transposed input's layout in a pointwise result: nothing to tile."""
+    x = torch.randn(64, 33)
+    cm = check(lambda x, b: x.t() * b, x, torch.randn(64), kernels=1)
+    assert "tile:" not in gjit.explain(cm, x, torch.randn(64)).kernels[0].source

@@ -38,7 +38,9 @@ def compile_kernel(
     attrs = {}
     if aligned:
         for k, p in enumerate(params):
-            if kernel.signature[p].startswith("*") or p in ("xnumel", "rnumel", *divisible):
+            if p in ones:  # a constant: no attribute
+                continue
+            if kernel.signature[p].startswith("*") or p in ("xnumel", "rnumel", "ynumel", *divisible):
                 attrs[(k,)] = [["tt.divisibility", 16]]
     signature = dict(kernel.signature) | {p: "constexpr" for p in ones}
     source = triton.compiler.ASTSource(

@@ -17,6 +17,7 @@ import torch
 
 from gjit import ir
 from gjit.codegen.common import INFIX, KernelSource, constant, hint, next_power_of_2
+from gjit.codegen.indexing import tile_exprs
 from gjit.codegen.plan import RegionPlan
 from gjit.codegen.printer import TritonPrinter
 from gjit.config import CompileOptions
@@ -24,6 +25,9 @@ from gjit.fusion.regions import Region
 from gjit.ir import Expr, IndexValue, Masked, Op, Read
 from gjit.kernels.polynomials import POLYNOMIALS
 from gjit.kernels.triton_helpers import HELPERS
+
+TILE = 4096  # elements of a 2-D tile (a transpose's)
+TILE_SIDE = 64  # its side along the stores, where the tensor is that wide
 
 TL_DTYPES = {
     torch.float32: "tl.float32",
@@ -205,6 +209,7 @@ class KernelWriter(RegionPlan):
         self.block_zeros = "tl.zeros([XBLOCK], tl.int32)"
         self.debug_asserts = False  # bounds checks emitted: compile with debug=True
         self.helpers: set[str] = set()  # gjit/kernels/triton_helpers.py functions it calls
+        self.sides: tuple[set, set] | None = None  # a 2-D tile's (y, x) kernel variables
 
     @property
     def decorator(self) -> str:
@@ -284,8 +289,11 @@ class KernelWriter(RegionPlan):
         arg = self.in_args.setdefault(r.name, f"in_ptr{len(self.in_args)}")
         offset = self.subst(self.layout(r.name).offset_of(r.index))
         text = self.index(offset, names)
-        if offset.free_symbols & set(self.vars):
+        used = offset.free_symbols & set(self.vars)
+        if used and self.whole_tile(used):
             load = f"tl.load({arg} + ({text}), {self.mask})"
+        elif used:  # one side of a 2-D tile: broadcast to the tile
+            load = f"tl.load({arg} + ({text}) + {self.block_zeros}, {self.mask})"
         elif self.mask in self.base_masks and not names:
             load = f"tl.load({arg} + ({text}))"
         elif names:  # indices loaded at a var-free offset may be scalars: broadcast to the mask
@@ -314,7 +322,15 @@ class KernelWriter(RegionPlan):
 
     def generate(self, name: str) -> KernelSource:
         numel, idx, plan, index_dtype = self.pointwise_space()
-        setup = self.index_setup(plan, index_dtype)
+        split = self.tile_split(plan)
+        if split is None:
+            setup = self.index_setup(plan, index_dtype)
+            sizes = {"xnumel": numel}
+            blocks = {"XBLOCK": xblock_for(numel, self.hints, self.options.xblock)}
+            extra, tile = {}, []
+        else:
+            setup, sizes, blocks, extra = self.tile_setup(plan, split, index_dtype)
+            tile = [f"tile: {blocks['YBLOCK']} x {blocks['XBLOCK']} (a read runs down it, the stores across)"]
         for node in self.region.stores:
             value = self.node_value(node)
             arg = self.out_args.setdefault(node, f"out_ptr{len(self.out_args)}")
@@ -325,19 +341,59 @@ class KernelWriter(RegionPlan):
             self.lines.append(f"tl.store({arg} + ({offset}), {value}, xmask)")
         return self.kernel_source(
             name,
-            header=comment(self.header(name, numel)),
+            header=comment(self.header(name, numel, tile)),
             body=setup + self.lines,
-            sizes={"xnumel": numel},
-            blocks={"XBLOCK": xblock_for(numel, self.hints, self.options.xblock)},
+            sizes=sizes,
+            blocks=blocks,
             index_dtype=index_dtype,
             helpers=[HELPERS[h] for h in sorted(self.helpers)],
+            **extra,
+        )
+
+    def tile_setup(self, plan, split: int, index_dtype: str) -> tuple[list[str], dict, dict, dict]:
+        """A 2-D tile's setup (codegen/plan.py `tile_split`): programs in one grid dim, each a
+        [YBLOCK, XBLOCK] tile (y its row, x its column, `xmask` the tile's mask); (lines, sizes,
+        blocks, the record's extra fields)."""
+        ynumel, xnumel = sympy.Mul(*plan.sizes[: split + 1]), sympy.Mul(*plan.sizes[split + 1 :])
+        self.sides = (set(plan.vars[: split + 1]), set(plan.vars[split + 1 :]))
+        self.BLOCK = ("[YBLOCK, XBLOCK]", "xmask")
+        self.block_zeros = "tl.zeros([YBLOCK, XBLOCK], tl.int32)"
+        xhint = next_power_of_2(hint(xnumel, self.hints))
+        yhint = next_power_of_2(hint(ynumel, self.hints))
+        xblock = min(TILE_SIDE, xhint)
+        yblock = min(yhint, TILE // xblock)
+        xblock = min(xhint, TILE // yblock)
+        pid = "tl.program_id(0)" if index_dtype == "int32" else "tl.program_id(0).to(tl.int64)"
+        lines = [
+            f"pid = {pid}",
+            "xtiles = tl.cdiv(xnumel, XBLOCK)",
+            "yindex = (pid // xtiles) * YBLOCK + tl.arange(0, YBLOCK)[:, None]",
+            "xindex = (pid % xtiles) * XBLOCK + tl.arange(0, XBLOCK)[None, :]",
+            "xmask = (yindex < ynumel) & (xindex < xnumel)",
+        ]
+        for var, expr in zip(plan.vars, tile_exprs(plan.sizes, split)):
+            lines.append(f"{var.name} = {self.index(expr)}")
+        warps = 8 if xblock * yblock >= TILE else 4
+        return (
+            lines,
+            {"xnumel": xnumel, "ynumel": ynumel},
+            {"YBLOCK": yblock, "XBLOCK": xblock},
+            {
+                "ynumel": ynumel,
+                "num_warps": warps,
+            },
         )
 
     BLOCK = ("[XBLOCK]", "xmask")  # a store's block shape and mask
 
     def lanes_indexed(self, offset_expr: sympy.Expr) -> bool:
         """Does a store's offset vary across the whole block (else it is broadcast)?"""
-        return bool(offset_expr.free_symbols & set(self.vars))
+        used = offset_expr.free_symbols & set(self.vars)
+        return bool(used) and self.whole_tile(used)
+
+    def whole_tile(self, used: set) -> bool:
+        """Do kernel variables `used` span the block: a 2-D tile's both sides, any 1-D block's?"""
+        return self.sides is None or all(used & side for side in self.sides)
 
     def block_store(self, offset_expr: sympy.Expr, offset: str, value: str, body: Expr) -> tuple[str, str]:
         """A store's offset and value as blocks of the kernel's shape: an offset the lanes do not
