@@ -96,6 +96,10 @@ def _cross_entropy(n: int) -> tuple[Any, tuple]:
     return (lambda x, y: F.cross_entropy(x, y), (_r(n, 32000), torch.randint(0, 32000, (n,))))
 
 
+def _channels_last(x: torch.Tensor) -> torch.Tensor:
+    return x.permute(0, 2, 3, 1).contiguous()
+
+
 def _qkv(n: int) -> tuple:
     return tuple(_r(2, 4, n, 32) for _ in range(3))
 
@@ -123,6 +127,9 @@ CASES = [
     Case("mean_middle", _fn(lambda x: x.mean(1), (8, N, 64)), (256,), "reduction"),
     Case("amax_last", _fn(lambda x: x.amax(-1), (N, 512)), (256,), "reduction"),
     Case("transpose_add", _fn(lambda x, y: x.t() + y, (N, N), (N, N)), (256,), "pointwise", (8192,)),
+    Case("channels_last", _fn(_channels_last, (N, 64, 56, 56)), (2,), "pointwise", (512,)),
+    # one output of many elements: partials of chunks, then their sum (gjit/lowering/split.py)
+    Case("sum_all", _fn(lambda x: x.sum(), (N, N)), (256,), "reduction", (16384,)),
     Case("embedding", _embedding, (64,), "indexing"),
     Case("gelu_mlp", lambda n: (_gelu_mlp(64), (_r(n, 64),)), (64,), "block"),
     Case("attention", lambda n: (_attention, _qkv(n)), (64,), "block"),
