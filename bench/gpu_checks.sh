@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, as one script for a short lease of a CUDA machine:
-#   OUT=/some/folder bash bench/gpu_checks.sh [quick|full]
+#   OUT=/some/folder bash bench/gpu_checks.sh [quick|full|kernels]
+# (kernels: gjit.bench's slow kernel classes at device-filling sizes first, then the rest)
 # Runs under the machine's own python3 (its torch, Triton and CuPy); gjit is installed editable
 # without dependencies. First the real-size model benchmark (bench/models_gpu.py, 6 minutes at most),
 # then the other steps in order of importance, each only if its time limit still fits in TOTAL_S
@@ -33,11 +34,22 @@ nvidia-smi -L
 $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
 $PY -m pip install -q --no-deps --no-build-isolation -e . >"$LOGS/install.log" 2>&1 || { cat "$LOGS/install.log"; exit 1; }
 
+if [ "$MODE" = kernels ]; then  # the slow kernel classes first, at device-filling sizes
+    step "kernel classes: gjit against eager and torch.compile (python -m gjit.bench --full --cases ...)"
+    timeout "${KERNELS_S:-300}" $PY -m gjit.bench --full --cases sum_first sum_all mean_middle transpose_add \
+        channels_last softmax_vocab layer_norm_wide cross_entropy softmax layer_norm \
+        --json "$OUT/bench_kernels.json" --png "$OUT/bench_kernels.png" 2>"$LOGS/bench_kernels.err"
+    tail -3 "$LOGS/bench_kernels.err"
+    pack
+fi
+
 step "real-size models: eager, torch.compile and gjit, each in a fresh process (bench/models_gpu.py)"
-timeout -k 20 "${MODELS_S:-390}" $PY bench/models_gpu.py --budget "${MODELS_BUDGET_S:-360}" \
-    --json "$OUT/models_gpu.json" --table "$OUT/models_gpu.md" --log-dir "$LOGS/models_gpu" \
-    >"$LOGS/models_gpu.out" 2>&1
-echo "exit $?; $(grep -E '^Budget' "$LOGS/models_gpu.out")"
+if [ "$MODE" != kernels ] || fits "${MODELS_S:-390}"; then
+    timeout -k 20 "${MODELS_S:-390}" $PY bench/models_gpu.py --budget "${MODELS_BUDGET_S:-360}" \
+        --json "$OUT/models_gpu.json" --table "$OUT/models_gpu.md" --log-dir "$LOGS/models_gpu" \
+        >"$LOGS/models_gpu.out" 2>&1
+    echo "exit $?; $(grep -E '^Budget' "$LOGS/models_gpu.out")"
+fi
 pack
 
 step "host time per kernel launch on the card: Triton's path against gjit's pre-bound launches"
