@@ -43,7 +43,7 @@ class KernelSource:
     in_args: list[str]  # buffer / node names read, in pointer-argument order
     out_args: list[str]  # node names stored
     size_args: list[sympy.Symbol]  # symbols passed by value
-    numel: sympy.Expr  # xnumel: the number of programs' elements along x
+    numel: sympy.Expr  # xnumel: the number of programs' elements along x (a 2-D tile's columns)
     index_dtype: str  # "int32" | "int64": the width of element offsets (each printer spells it)
     aten_nodes: list[str]  # "name: aten.op" per fused node
     source_lines: list[str]

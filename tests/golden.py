@@ -59,6 +59,8 @@ def _render_graph(graph, title: str, out: list[str]) -> None:
             bytes_read=str(k.bytes_read), bytes_written=str(k.bytes_written),
             assumptions=[why for _, why in k.assumptions],
         )  # fmt: skip
+        if k.ynumel is not None:  # a 2-D tile's rows (numel: its columns)
+            meta["ynumel"] = str(k.ynumel)
         out += [f"# {key}: {value}" for key, value in meta.items()]
         out.append(k.source.rstrip("\n"))
     out.append(f"\n# ===== {title}: wrapper =====")

@@ -504,8 +504,10 @@ def test_tile_table():
     persistent = dataclasses.replace(auto, reduction="persistent")
     # outer: wide over the kept dims where there are programs enough, a 32-byte sector at least
     assert reduction_tiles("outer", 2**19, 512, True, True, 4, auto) == RowTiles(128, 4, False, walk="outer")
-    assert reduction_tiles("outer", 768, 4096, False, True, 4, auto) == RowTiles(8, 64, False, walk="outer")
-    assert reduction_tiles("outer", 768, 4096, False, True, 2, auto) == RowTiles(16, 32, False, walk="outer")
+    assert reduction_tiles("outer", 768, 4096, False, True, 4, auto) == RowTiles(16, 32, False, walk="outer")
+    assert reduction_tiles("outer", 768, 4096, False, True, 2, auto) == RowTiles(32, 16, False, walk="outer")
+    # a short row in registers: the whole tile across rows (was 16 x 4: half the threads idle)
+    assert reduction_tiles("outer", 8192, 4, True, True, 4, auto) == RowTiles(128, 4, True, walk="outer")
     assert reduction_tiles("outer", 2**19, 3, True, True, 4, auto) == RowTiles(128, 4, True, walk="outer")
     assert not reduction_tiles("outer", 2**19, 3, True, False, 4, auto).persistent  # a dynamic row
     assert reduction_tiles("outer", 2**19, 512, True, True, 4, forced).rblock == 4
@@ -560,12 +562,36 @@ def test_a_split_reduction_is_exact_at_other_sizes():
 def test_long_rows_split_only_where_there_are_few():
     from gjit.lowering.split import parts
 
-    check(lambda x: F.softmax(x, -1), torch.randn(20, 16500), kernels=1)  # rows enough
+    check(lambda x: F.softmax(x, -1), torch.randn(20, 16500), kernels=1)  # rows enough for levels
+    sums = lambda x: x.sum(-1)  # noqa: E731
+    _, report = check_against_float64(sums, torch.rand(20, 16500) + 0.5, reference_fn=sums)
+    assert len(report.kernels) == 2  # too few rows for one level
     check(lambda x: x.sum(), torch.randn(16000), kernels=1)  # a short row: one program
     check(lambda x: x.argmax(), torch.randn(40000), kernels=1)  # an argmax stays whole
     assert parts(1, 2**24, False) == 1024  # a sum of everything: 1024 chunks of 16384
     assert parts(1, 40000, False) == 16  # chunks of 2048 elements at least
-    assert parts(64, 2**16, True) == 32  # a tall sum over the first dim: 8 programs, then 256
-    assert parts(16, 2**20, False) == 1  # programs enough
-    assert parts(15, 2**20, False) == 128  # 1920 programs: 15 x 64 is under 1024
+    assert parts(64, 2**16, True) == 32  # a tall sum over the first dim: 4 programs, then 128
+    assert parts(256, 2**20, False) == 1  # programs enough for a sum
+    assert parts(255, 2**20, False) == 8
+    assert parts(16, 2**20, False, one_level=False) == 1  # enough for a softmax's levels
+    assert parts(15, 2**20, False, one_level=False) == 128  # 1920 programs: 15 x 64 is under 1024
     assert parts(1, 16383, False) == 1
+
+
+MIXED = {  # several split reductions of one input in one partial kernel, each with its own identity
+    "aminmax": lambda x: torch.aminmax(x),
+    "sum_and_amax": lambda x: (x.sum(), x.amax()),
+    "amin_and_prod": lambda x: (x.amin(), (x * 0).prod()),
+    "min_max_scaling": lambda x: (x - x.min()) / (x.max() - x.min()),
+}
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("name", list(MIXED), ids=list(MIXED))
+def test_split_reductions_of_one_input_keep_their_own_identities(name, dynamic):
+    """Lanes past the row hold each reduction's own identity (review: a masked value's CSE once
+    ignored its fill value, so max took sum's 0 past the row, min took max's -inf); all-negative
+    and all-positive data, a row that is no multiple of its chunks."""
+    fn = gjit.compile(MIXED[name], dynamic=dynamic)
+    for x in (-torch.rand(40001) - 1, torch.rand(40001) + 0.5):
+        check(fn, x)

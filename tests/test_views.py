@@ -429,6 +429,8 @@ def test_transposed_reads_in_two_dimensional_tiles(name):
     check(fn, *[a.half() for a in args])
     check(fn, *[(a * 10).int() for a in args])
     dynamic = gjit.compile(fn, dynamic=True)
+    check(dynamic, *args)
+    assert "at launch" in gjit.explain(dynamic, *args).kernels[0].source  # the tile follows the sizes
     for scale in (1, 2):
         check(dynamic, *inputs([[s * scale + 1 if s > 1 else 1 for s in shape] for shape in shapes]))
     if len(shapes) == 1:  # a side of one row
@@ -440,3 +442,9 @@ def test_a_read_along_the_store_keeps_one_dimensional_blocks():
     x = torch.randn(64, 33)
     cm = check(lambda x, b: x.t() * b, x, torch.randn(64), kernels=1)
     assert "tile:" not in gjit.explain(cm, x, torch.randn(64)).kernels[0].source
+
+
+def test_two_maskings_of_one_value_keep_their_fill_values():
+    """Two pads of one tensor mask the same loads but fill with different values."""
+    two_pads = lambda x: F.pad(x, (1, 1), value=0.0) + F.pad(x, (1, 1), value=1.0) * 3  # noqa: E731
+    check(two_pads, torch.randn(8, 5), kernels=1)

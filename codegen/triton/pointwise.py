@@ -26,7 +26,7 @@ from gjit.ir import Expr, IndexValue, Masked, Op, Read
 from gjit.kernels.polynomials import POLYNOMIALS
 from gjit.kernels.triton_helpers import HELPERS
 
-TILE = 4096  # elements of a 2-D tile (a transpose's)
+TILE_2D = 4096  # elements of a 2-D tile (a transpose's)
 TILE_SIDE = 64  # its side along the stores, where the tensor is that wide
 
 TL_DTYPES = {
@@ -279,7 +279,8 @@ class KernelWriter(RegionPlan):
         body = self.emit(e.body)
         # a member's value first computed here holds garbage where the mask is off: not reused outside
         self.mask, self.values = outer, values
-        return self.tmp(("masked", mask, body), f"tl.where({mask}, {body}, {literal(e.other, e.dtype)})")
+        other = literal(e.other, e.dtype)  # two maskings of one value may fill with different values
+        return self.tmp(("masked", mask, body, other), f"tl.where({mask}, {body}, {other})")
 
     def read(self, r: Read) -> str:
         if self.in_registers(r):
@@ -361,8 +362,8 @@ class KernelWriter(RegionPlan):
         xhint = next_power_of_2(hint(xnumel, self.hints))
         yhint = next_power_of_2(hint(ynumel, self.hints))
         xblock = min(TILE_SIDE, xhint)
-        yblock = min(yhint, TILE // xblock)
-        xblock = min(xhint, TILE // yblock)
+        yblock = min(yhint, TILE_2D // xblock)
+        xblock = min(xhint, TILE_2D // yblock)
         pid = "tl.program_id(0)" if index_dtype == "int32" else "tl.program_id(0).to(tl.int64)"
         lines = [
             f"pid = {pid}",
@@ -373,16 +374,14 @@ class KernelWriter(RegionPlan):
         ]
         for var, expr in zip(plan.vars, tile_exprs(plan.sizes, split)):
             lines.append(f"{var.name} = {self.index(expr)}")
-        warps = 8 if xblock * yblock >= TILE else 4
-        return (
-            lines,
-            {"xnumel": xnumel, "ynumel": ynumel},
-            {"YBLOCK": yblock, "XBLOCK": xblock},
-            {
-                "ynumel": ynumel,
-                "num_warps": warps,
-            },
-        )
+        extra = {"ynumel": ynumel, "num_warps": 8 if xblock * yblock >= TILE_2D else 4}
+        if (xnumel * ynumel).free_symbols:  # sides that vary between calls: the tile sized at launch
+            widest = f"min({TILE_SIDE}, next_power_of_2(xnumel))"
+            extra["launch_blocks"] = {
+                "YBLOCK": f"min(next_power_of_2(ynumel), {TILE_2D} // {widest})",
+                "XBLOCK": f"min(next_power_of_2(xnumel), {TILE_2D} // YBLOCK)",
+            }
+        return lines, {"xnumel": xnumel, "ynumel": ynumel}, {"YBLOCK": yblock, "XBLOCK": xblock}, extra
 
     BLOCK = ("[XBLOCK]", "xmask")  # a store's block shape and mask
 

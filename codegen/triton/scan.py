@@ -43,6 +43,9 @@ def identity(scan_type: str, dtype: torch.dtype) -> str:
     return str(info.min if low else info.max)
 
 
+LOOPED_CHUNK = 1024  # elements of a looped scan's chunk where GJIT_RBLOCK leaves it to the writer
+
+
 class ScanWriter(ReductionWriter):
     """Prints a scan region's kernel in Triton (the plan: codegen/plan.py's ReductionPlan over
     (rows x the scanned dim))."""
@@ -51,7 +54,7 @@ class ScanWriter(ReductionWriter):
         (node,) = self.region.nodes
         assert isinstance(node, ScanNode)
         xnumel, rnumel, rhint, persistent = self.row_shape()
-        rblock = next_power_of_2(max(rhint, 1)) if persistent else self.options.rblock
+        rblock = next_power_of_2(max(rhint, 1)) if persistent else self.options.rblock or LOOPED_CHUNK
         xhint = next_power_of_2(hint(xnumel, self.hints))
         xblock = max(1, min(xhint, max(1, 1024 // rblock)))
         index_dtype = self.pick_index_dtype(xnumel * rnumel)

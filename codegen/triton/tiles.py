@@ -9,9 +9,9 @@ The tile follows how memory runs along a row (`ReductionPlan.walk`):
     and the row's second pass (a softmax's output, a norm's) finds it in L2, not in memory;
   outer (the kept dims are contiguous: a sum over the first dim):
     a tile wide along the kept dims, short along the reduced one, 512 elements: each of its
-    rows at least a 32-byte sector of contiguous memory (16-byte vector loads), and narrower
-    where that leaves too few programs to fill the card; persistent only when the whole row
-    fits that short side.
+    rows 128 elements, narrower where that leaves too few programs to fill the card, but at
+    least 64 bytes of contiguous memory (16-byte vector loads, two 32-byte sectors); persistent
+    only when the whole row fits that short side (then as wide as the tile allows).
 
 `GJIT_RBLOCK` (a non-zero `rblock`) forces a looped kernel's chunk, as tests do to walk short rows
 in several steps.
@@ -29,7 +29,7 @@ LONG_ROW_CHUNK = 2048  # elements of a long row's chunk, one row a program
 LONG_ROW_WARPS = 8
 OUTER_TILE = 512  # elements of an outer tile (4 a thread at 4 warps)
 OUTER_PROGRAMS = 512  # enough programs for about four per SM of a 132-SM card
-SECTOR = 32  # bytes: the least contiguous run an outer tile's row reads
+LEAST_RUN = 64  # bytes: the least contiguous run an outer tile's row reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,14 +57,14 @@ def reduction_tiles(
     options: CompileOptions,
 ) -> RowTiles:
     """The tile of a reduction kernel of `xhint` rows of `rhint` elements (example sizes) whose
-    widest data is `itemsize` bytes; `persistent`: what the row length and the setting allow."""
+    narrowest data is `itemsize` bytes; `persistent`: what the row length and the setting allow."""
     xmax = next_power_of_2(max(xhint, 1))
     rmax = next_power_of_2(max(rhint, 1))
     if walk == "outer" and options.reduction != "persistent":
         xblock = outer_xblock(xhint, itemsize)
         rblock = max(1, min(OUTER_TILE // xblock, rmax))
-        if persistent and r_static and rmax <= rblock:
-            return RowTiles(xblock, rmax, True, walk=walk)
+        if persistent and r_static and rmax <= rblock:  # a short row: the whole tile across rows
+            return RowTiles(min(xmax, max(xblock, OUTER_TILE // rmax)), rmax, True, walk=walk)
         return RowTiles(xblock, options.rblock or rblock, False, walk=walk)
     if persistent:
         return RowTiles(min(xmax, max(1, TILE // rmax)), rmax, True, walk=walk)
@@ -78,8 +78,8 @@ def reduction_tiles(
 
 def outer_xblock(xhint: int, itemsize: int) -> int:
     """Rows of an outer tile: 128, halved while that leaves fewer than OUTER_PROGRAMS programs,
-    never below a sector's worth of elements nor above the rows there are."""
-    least = max(1, SECTOR // itemsize)
+    never below LEAST_RUN bytes nor above the rows there are."""
+    least = max(1, LEAST_RUN // itemsize)
     xblock = 128
     while xblock > least and -(-xhint // xblock) < OUTER_PROGRAMS:
         xblock //= 2

@@ -5,10 +5,11 @@ A kernel runs a program per row (or per tile of rows); a sum of everything, or a
 first dim of a tall, narrow tensor, is then one or a few programs walking millions of elements on
 one SM each while the rest of the card idles. Two levels give the card `TARGET_PROGRAMS` programs
 for the price of one more launch (and a softmax's or a variance's levels their own kernels). Only
-where that pays: rows of at least `SPLIT_FROM` elements, fewer programs than `ENOUGH_PROGRAMS`,
-chunks of at least `LEAST_CHUNK` elements. The example sizes decide (a dynamic row keeps its
-number of chunks, their length follows the row); the result is exact for every size (a chunk's
-lanes past the row hold the identity). None of this is measured on a card yet.
+where that pays: rows of at least `SPLIT_FROM` elements, fewer programs than `ENOUGH_PROGRAMS`
+(`ENOUGH_PROGRAMS_LEVELS` for an op of several levels), chunks of at least `LEAST_CHUNK` elements.
+The example sizes decide (a dynamic row keeps its number of chunks, their length follows the row);
+the result is exact for every size (a chunk's lanes past the row hold the identity). None of this
+is measured on a card yet.
 
 Sums, products, maxima and minima split (a partial of each combines as its elements do); an
 argmax, or a row whose length has no example value (data-dependent), stays one.
@@ -33,24 +34,28 @@ log = logging.getLogger("gjit.lowering")
 
 SPLIT_FROM = 16384  # elements a row at least
 # at least this many programs: no split. One program streams a row at a fraction of the card's
-# bandwidth (the bytes its warps keep in flight); the card runs a split's two or three passes (a
-# softmax's, a variance's) and its launches in about the time a few such programs take
-ENOUGH_PROGRAMS = 16
+# bandwidth (the bytes its warps keep in flight), so a one-level reduction (a sum, a max) splits
+# below about two programs a SM; a softmax's or a variance's levels, each split, cost two or three
+# passes and more launches: they split only where a few programs would walk everything
+ENOUGH_PROGRAMS = 256
+ENOUGH_PROGRAMS_LEVELS = 16
+ONE_LEVEL = {"sum", "mean", "amax", "amin", "prod", "max", "min", "any", "all", "linalg_vector_norm"}
 TARGET_PROGRAMS = 1024
 LEAST_CHUNK = 2048
 MOST_PARTS = 1024
-OUTER_ROWS = 8  # rows an outer tile spans at least (codegen/triton/tiles.py): programs = rows / 8
+OUTER_ROWS = 16  # rows an outer tile spans at least (codegen/triton/tiles.py: 64 bytes of float32)
 SPLITS = ("sum", "prod", "max", "min")
 ALIGN = 16
 
 
-def parts(rows: int, row: int, kept_innermost: bool) -> int:
+def parts(rows: int, row: int, kept_innermost: bool, one_level: bool = True) -> int:
     """How many chunks a row of `row` elements is cut into, `rows` rows at the example sizes;
-    `kept_innermost`: the last dim is kept (a sum over a leading dim: tiles span rows)."""
+    `kept_innermost`: the last dim is kept (a sum over a leading dim: tiles span rows);
+    `one_level`: the op is one reduction (a sum), not levels of them (a softmax)."""
     if row < SPLIT_FROM:
         return 1
     programs = max(1, rows // OUTER_ROWS) if kept_innermost else rows
-    if programs >= ENOUGH_PROGRAMS:
+    if programs >= (ENOUGH_PROGRAMS if one_level else ENOUGH_PROGRAMS_LEVELS):
         return 1
     n = 1
     while n < MOST_PARTS and programs * n < TARGET_PROGRAMS and row // (2 * n) >= LEAST_CHUNK:
@@ -61,7 +66,7 @@ def parts(rows: int, row: int, kept_innermost: bool) -> int:
 def identity(reduce_type: str, dtype: torch.dtype) -> bool | int | float:
     """The value a lane past the row holds."""
     if reduce_type in ("sum", "prod"):
-        return python(int(reduce_type == "prod"), dtype)
+        return scalar(int(reduce_type == "prod"), dtype)
     if dtype.is_floating_point:
         return float("-inf") if reduce_type == "max" else float("inf")
     if dtype == torch.bool:
@@ -70,7 +75,7 @@ def identity(reduce_type: str, dtype: torch.dtype) -> bool | int | float:
     return info.min if reduce_type == "max" else info.max
 
 
-def python(value: int, dtype: torch.dtype) -> bool | int | float:
+def scalar(value: int, dtype: torch.dtype) -> bool | int | float:
     if dtype == torch.bool:
         return bool(value)
     return float(value) if dtype.is_floating_point else value
@@ -94,7 +99,8 @@ def maybe_split(
     row = sympy.Mul(*[sympy.sympify(full_size[k]) for k in reduced])
     rows = sympy.Mul(*[sympy.sympify(full_size[k]) for k in kept])
     try:
-        n = parts(ctx.hint(rows), ctx.hint(row), bool(kept) and kept[-1] == len(full_size) - 1)
+        kept_innermost = bool(kept) and kept[-1] == len(full_size) - 1
+        n = parts(ctx.hint(rows), ctx.hint(row), kept_innermost, ctx.aten_name in ONE_LEVEL)
     except TypeError:  # a size without an example value (data-dependent)
         return None
     if n == 1:
