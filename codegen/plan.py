@@ -362,11 +362,8 @@ class ReductionPlan(RegionPlan):
         if not kept or not reduced:
             return "inner"
         x, r = space.vars[kept[-1]], space.vars[reduced[-1]]
-        reads = [a for b in self.bodies.values() for a in ir.reads(b) if not self.in_registers(a)]
-        accesses = [(a.name, a.index) for a in reads]
-        accesses += [(s, space.value_index(self.nodes[s])) for s in self.region.stores if self.is_full(s)]
         votes = {"inner": 0, "outer": 0}
-        for name, index in accesses:
+        for name, index in self.memory_accesses():
             lay = self.layout(name)
             linear = linear_coeffs(lay.offset_of(index), [x, r])
             if linear is None:
@@ -378,6 +375,16 @@ class ReductionPlan(RegionPlan):
             if walk is not None:
                 votes[walk] += hint(sympy.Mul(*lay.size), self.hints) * lay.dtype.itemsize
         return "outer" if votes["outer"] > votes["inner"] else "inner"
+
+    def narrowest(self) -> int:
+        """Bytes of the narrowest element the kernel reads or stores along its rows."""
+        return min((self.layout(name).dtype.itemsize for name, _ in self.memory_accesses()), default=4)
+
+    def memory_accesses(self) -> list[tuple[str, ir.Index]]:
+        """(buffer, index) of each read from memory and each full-row store, in canonical coordinates."""
+        reads = [a for b in self.bodies.values() for a in ir.reads(b) if not self.in_registers(a)]
+        stores = [(s, self.space.value_index(self.nodes[s])) for s in self.region.stores if self.is_full(s)]
+        return [(a.name, a.index) for a in reads] + stores
 
     def reductions_by_level(self) -> list[list[ReduceNode]]:
         """The region's reductions, one list per level, innermost level first."""

@@ -282,12 +282,6 @@ class ReductionWriter(ReductionPlan, KernelWriter):
             self.store(s)
         return self.finish_source(name, xnumel, rnumel, tiles, index_dtype, launch_blocks)
 
-    def narrowest(self) -> int:
-        """Bytes of the narrowest element the kernel reads or stores along its rows."""
-        names = [r.name for b in self.bodies.values() for r in ir.reads(b) if not self.in_registers(r)]
-        names += [s for s in self.region.stores if self.is_full(s)]
-        return min((self.layout(n).dtype.itemsize for n in names), default=4)
-
     def finish_source(self, name, xnumel, rnumel, tiles, index_dtype, launch_blocks) -> KernelSource:
         persistent = tiles.persistent
         shape = "persistent" if persistent else "looped"

@@ -260,6 +260,19 @@ def python_scalar(value: Any, dtype: torch.dtype) -> bool | int | float:
     return int(value)
 
 
+def reduction_identity(reduce: str, dtype: torch.dtype) -> bool | int | float:
+    """The value that leaves a `reduce` ("sum", "mean", "prod", "max", "min") of `dtype` values
+    unchanged: what an element that is not there (a write's untouched target, a lane past a row) holds."""
+    if reduce in ("sum", "mean", "prod"):
+        return python_scalar(int(reduce == "prod"), dtype)
+    if dtype.is_floating_point:
+        return float("-inf") if reduce == "max" else float("inf")
+    if dtype == torch.bool:
+        return reduce == "min"
+    info = torch.iinfo(dtype)
+    return info.min if reduce == "max" else info.max
+
+
 def promote(
     node_args: Sequence[Any], kind: ELEMENTWISE_TYPE_PROMOTION_KIND
 ) -> tuple[torch.dtype, torch.dtype]:

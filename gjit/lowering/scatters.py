@@ -27,6 +27,7 @@ from gjit.lowering.registry import (
     broadcast_index,
     cast,
     python_scalar,
+    reduction_identity,
     register_lowering,
 )
 
@@ -37,15 +38,6 @@ aten = torch.ops.aten
 
 ATOMIC_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
 _REDUCE = {"sum": "sum", "add": "sum", "amax": "max", "amin": "min", "mean": "mean"}
-
-
-def _identity(reduce: str, dtype: torch.dtype) -> bool | int | float:
-    if reduce in ("sum", "mean"):
-        return python_scalar(0, dtype)
-    if dtype.is_floating_point:
-        return float("-inf") if reduce == "max" else float("inf")
-    info = torch.iinfo(dtype)
-    return info.min if reduce == "max" else info.max
 
 
 def _check(reduce: str, dtype: torch.dtype) -> None:
@@ -70,7 +62,7 @@ def _combine(
         return _mean(ctx, x, space, write_fn, include_self)
     base, in_place = x, False
     if not include_self and reduce != "store":
-        identity = _identity(reduce, dtype)
+        identity = reduction_identity(reduce, dtype)
 
         def fill(idx: Index) -> ir.WriteAt:
             write = write_fn(idx)
@@ -88,7 +80,7 @@ def _float_max_min(ctx: Lowering, x: TensorValue, base: TensorValue, in_place: b
     value loses to numbers. So the atomics see no NaN (x's own are the identity, sources' skipped),
     a second pass stores the NaN sources, and a pointwise pass puts x's NaN back (include_self)."""
     dtype = ctx.out_val.dtype
-    identity = Const(dtype, _identity(reduce, dtype))
+    identity = Const(dtype, reduction_identity(reduce, dtype))
 
     def finite(value: Expr) -> Expr:
         return Op(dtype, "where", (Op(torch.bool, "isnan", (value,)), identity, value))

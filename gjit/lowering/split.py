@@ -21,11 +21,10 @@ import logging
 from typing import TYPE_CHECKING
 
 import sympy
-import torch
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
 from gjit import ir
-from gjit.lowering.registry import TensorValue, contiguous_layout
+from gjit.lowering.registry import TensorValue, contiguous_layout, reduction_identity
 
 if TYPE_CHECKING:  # the walk that calls this; it imports this module
     from gjit.lowering.graph import Lowering
@@ -61,24 +60,6 @@ def parts(rows: int, row: int, kept_innermost: bool, one_level: bool = True) -> 
     while n < MOST_PARTS and programs * n < TARGET_PROGRAMS and row // (2 * n) >= LEAST_CHUNK:
         n *= 2
     return n
-
-
-def identity(reduce_type: str, dtype: torch.dtype) -> bool | int | float:
-    """The value a lane past the row holds."""
-    if reduce_type in ("sum", "prod"):
-        return scalar(int(reduce_type == "prod"), dtype)
-    if dtype.is_floating_point:
-        return float("-inf") if reduce_type == "max" else float("inf")
-    if dtype == torch.bool:
-        return reduce_type == "min"
-    info = torch.iinfo(dtype)
-    return info.min if reduce_type == "max" else info.max
-
-
-def scalar(value: int, dtype: torch.dtype) -> bool | int | float:
-    if dtype == torch.bool:
-        return bool(value)
-    return float(value) if dtype.is_floating_point else value
 
 
 def maybe_split(
@@ -120,7 +101,7 @@ def maybe_split(
         inner = inner * size
     element = body_fn(tuple(index))
     acc = element.dtype
-    body = ir.Masked(acc, sympy.Lt(flat, row), element, identity(reduce_type, acc))
+    body = ir.Masked(acc, sympy.Lt(flat, row), element, reduction_identity(reduce_type, acc))
     partial_layout = contiguous_layout(space[:-1], acc)
     partial = ir.ReduceNode(
         f"{name}_split", partial_layout, body, ctx.node, ctx.aten_name, space, (len(space) - 1,),
