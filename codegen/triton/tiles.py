@@ -4,7 +4,8 @@ whether a row stays in registers (persistent) or is walked in chunks (looped).
 The tile follows how memory runs along a row (`ReductionPlan.walk`):
 
   inner (a row is contiguous: softmax, layer norm, a sum over the last dim):
-    persistent up to `persistent_max` elements, a tile of about 1024 elements;
+    persistent up to `persistent_max` elements, a tile of about 1024 elements (a longer row, one
+    row a program over enough warps that each thread holds 16 elements, up to 16 warps);
     longer rows one row a program, chunks of 2048 elements over 8 warps: 8 elements a thread,
     and the row's second pass (a softmax's output, a norm's) finds it in L2, not in memory;
   outer (the kept dims are contiguous: a sum over the first dim):
@@ -27,6 +28,8 @@ from gjit.config import CompileOptions
 TILE = 1024  # elements of an inner persistent tile
 LONG_ROW_CHUNK = 2048  # elements of a long row's chunk, one row a program
 LONG_ROW_WARPS = 8
+PERSISTENT_PER_THREAD = 16  # a persistent row longer than a tile: warps so each thread holds this many
+MAX_WARPS = 16
 OUTER_TILE = 512  # elements of an outer tile (4 a thread at 4 warps)
 OUTER_PROGRAMS = 512  # enough programs for about four per SM of a 132-SM card
 LEAST_RUN = 64  # bytes: the least contiguous run an outer tile's row reads
@@ -67,7 +70,8 @@ def reduction_tiles(
             return RowTiles(min(xmax, max(xblock, OUTER_TILE // rmax)), rmax, True, walk=walk)
         return RowTiles(xblock, options.rblock or rblock, False, walk=walk)
     if persistent:
-        return RowTiles(min(xmax, max(1, TILE // rmax)), rmax, True, walk=walk)
+        warps = min(MAX_WARPS, max(4, rmax // (32 * PERSISTENT_PER_THREAD)))
+        return RowTiles(min(xmax, max(1, TILE // rmax)), rmax, True, warps, walk)
     if options.rblock:
         return RowTiles(min(xmax, max(1, TILE // options.rblock)), options.rblock, False, walk=walk)
     rblock = min(LONG_ROW_CHUNK, rmax)
