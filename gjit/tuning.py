@@ -42,6 +42,7 @@ from gjit.codegen.common import KernelSource
 from gjit.codegen.share import code_text
 from gjit.fusion.regions import Region
 from gjit.runtime import interpret as interpret_libdevice
+from gjit.runtime import padded_mm
 from gjit.runtime.graph import KERNEL_PRELUDE, CompiledGraph, load_kernel, write_source
 
 log = logs.logger("tuning")
@@ -289,7 +290,7 @@ def record(
     graph_inputs: list[Any],
     sizes: tuple,
     values: dict,
-    calls: dict[Any, Callable[[tuple, dict], None]] | None = None,
+    calls: dict[Any, Callable[[Callable, tuple, dict], None]] | None = None,
 ) -> tuple[dict[str, str], dict[str, Launch]]:
     """Run `graph` once; of the kernels in `names`, (each one's same_kernel_key, the first launch
     per key whose outputs share no memory with its inputs). A launch keeps the graph's inputs it
@@ -297,7 +298,7 @@ def record(
     for gjit's in-place index writes, which write the same values each run) and copies of the
     intermediates it reads and of what it wrote (the reference a configuration is compared with).
     `calls`: ATen ops -> a function each of the wrapper's calls of that op is handed to, in
-    order, as (args, kwargs)."""
+    order, as (the function called, args, kwargs)."""
     keys: dict[str, str] = {}
     kept: dict[str, Launch] = {}
     by_name = {k.name: k for k in graph.kernels}
@@ -343,20 +344,22 @@ def record(
 
 @contextlib.contextmanager
 def aten_calls_recorded(
-    graph: CompiledGraph, calls: dict[Any, Callable[[tuple, dict], None]]
+    graph: CompiledGraph, calls: dict[Any, Callable[[Callable, tuple, dict], None]]
 ) -> Iterator[None]:
     """Within, the device wrapper's calls of the ATen ops in `calls` (the wrapper calls
-    `aten.<op>.<overload>(...)`) are handed, as (args, kwargs), to the op's function first."""
+    `aten.<op>.<overload>(...)`, or for a padded product gjit/runtime/padded_mm.py's function) are
+    handed, as (the function called, args, kwargs), to the op's function first."""
     if not calls:
         yield
         return
     namespace = inspect.unwrap(graph.call_fn(interpret=not graph.on_cuda)).__globals__
     real = namespace["aten"]
+    padded = {name: (op, namespace[name]) for op, (name, _) in padded_mm.FUNCTIONS.items() if op in calls}
 
-    def recorded(op: Any) -> Callable:
+    def recorded(op: Any, fn: Callable) -> Callable:
         def call(*args: Any, **kwargs: Any) -> Any:
-            calls[op](args, kwargs)
-            return op(*args, **kwargs)
+            calls[op](fn, args, kwargs)
+            return fn(*args, **kwargs)
 
         return call
 
@@ -366,17 +369,19 @@ def aten_calls_recorded(
 
         def __getattr__(self, overload: str) -> Any:
             op = getattr(self.packet, overload)
-            return recorded(op) if op in calls else op
+            return recorded(op, op) if op in calls else op
 
     class Ops:
         def __getattr__(self, name: str) -> Any:
             return Packet(getattr(real, name))
 
     namespace["aten"] = Ops()
+    namespace.update({name: recorded(op, fn) for name, (op, fn) in padded.items()})
     try:
         yield
     finally:
         namespace["aten"] = real
+        namespace.update({name: fn for name, (_, fn) in padded.items()})
 
 
 def storage(t: torch.Tensor) -> int:

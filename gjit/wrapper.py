@@ -21,6 +21,7 @@ from gjit.codegen.common import KernelSource
 from gjit.codegen.printer import pyexpr
 from gjit.fusion.regions import Region, Step
 from gjit.lowering.registry import to_sympy
+from gjit.runtime import attention_masks, padded_mm
 
 
 class WrapperError(RuntimeError):
@@ -110,10 +111,50 @@ class WrapperWriter:
         self.defined.add(name)
 
     def call_aten(self, node: torch.fx.Node) -> None:
+        if node.target is torch.ops.aten.scaled_dot_product_attention.default and self.boolean_mask(node):
+            return
         args = [self.arg(a) for a in node.args]
         args += [f"{k}={self.arg(v)}" for k, v in node.kwargs.items()]
-        self.lines.append(f"{node.name} = {_op_name(node.target)}({', '.join(args)})")
+        self.lines.append(f"{node.name} = {self.callee(node)}({', '.join(args)})")
         self.defined.add(node.name)
+
+    def boolean_mask(self, node: torch.fx.Node) -> bool:
+        """An attention extern with a boolean mask, called with the mask made additive
+        (gjit/runtime/attention_masks.py; once per mask), its fully masked rows zeroed; False
+        where the call stays as it is."""
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        query = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+        if not isinstance(mask, torch.fx.Node):
+            return False
+        if not attention_masks.converts(mask.meta.get("val"), query, self.device):
+            return False
+        try:  # the traced output strides, in the sizes bound so far
+            stride = ", ".join(self.sym(x) for x in node.meta["val"].stride())
+        except WrapperError:
+            return False
+        name = self.arg(mask)
+        if f"{name}_additive" not in self.defined:
+            self.lines.append(f"{name}_additive, {name}_dead = gjit_additive_mask({name}, {query.dtype})")
+            self.defined.add(f"{name}_additive")
+        additive = f"{name}_additive"
+        args = [additive if a is mask else self.arg(a) for a in node.args]
+        args += [f"{k}={additive if v is mask else self.arg(v)}" for k, v in node.kwargs.items()]
+        self.lines.append(f"{node.name} = {_op_name(node.target)}({', '.join(args)})")
+        self.lines.append(f"{node.name} = gjit_traced_layout({node.name}, {name}_dead, ({stride},))")
+        self.defined.add(node.name)
+        return True
+
+    def callee(self, node: torch.fx.Node) -> str:
+        """The function an extern calls: the ATen op, or for a product whose output rows would be
+        misaligned for the tensor cores, gjit/runtime/padded_mm.py's version of it."""
+        val = node.meta.get("val")
+        if (
+            node.target in padded_mm.FUNCTIONS
+            and isinstance(val, torch.Tensor)
+            and padded_mm.needs_padding(val.shape[-1], val.dtype, self.device)
+        ):
+            return padded_mm.FUNCTIONS[node.target][0]
+        return _op_name(node.target)
 
     def extern(self, step: ir.ExternNode) -> None:
         node = step.fx_node

@@ -38,7 +38,7 @@ class LibrarySide:
     def __init__(self, steps: list[Step], graph: CompiledGraph, call: Call):
         self.kernels = {s.name: s for s in steps if isinstance(s, Region)}
         self.externs: dict[str, tuple] = {}  # FX name -> its call's key
-        self.calls: dict[tuple, tuple] = {}  # call key -> (op, args, kwargs), the first such call
+        self.calls: dict[tuple, tuple] = {}  # call key -> (function, args, kwargs), the first such call
         self.times: dict[Any, float | None] = {}
         order: dict[Any, list[str]] = {}  # the wrapper calls each product's extern in schedule order
         for step in steps:
@@ -48,12 +48,12 @@ class LibrarySide:
         def seen(op: Any) -> Callable[[tuple, dict], None]:
             names = iter(order.get(op, []))
 
-            def on_call(args: tuple, kwargs: dict) -> None:
+            def on_call(fn: Callable, args: tuple, kwargs: dict) -> None:
                 key = call_key(op, args, kwargs)
                 name = next(names, None)
                 if name is not None:
                     self.externs[name] = key
-                self.calls.setdefault(key, (op, args, kwargs))
+                self.calls.setdefault(key, (fn, args, kwargs))  # fn: the op, or its padded call
 
             return on_call
 

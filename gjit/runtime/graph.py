@@ -26,9 +26,9 @@ from gjit.codegen.toolchain.files import import_file, write_source
 from gjit.codegen.triton.pointwise import KERNEL_PRELUDE
 from gjit.config import config
 from gjit.lowering.templates import TemplateChoice
+from gjit.runtime import attention_masks, padded_mm, prebuild
 from gjit.runtime import cuda as runtime_cuda
 from gjit.runtime import interpret as interpret_libdevice
-from gjit.runtime import prebuild
 from gjit.runtime.launch import Launcher
 from gjit.wrapper import graph_device
 
@@ -202,6 +202,9 @@ class CompiledGraph:
             "gjit_alloc": gjit_alloc,
             "gjit_alloc_poisoned": gjit_alloc_poisoned,
             "next_power_of_2": next_power_of_2,  # a looped reduction's block (not Triton's: slow)
+            **dict(padded_mm.FUNCTIONS.values()),  # products of misaligned output rows
+            "gjit_additive_mask": attention_masks.additive,  # an attention extern's boolean mask
+            "gjit_traced_layout": attention_masks.traced_layout,
             "math": math,
             **kernels,
         }

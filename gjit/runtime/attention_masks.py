@@ -1,0 +1,48 @@
+"""A boolean attention mask handed to ATen's scaled_dot_product_attention as an additive one.
+
+torch.export hands transformers' padding mask to SDPA as a bool tensor expanded from [B, 1, L, 1]
+or [1, 1, L, 1] (zero strides on the key dim). For such a mask ATen runs its math path: float32
+GEMMs, a softmax and half a dozen elementwise kernels. On an H200 (bench/sdpa_masks.py,
+2026-11-28, BERT-base's bf16 32 x 12 x 128 x 64) that took 0.282 ms a layer; the same mask as an
+additive bf16 tensor (0 where kept, -inf where not) ran cuDNN's flash kernel in 0.022 ms.
+
+The wrapper converts each such mask once per call (`additive`) and gives every attention extern
+that reads it the additive form. The math path gives zeros for a query whose every key is masked;
+a fused kernel handed -inf need not, so the output is zeroed there (`dead`), as eager's math path
+would give. The fused kernels return another layout than the math path export traced (on the H200
+cuDNN's output is [B, L, H, D] in memory, the math path's [B, H, L, D]; the program's kernels read
+the traced one: the first try, without `traced_layout`, gave BERT wrong outputs there), so the
+output is copied into the traced strides where they differ.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = (torch.float16, torch.bfloat16)  # the fused kernels' dtypes; float32 keeps eager's call
+DEVICES = {"cuda"}  # where the wrapper converts (a test adds "cpu")
+
+
+def converts(mask: object, query: object, device: torch.device) -> bool:
+    """Whether an attention extern with these example values gets the additive mask."""
+    return (
+        device.type in DEVICES
+        and isinstance(mask, torch.Tensor)
+        and mask.dtype == torch.bool
+        and isinstance(query, torch.Tensor)
+        and query.dtype in DTYPES
+    )
+
+
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(0 where `mask` keeps a score and -inf where not, in `dtype`; whether a query keeps no key)."""
+    scores = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return scores, ~mask.any(-1, keepdim=True)
+
+
+def traced_layout(out: torch.Tensor, dead: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """The attention output with the rows of queries that keep no key zeroed, in `stride` (the
+    layout export traced)."""
+    if tuple(out.stride()) != tuple(stride):
+        out = torch.empty_strided(out.shape, stride, dtype=out.dtype, device=out.device).copy_(out)
+    return out.masked_fill_(dead, 0)

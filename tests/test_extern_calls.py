@@ -1,0 +1,98 @@
+"""How the wrapper calls two externs on a GPU (gjit/runtime/padded_mm.py, attention_masks.py):
+a 16-bit product whose output rows would be misaligned for the tensor cores gets padded operands,
+and an attention extern's boolean mask is handed over as an additive one. Both are GPU-only; the
+tests add the CPU to their devices and run the calls through the interpreter against eager."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gjit
+from gjit.runtime import attention_masks, padded_mm
+from helpers import assert_same, check, run_compiled
+
+pytestmark = pytest.mark.cpu
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    monkeypatch.setattr(padded_mm, "DEVICES", {"cuda", "cpu"})
+    monkeypatch.setattr(attention_masks, "DEVICES", {"cuda", "cpu"})
+
+
+def wrapper(cm: gjit.CompiledFunction) -> str:
+    return cm.entries[0].program.graph.wrapper_source
+
+
+@pytest.mark.parametrize("rows", [padded_mm.LEAST_ROWS + 5, 3])
+@pytest.mark.parametrize("bias", [True, False])
+def test_misaligned_products_are_padded_and_match_eager(on_cpu, rows, bias):
+    lin = torch.nn.Linear(48, 300, bias=bias).requires_grad_(False)  # 600-byte rows; weights static
+    x = torch.randn(rows, 48)
+    with gjit.config.scope(matmul="aten"):
+        out, cm = run_compiled(lin.to(torch.bfloat16), x.bfloat16())
+    assert_same(out, lin(x.bfloat16()), copy.deepcopy(lin).double()(x.double()))
+    assert ("gjit_padded_addmm(" if bias else "gjit_padded_mm(") in wrapper(cm)
+
+
+def test_a_row_major_right_operand_is_padded_along_its_columns():
+    a = torch.randn(padded_mm.LEAST_ROWS, 24, dtype=torch.float16)
+    b = torch.randn(24, 257, dtype=torch.float16)  # [K, N] as it is in memory
+    bias = torch.randn(257, dtype=torch.float16)
+    out = padded_mm.addmm(bias, a, b, beta=0.5, alpha=2.0)
+    assert out.is_contiguous() and out.shape == (padded_mm.LEAST_ROWS, 257)
+    torch.testing.assert_close(out, torch.addmm(bias, a, b, beta=0.5, alpha=2.0), rtol=2e-3, atol=2e-2)
+    torch.testing.assert_close(padded_mm.mm(a, b), a @ b, rtol=2e-3, atol=2e-2)
+
+
+def test_what_is_padded():
+    cuda = torch.device("cuda")
+    assert padded_mm.needs_padding(50257, torch.float16, cuda)
+    assert not padded_mm.needs_padding(50264, torch.float16, cuda)  # aligned
+    assert not padded_mm.needs_padding(50257, torch.float32, cuda)  # IEEE SGEMM: no tensor cores
+    assert not padded_mm.needs_padding(100, torch.bfloat16, cuda)  # narrow: the copies cost more
+    assert not padded_mm.needs_padding(torch.SymInt, torch.bfloat16, cuda)  # a dynamic N
+    assert not padded_mm.needs_padding(50257, torch.float16, torch.device("cpu"))
+    assert padded_mm.padded_columns(50257, torch.bfloat16) == 50264
+
+
+def sdpa(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_boolean_masks_go_in_additive_with_fully_masked_rows_zero(on_cpu, dtype):
+    q, k, v = (torch.randn(2, 3, 8, 16, dtype=dtype) for _ in range(3))
+    mask = (torch.arange(8) < 6).view(1, 1, 8, 1).expand(2, 1, 8, 8)  # export's layout; 2 dead rows
+    with gjit.config.scope(matmul="aten"):
+        cm = check(sdpa, q, k, v, mask)
+    source = wrapper(cm)
+    assert source.count("gjit_additive_mask(") == 1 and "gjit_traced_layout(" in source
+    with gjit.config.scope(interpret=True):
+        out = cm(q, k, v, mask)
+    assert (out[:, :, 6:] == 0).all() and not out.isnan().any()
+
+
+def test_one_conversion_per_mask_and_float32_keeps_eagers_call(on_cpu):
+    q, k, v = (torch.randn(2, 2, 8, 16, dtype=torch.bfloat16) for _ in range(3))
+    mask = torch.rand(2, 1, 8, 8) > 0.3
+
+    def twice(q, k, v, mask):
+        return sdpa(q, k, v, mask) + sdpa(k, q, v, mask)
+
+    with gjit.config.scope(matmul="aten"):
+        cm = check(twice, q, k, v, mask)
+        assert wrapper(cm).count("gjit_additive_mask(") == 1
+        cm32 = check(twice, *(t.float() for t in (q, k, v)), mask)
+    assert "gjit_additive_mask(" not in wrapper(cm32)
+
+
+def test_the_output_is_copied_into_the_traced_strides():
+    out = torch.randn(2, 5, 3, 4).transpose(1, 2)  # [B, H, L, D] over [B, L, H, D] memory
+    dead = torch.tensor([False, True, False, False, False]).view(1, 1, 5, 1)
+    traced = torch.empty(2, 3, 5, 4).stride()
+    got = attention_masks.traced_layout(out.clone(), dead, traced)
+    assert got.stride() == traced
+    torch.testing.assert_close(got, out.masked_fill(dead, 0))
