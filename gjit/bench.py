@@ -4,6 +4,7 @@
     python -m gjit.bench --full               # every case and size, and the dynamic-shape replay;
                                               # on a GPU also device-filling sizes (0.5-1 GiB inputs)
     python -m gjit.bench --cases softmax gpt2 --json out.json --png out.png
+    python -m gjit.bench --device-sizes --cases sum_first softmax_vocab   # on a GPU: the large sizes only
 
 Per case: kernels gjit launches (and externs), ATen ops eager launches, kernels torch.compile
 generates; modeled bytes gjit / ideal / eager (gjit/debug/byte_model.py); cold compile time (export
@@ -370,6 +371,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", action="store_true", help="every case and size, and the dynamic replay")
     parser.add_argument("--cases", nargs="*", help="only these cases")
     parser.add_argument("--dynamic", action="store_true", help="run the dynamic-shape replay")
+    parser.add_argument(
+        "--device-sizes",
+        action="store_true",
+        help="on a GPU, only each case's device-filling size (its largest where it has none)",
+    )
     parser.add_argument("--json", default="bench_results.json", help="where to write the rows")
     parser.add_argument("--png", default="bench_results.png", help="where to draw the plot")
     opts = parser.parse_args(argv)
@@ -382,7 +388,10 @@ def main(argv: list[str] | None = None) -> int:
             torch.compile(lambda x: x + 1)(warm_up)
     rows = []
     for case in [c for c in CASES if c.name in names]:
-        sizes = case.sizes + (case.device_sizes if gpu else ()) if opts.full else case.sizes[:1]
+        if opts.device_sizes and gpu:
+            sizes = case.device_sizes or case.sizes[-1:]
+        else:
+            sizes = case.sizes + (case.device_sizes if gpu else ()) if opts.full else case.sizes[:1]
         for size in sizes:
             print(f"measuring {case.name} [{size}] ...", file=sys.stderr, flush=True)
             rows.append(measure(case, size, gpu))
