@@ -42,8 +42,8 @@ from gjit.codegen.common import KernelSource
 from gjit.codegen.share import code_text
 from gjit.fusion.regions import Region
 from gjit.runtime import interpret as interpret_libdevice
-from gjit.runtime import padded_mm
 from gjit.runtime.graph import KERNEL_PRELUDE, CompiledGraph, load_kernel, write_source
+from gjit.wrapper import PADDED_PRODUCTS
 
 log = logs.logger("tuning")
 
@@ -354,7 +354,7 @@ def aten_calls_recorded(
         return
     namespace = inspect.unwrap(graph.call_fn(interpret=not graph.on_cuda)).__globals__
     real = namespace["aten"]
-    padded = {name: (op, namespace[name]) for op, (name, _) in padded_mm.FUNCTIONS.items() if op in calls}
+    padded = {name: (op, namespace[name]) for op, name in PADDED_PRODUCTS.items() if op in calls}
 
     def recorded(op: Any, fn: Callable) -> Callable:
         def call(*args: Any, **kwargs: Any) -> Any:

@@ -21,7 +21,47 @@ from gjit.codegen.common import KernelSource
 from gjit.codegen.printer import pyexpr
 from gjit.fusion.regions import Region, Step
 from gjit.lowering.registry import to_sympy
-from gjit.runtime import attention_masks, padded_mm
+
+# Two externs the wrapper calls otherwise on a GPU; the functions are gjit/runtime/padded_mm.py's and
+# attention_masks.py's, whose docstrings hold the measurements. Tests add "cpu" to the devices.
+ALIGN_BYTES = 16  # cuBLAS's fast kernels want each output row to start on this boundary
+PAD_DTYPES = (torch.float16, torch.bfloat16)
+PAD_LEAST_COLUMNS = 256  # narrower outputs are never padded (the copies are the larger part)
+PAD_DEVICES = {"cuda"}
+PADDED_PRODUCTS = {
+    torch.ops.aten.mm.default: "gjit_padded_mm",
+    torch.ops.aten.addmm.default: "gjit_padded_addmm",
+}
+MASK_DTYPES = (torch.float16, torch.bfloat16)  # the fused attention kernels'; float32 keeps eager's call
+MASK_DEVICES = {"cuda"}
+
+
+def padded_columns(n: int, dtype: torch.dtype) -> int:
+    """N rounded up so that rows of that many elements of `dtype` start 16 bytes apart."""
+    per = max(ALIGN_BYTES // dtype.itemsize, 1)
+    return (n + per - 1) // per * per
+
+
+def pads_product(n: object, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a product's output of `n` columns (an int; a symbolic size: never) is padded."""
+    return (
+        device.type in PAD_DEVICES
+        and isinstance(n, int)
+        and dtype in PAD_DTYPES
+        and n >= PAD_LEAST_COLUMNS
+        and padded_columns(n, dtype) != n
+    )
+
+
+def converts_mask(mask: object, query: object, device: torch.device) -> bool:
+    """Whether an attention extern with these example values gets its boolean mask as an additive one."""
+    return (
+        device.type in MASK_DEVICES
+        and isinstance(mask, torch.Tensor)
+        and mask.dtype == torch.bool
+        and isinstance(query, torch.Tensor)
+        and query.dtype in MASK_DTYPES
+    )
 
 
 class WrapperError(RuntimeError):
@@ -51,6 +91,7 @@ class WrapperWriter:
         self.lines: list[str] = []
         self.bound: set[sympy.Symbol] = set()
         self.defined: set[str] = set()
+        self.masks: dict[tuple[str, torch.dtype], tuple[str, str]] = {}  # (mask, dtype) -> converted
 
     def sym(self, expr: Any) -> str:
         expr = to_sympy(expr) if not isinstance(expr, sympy.Basic) else expr
@@ -126,21 +167,22 @@ class WrapperWriter:
         query = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
         if not isinstance(mask, torch.fx.Node):
             return False
-        if not attention_masks.converts(mask.meta.get("val"), query, self.device):
+        if not converts_mask(mask.meta.get("val"), query, self.device):
             return False
         try:  # the traced output strides, in the sizes bound so far
             stride = ", ".join(self.sym(x) for x in node.meta["val"].stride())
         except WrapperError:
             return False
         name = self.arg(mask)
-        if f"{name}_additive" not in self.defined:
-            self.lines.append(f"{name}_additive, {name}_dead = gjit_additive_mask({name}, {query.dtype})")
-            self.defined.add(f"{name}_additive")
-        additive = f"{name}_additive"
+        if (name, query.dtype) not in self.masks:  # reserved names: no FX node's
+            k = len(self.masks)
+            self.masks[name, query.dtype] = (f"gjit_mask{k}", f"gjit_dead{k}")
+            self.lines.append(f"gjit_mask{k}, gjit_dead{k} = gjit_additive_mask({name}, {query.dtype})")
+        additive, dead = self.masks[name, query.dtype]
         args = [additive if a is mask else self.arg(a) for a in node.args]
         args += [f"{k}={additive if v is mask else self.arg(v)}" for k, v in node.kwargs.items()]
         self.lines.append(f"{node.name} = {_op_name(node.target)}({', '.join(args)})")
-        self.lines.append(f"{node.name} = gjit_traced_layout({node.name}, {name}_dead, ({stride},))")
+        self.lines.append(f"{node.name} = gjit_traced_layout({node.name}, {dead}, ({stride},))")
         self.defined.add(node.name)
         return True
 
@@ -149,11 +191,11 @@ class WrapperWriter:
         misaligned for the tensor cores, gjit/runtime/padded_mm.py's version of it."""
         val = node.meta.get("val")
         if (
-            node.target in padded_mm.FUNCTIONS
+            node.target in PADDED_PRODUCTS
             and isinstance(val, torch.Tensor)
-            and padded_mm.needs_padding(val.shape[-1], val.dtype, self.device)
+            and pads_product(val.shape[-1], val.dtype, self.device)
         ):
-            return padded_mm.FUNCTIONS[node.target][0]
+            return PADDED_PRODUCTS[node.target]
         return _op_name(node.target)
 
     def extern(self, step: ir.ExternNode) -> None:

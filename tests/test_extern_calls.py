@@ -8,8 +8,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import gjit
+from gjit import tuning, wrapper
 from gjit.runtime import attention_masks, padded_mm
 from helpers import assert_same, check, run_compiled
 
@@ -18,11 +20,11 @@ pytestmark = pytest.mark.cpu
 
 @pytest.fixture
 def on_cpu(monkeypatch):
-    monkeypatch.setattr(padded_mm, "DEVICES", {"cuda", "cpu"})
-    monkeypatch.setattr(attention_masks, "DEVICES", {"cuda", "cpu"})
+    monkeypatch.setattr(wrapper, "PAD_DEVICES", {"cuda", "cpu"})
+    monkeypatch.setattr(wrapper, "MASK_DEVICES", {"cuda", "cpu"})
 
 
-def wrapper(cm: gjit.CompiledFunction) -> str:
+def wrapper_source(cm: gjit.CompiledFunction) -> str:
     return cm.entries[0].program.graph.wrapper_source
 
 
@@ -34,7 +36,7 @@ def test_misaligned_products_are_padded_and_match_eager(on_cpu, rows, bias):
     with gjit.config.scope(matmul="aten"):
         out, cm = run_compiled(lin.to(torch.bfloat16), x.bfloat16())
     assert_same(out, lin(x.bfloat16()), copy.deepcopy(lin).double()(x.double()))
-    assert ("gjit_padded_addmm(" if bias else "gjit_padded_mm(") in wrapper(cm)
+    assert ("gjit_padded_addmm(" if bias else "gjit_padded_mm(") in wrapper_source(cm)
 
 
 def test_a_row_major_right_operand_is_padded_along_its_columns():
@@ -49,13 +51,33 @@ def test_a_row_major_right_operand_is_padded_along_its_columns():
 
 def test_what_is_padded():
     cuda = torch.device("cuda")
-    assert padded_mm.needs_padding(50257, torch.float16, cuda)
-    assert not padded_mm.needs_padding(50264, torch.float16, cuda)  # aligned
-    assert not padded_mm.needs_padding(50257, torch.float32, cuda)  # IEEE SGEMM: no tensor cores
-    assert not padded_mm.needs_padding(100, torch.bfloat16, cuda)  # narrow: the copies cost more
-    assert not padded_mm.needs_padding(torch.SymInt, torch.bfloat16, cuda)  # a dynamic N
-    assert not padded_mm.needs_padding(50257, torch.float16, torch.device("cpu"))
-    assert padded_mm.padded_columns(50257, torch.bfloat16) == 50264
+    dynamic = ShapeEnv().create_unbacked_symint()
+    assert wrapper.pads_product(50257, torch.float16, cuda)
+    assert not wrapper.pads_product(50264, torch.float16, cuda)  # aligned
+    assert not wrapper.pads_product(50257, torch.float32, cuda)  # IEEE SGEMM: no tensor cores
+    assert not wrapper.pads_product(100, torch.bfloat16, cuda)  # narrow: the copies cost more
+    assert not wrapper.pads_product(dynamic, torch.bfloat16, cuda)  # a dynamic N
+    assert not wrapper.pads_product(50257, torch.float16, torch.device("cpu"))
+    assert wrapper.padded_columns(50257, torch.bfloat16) == 50264
+
+
+def test_the_tuning_recorder_sees_padded_and_plain_products_in_order(on_cpu):
+    """Tuning's library side pairs each product extern with its call by the order of the calls of
+    its op: a padded call (another function name in the wrapper) must still be seen, in place."""
+    sizes = ((48, 300), (300, 264), (264, 264))
+    first, second, third = (torch.nn.Linear(i, o, bias=False).requires_grad_(False) for i, o in sizes)
+    model = torch.nn.Sequential(first, torch.nn.ReLU(), second, torch.nn.ReLU(), third).to(torch.bfloat16)
+    x = torch.randn(padded_mm.LEAST_ROWS, 48, dtype=torch.bfloat16)
+    with gjit.config.scope(matmul="aten"):
+        out, cm = run_compiled(model, x)
+    graph = cm.entries[0].program.graph
+    assert graph.wrapper_source.count("gjit_padded_mm(") == 1  # 300 columns; 264 are aligned
+    seen = []
+    calls = {torch.ops.aten.mm.default: lambda fn, args, kwargs: seen.append((fn, args[1].shape[1]))}
+    with tuning.aten_calls_recorded(graph, calls), gjit.config.scope(interpret=True):
+        again = cm(x)
+    assert [(fn is padded_mm.mm, n) for fn, n in seen] == [(True, 300), (False, 264), (False, 264)]
+    torch.testing.assert_close(again, out)
 
 
 def sdpa(q, k, v, mask):
@@ -68,7 +90,7 @@ def test_boolean_masks_go_in_additive_with_fully_masked_rows_zero(on_cpu, dtype)
     mask = (torch.arange(8) < 6).view(1, 1, 8, 1).expand(2, 1, 8, 8)  # export's layout; 2 dead rows
     with gjit.config.scope(matmul="aten"):
         cm = check(sdpa, q, k, v, mask)
-    source = wrapper(cm)
+    source = wrapper_source(cm)
     assert source.count("gjit_additive_mask(") == 1 and "gjit_traced_layout(" in source
     with gjit.config.scope(interpret=True):
         out = cm(q, k, v, mask)
@@ -84,9 +106,9 @@ def test_one_conversion_per_mask_and_float32_keeps_eagers_call(on_cpu):
 
     with gjit.config.scope(matmul="aten"):
         cm = check(twice, q, k, v, mask)
-        assert wrapper(cm).count("gjit_additive_mask(") == 1
+        assert wrapper_source(cm).count("gjit_additive_mask(") == 1
         cm32 = check(twice, *(t.float() for t in (q, k, v)), mask)
-    assert "gjit_additive_mask(" not in wrapper(cm32)
+    assert "gjit_additive_mask(" not in wrapper_source(cm32)
 
 
 def test_the_output_is_copied_into_the_traced_strides():
@@ -96,3 +118,28 @@ def test_the_output_is_copied_into_the_traced_strides():
     got = attention_masks.traced_layout(out.clone(), dead, traced)
     assert got.stride() == traced
     torch.testing.assert_close(got, out.masked_fill(dead, 0))
+
+
+def test_a_mask_shared_by_two_dtypes_is_converted_for_each(on_cpu):
+    q, k, v = (torch.randn(1, 2, 8, 16, dtype=torch.float16) for _ in range(3))
+    mask = torch.rand(1, 1, 8, 8) > 0.3
+
+    def two(q, k, v, mask):
+        low = sdpa(q, k, v, mask).float()
+        return low + sdpa(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask).float()
+
+    with gjit.config.scope(matmul="aten"):
+        cm = check(two, q, k, v, mask)
+    assert wrapper_source(cm).count("gjit_additive_mask(") == 2
+
+
+def test_the_converted_mask_takes_no_name_of_the_program(on_cpu):
+    q, k, v = (torch.randn(1, 2, 8, 16, dtype=torch.bfloat16) for _ in range(3))
+    mask = torch.rand(1, 1, 8, 8) > 0.3
+    mask_dead, mask_additive = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+
+    def named(q, k, v, mask, mask_dead, mask_additive):  # the names a converted mask could take
+        return sdpa(q, k, v, mask) * mask_dead + mask_additive
+
+    with gjit.config.scope(matmul="aten"):
+        check(named, q, k, v, mask, mask_dead, mask_additive)

@@ -45,7 +45,7 @@ class LibrarySide:
             if isinstance(step, ExternNode) and step.fx_node.target in PRODUCT_OPS:
                 order.setdefault(step.fx_node.target, []).append(step.name)
 
-        def seen(op: Any) -> Callable[[tuple, dict], None]:
+        def seen(op: Any) -> Callable[[Callable, tuple, dict], None]:
             names = iter(order.get(op, []))
 
             def on_call(fn: Callable, args: tuple, kwargs: dict) -> None:

@@ -6,10 +6,13 @@ GEMMs, a softmax and half a dozen elementwise kernels. On an H200 (bench/sdpa_ma
 2026-11-28, BERT-base's bf16 32 x 12 x 128 x 64) that took 0.282 ms a layer; the same mask as an
 additive bf16 tensor (0 where kept, -inf where not) ran cuDNN's flash kernel in 0.022 ms.
 
-The wrapper converts each such mask once per call (`additive`) and gives every attention extern
+The wrapper (`gjit.wrapper.converts_mask`) converts each such mask once per call and dtype
+(`additive`) and gives every attention extern
 that reads it the additive form. The math path gives zeros for a query whose every key is masked;
 a fused kernel handed -inf need not, so the output is zeroed there (`dead`), as eager's math path
-would give. The fused kernels return another layout than the math path export traced (on the H200
+would give. (Not quite: where such a row's query, or the keys or values, hold NaN or inf, the math
+path gives NaN in it; these rows are padding positions, and a check would cost three reductions a
+layer.) The fused kernels return another layout than the math path export traced (on the H200
 cuDNN's output is [B, L, H, D] in memory, the math path's [B, H, L, D]; the program's kernels read
 the traced one: the first try, without `traced_layout`, gave BERT wrong outputs there), so the
 output is copied into the traced strides where they differ.
@@ -18,20 +21,6 @@ output is copied into the traced strides where they differ.
 from __future__ import annotations
 
 import torch
-
-DTYPES = (torch.float16, torch.bfloat16)  # the fused kernels' dtypes; float32 keeps eager's call
-DEVICES = {"cuda"}  # where the wrapper converts (a test adds "cpu")
-
-
-def converts(mask: object, query: object, device: torch.device) -> bool:
-    """Whether an attention extern with these example values gets the additive mask."""
-    return (
-        device.type in DEVICES
-        and isinstance(mask, torch.Tensor)
-        and mask.dtype == torch.bool
-        and isinstance(query, torch.Tensor)
-        and query.dtype in DTYPES
-    )
 
 
 def additive(mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +31,11 @@ def additive(mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
 
 def traced_layout(out: torch.Tensor, dead: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
     """The attention output with the rows of queries that keep no key zeroed, in `stride` (the
-    layout export traced)."""
+    layout export traced): copied where its memory order differs, restrided where only the strides
+    of dims of size 1 do."""
     if tuple(out.stride()) != tuple(stride):
-        out = torch.empty_strided(out.shape, stride, dtype=out.dtype, device=out.device).copy_(out)
+        if all(n == 1 or a == b for n, a, b in zip(out.shape, out.stride(), stride)):
+            out = out.as_strided(out.shape, stride)
+        else:
+            out = torch.empty_strided(out.shape, stride, dtype=out.dtype, device=out.device).copy_(out)
     return out.masked_fill_(dead, 0)

@@ -202,7 +202,8 @@ class CompiledGraph:
             "gjit_alloc": gjit_alloc,
             "gjit_alloc_poisoned": gjit_alloc_poisoned,
             "next_power_of_2": next_power_of_2,  # a looped reduction's block (not Triton's: slow)
-            **dict(padded_mm.FUNCTIONS.values()),  # products of misaligned output rows
+            "gjit_padded_mm": padded_mm.mm,  # products of misaligned output rows
+            "gjit_padded_addmm": padded_mm.addmm,
             "gjit_additive_mask": attention_masks.additive,  # an attention extern's boolean mask
             "gjit_traced_layout": attention_masks.traced_layout,
             "math": math,

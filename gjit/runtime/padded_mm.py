@@ -7,7 +7,7 @@ H200, GPT-2's 4096 x 768 @ 768 x 50257 logits took 3.06 ms in that kernel agains
 aligned one (bench/models_gpu.py, 2026-11-28). torch.compile pads such products too.
 
 The wrapper calls these instead of `aten.mm` / `aten.addmm` where the output's N is static and
-misaligned (`needs_padding`): the right operand (and a bias) gets zero columns up to
+misaligned (`gjit.wrapper.pads_product`): the right operand (and a bias) gets zero columns up to
 `padded_columns`, the product runs aligned, and its first N columns are copied out to the layout
 eager returns. (Writing the product into a padded view through `out=` does not help: ATen computes
 into a contiguous buffer and copies, the same slow kernel; measured on the H200.) Products of few
@@ -20,28 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ALIGN_BYTES = 16
+from gjit.wrapper import padded_columns
+
 LEAST_ROWS = 128  # fewer output rows: ATen's own call
-LEAST_COLUMNS = 256  # narrower outputs are never padded (the copy is the larger part)
-PADDED_DTYPES = (torch.float16, torch.bfloat16)
-DEVICES = {"cuda"}  # where the wrapper pads (a test adds "cpu" to run the path in the interpreter)
-
-
-def padded_columns(n: int, dtype: torch.dtype) -> int:
-    """N rounded up so that rows of that many elements of `dtype` start 16 bytes apart."""
-    per = max(ALIGN_BYTES // dtype.itemsize, 1)
-    return (n + per - 1) // per * per
-
-
-def needs_padding(n: object, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether an output of `n` columns (an int, or a symbolic size: never) of `dtype` is padded."""
-    return (
-        device.type in DEVICES
-        and isinstance(n, int)
-        and dtype in PADDED_DTYPES
-        and n >= LEAST_COLUMNS
-        and padded_columns(n, dtype) != n
-    )
 
 
 def _padded_operand(b: torch.Tensor) -> torch.Tensor:
@@ -68,10 +49,3 @@ def addmm(
     pad = padded_columns(b.shape[1], b.dtype) - b.shape[1]
     out = torch.addmm(F.pad(bias, (0, pad)), a, _padded_operand(b), beta=beta, alpha=alpha)
     return out[:, : b.shape[1]].contiguous()
-
-
-# the ATen ops padded -> (the name the wrapper calls, the function under that name)
-FUNCTIONS = {
-    torch.ops.aten.mm.default: ("gjit_padded_mm", mm),
-    torch.ops.aten.addmm.default: ("gjit_padded_addmm", addmm),
-}
