@@ -105,12 +105,18 @@ def create_extern_elementwise(self, lib_name, lib_path, symbol, arg_list, ret_ty
 def _patch_lang_with_libdevice(patch_lang: Callable) -> Callable:
     """Wrap the interpreter's `_patch_lang(fn)`: besides `tl`, bind the `libdevice` stubs that
     `fn` sees to CUDA libdevice's externs, run by the interpreter's builder (restored after)."""
+    import triton.language
     from triton.language.extra import libdevice as stubs
     from triton.language.extra.cuda import libdevice as cuda_libdevice
     from triton.runtime import interpreter
 
     def patch(fn):
         scope = patch_lang(fn)
+        # a scalar argument as a loop bound (`range(0, rnumel, RBLOCK)`): Triton before 3.7 holds
+        # it as a 1-element array, which NumPy 2.4 no longer converts with int(); newer Tritons
+        # squeeze it, as here
+        if hasattr(scope, "set_attr"):
+            scope.set_attr(triton.language.core.tensor, "__index__", lambda t: int(t.handle.data.squeeze()))
         if any(value is stubs for value in fn.__globals__.values()):
             for name in dir(stubs):
                 member = getattr(cuda_libdevice, name, None)
