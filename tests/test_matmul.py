@@ -312,7 +312,8 @@ def test_float32_products_follow_torchs_tf32_setting(monkeypatch):
     interpreter multiplies in float32 either way), and the TF32 kernel is built for sm_90."""
     from gjit.codegen.toolchain.compile_only import compile_kernel
 
-    a, b = torch.randn(64, 96), torch.randn(96, 80)
+    # on the CPU also under GJIT_TEST_DEVICE=cuda: the first half is about a CPU compile
+    a, b = torch.randn(64, 96, device="cpu"), torch.randn(96, 80, device="cpu")
     _, on_cpu = run_compiled(torch.mm, a, b)  # eager is IEEE on the CPU whatever the setting: no guard
     assert on_cpu.entries[0].program.kernels[0].tf32 is None
     assert "TF32" not in on_cpu.entries[0].guards.format()
