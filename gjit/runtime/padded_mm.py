@@ -4,7 +4,7 @@ cuBLAS picks its fast tensor-core kernels only when each row of the output start
 boundary. A row-major output of N columns has rows N * itemsize bytes apart, so a 16-bit product
 with N not a multiple of 8 (GPT-2's vocabulary of 50257, say) runs a slow fallback kernel: on an
 H200, GPT-2's 4096 x 768 @ 768 x 50257 logits took 3.06 ms in that kernel against 0.46 ms in the
-aligned one (bench/models_gpu.py, 2026-11-28). torch.compile pads such products too.
+aligned one that torch.compile's program ran (bench/models_gpu.py, 2026-11-28).
 
 The wrapper calls these instead of `aten.mm` / `aten.addmm` where the output's N is static and
 misaligned (`gjit.wrapper.pads_product`): the right operand (and a bias) gets zero columns up to
