@@ -7,15 +7,14 @@ GEMMs, a softmax and half a dozen elementwise kernels. On an H200 (bench/sdpa_ma
 additive bf16 tensor (0 where kept, -inf where not) ran cuDNN's flash kernel in 0.022 ms.
 
 The wrapper (`gjit.wrapper.converts_mask`) converts each such mask once per call and dtype
-(`additive`) and gives every attention extern
-that reads it the additive form. The math path gives zeros for a query whose every key is masked;
-a fused kernel handed -inf need not, so the output is zeroed there (`dead`), as eager's math path
-would give. (Not quite: where such a row's query, or the keys or values, hold NaN or inf, the math
-path gives NaN in it; these rows are padding positions, and a check would cost three reductions a
-layer.) The fused kernels return another layout than the math path export traced (on the H200
-cuDNN's output is [B, L, H, D] in memory, the math path's [B, H, L, D]; the program's kernels read
-the traced one: the first try, without `traced_layout`, gave BERT wrong outputs there), so the
-output is copied into the traced strides where they differ.
+(`additive`) and gives every attention extern that reads it the additive form. The math path gives
+zeros for a query whose every key is masked; a fused kernel handed -inf need not, so the output is
+zeroed there (`dead`), as eager's math path would give. (Not quite: where such a row's query, or the
+keys or values, hold NaN or inf, the math path gives NaN in it; these rows are padding positions,
+and a check would cost three reductions a layer.) The fused kernels return another layout than the
+math path export traced (on the H200 cuDNN's output is [B, L, H, D] in memory, the math path's [B,
+H, L, D]; the program's kernels read the traced one: the first try, without `traced_layout`, gave
+BERT wrong outputs there), so the output is copied into the traced strides where they differ.
 """
 
 from __future__ import annotations

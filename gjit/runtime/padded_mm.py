@@ -25,11 +25,15 @@ from gjit.wrapper import padded_columns
 LEAST_ROWS = 128  # fewer output rows: ATen's own call
 
 
+def _extra_columns(b: torch.Tensor) -> int:
+    return padded_columns(b.shape[1], b.dtype) - b.shape[1]
+
+
 def _padded_operand(b: torch.Tensor) -> torch.Tensor:
     """The right operand [K, N] with zero columns up to `padded_columns`: a weight read transposed
     (a linear's, N x K in memory) padded along its rows, a contiguous copy; any other b along its
     columns."""
-    pad = padded_columns(b.shape[1], b.dtype) - b.shape[1]
+    pad = _extra_columns(b)
     if b.stride(0) == 1 and b.stride(1) == b.shape[0]:
         return F.pad(b.t(), (0, 0, 0, pad)).t()
     return F.pad(b, (0, pad))
@@ -46,6 +50,5 @@ def addmm(
 ) -> torch.Tensor:
     if a.shape[0] < LEAST_ROWS or bias.dim() != 1 or bias.shape[0] != b.shape[1]:
         return torch.ops.aten.addmm.default(bias, a, b, beta=beta, alpha=alpha)
-    pad = padded_columns(b.shape[1], b.dtype) - b.shape[1]
-    out = torch.addmm(F.pad(bias, (0, pad)), a, _padded_operand(b), beta=beta, alpha=alpha)
+    out = torch.addmm(F.pad(bias, (0, _extra_columns(b))), a, _padded_operand(b), beta=beta, alpha=alpha)
     return out[:, : b.shape[1]].contiguous()
