@@ -392,10 +392,11 @@ class CompiledFunction:
         cache_log.info("%s: no entry admits the call (in-memory cache miss); compiling", self._name())
         on_gpu = any(isinstance(v, torch.Tensor) and v.is_cuda for v in flat)
         tf32, target = tf32_allowed(on_gpu), card_of(flat, self.target)
-        budget = math.inf if self.mode.startswith("max-autotune") else None  # torch's word for "tune it all"
+        autotune = self.mode.startswith("max-autotune")  # torch's word for "tune it all"
         options = CompileOptions.from_config(
-            backend=self.backend, check=self.check, tf32=tf32, target=target, tune_budget=budget
-        )
+            backend=self.backend, check=self.check, tf32=tf32, target=target,
+            tune_budget=math.inf if autotune else None, measure_all_templates=autotune or None,
+        )  # fmt: skip
         if options.backend == "triton" and on_gpu:
             start_warm_up()  # Triton's first build in this process pays it: run it beside capture
         try:

@@ -34,6 +34,11 @@
                                                          the table's choice; 1 or mode="max-autotune":
                                                          no limit). What was measured is kept for every
                                                          later compile (gjit/runtime/tuning_store.py)
+    gjit.config.measure_all_templates GJIT_MEASURE_ALL_TEMPLATES=1  under auto, build and measure every
+                                                         product's template against the library in every
+                                                         mode; by default only the max-autotune modes do,
+                                                         the others measure where a template fuses a
+                                                         written-out attention (and the table's regions)
     gjit.config.rblock                GJIT_RBLOCK        chunk size of looped reductions (0: the tile table)
     gjit.config.recompile_limit       GJIT_RECOMPILE_LIMIT  entries per compiled callable; calls that
                                                          miss past it run eagerly (one warning)
@@ -223,6 +228,13 @@ class Config:
         "the share of a cold compile that tuning may take (heaviest kernels first; what is left keeps "
         "the table's configuration and choice); 1 or more, or mode max-autotune: no limit",
     )
+    measure_all_templates = _Knob(
+        "GJIT_MEASURE_ALL_TEMPLATES",
+        _env_bool("GJIT_MEASURE_ALL_TEMPLATES", False),
+        "under matmul auto, build and measure every product's template against the library in every "
+        "mode (by default only the max-autotune modes do; the others measure the templates of "
+        "written-out attention and of the table's regions, and run the library elsewhere: gjit/choice/)",
+    )
     persistent_max = _Knob(
         "GJIT_PERSISTENT_MAX",
         _env_int("GJIT_PERSISTENT_MAX", 1024),
@@ -362,6 +374,10 @@ class CompileOptions:
     # the share of the cold compile tuning may take (gjit/tuning.py's Budget); math.inf under
     # mode="max-autotune"
     tune_budget: float = 0.2
+    # under "auto", whether every product's template is built and weighed against the library
+    # (mode="max-autotune", GJIT_MEASURE_ALL_TEMPLATES), or only those gjit/choice/table.py's
+    # `worth_measuring` names
+    measure_all_templates: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

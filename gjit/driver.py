@@ -222,6 +222,9 @@ def compile_program(
     if options.matmul == "auto" and options.matmul_template and why is not None:  # the library,
         # but where the table of kernels/template_wins.py has the region
         loop_graph, steps, graph = compile_graph(gm, symbols, passes, unmeasured=why)
+    elif options.matmul == "auto" and options.matmul_template and not options.measure_all_templates:
+        # mode "default": the templates worth measuring (gjit/choice/table.py), the library elsewhere
+        loop_graph, steps, graph = compile_graph(gm, symbols, passes, unmeasured=NOT_ALL, measure=True)
     else:
         loop_graph, steps, graph = compile_graph(gm, symbols, passes, initial_templates(options))
     # measured: under "auto" each template region against the library, else the configurations
@@ -295,10 +298,12 @@ def compile_graph(
     run: Passes,
     templates: TemplateChoice | None = None,
     unmeasured: str = "",
+    measure: bool = False,
 ) -> tuple[LoopGraph, list[Step], CompiledGraph]:
     """One FX graph -> kernels + wrapper; `symbols` are the sizes the caller passes in bound.
     `templates`: which products are templates; None: the library but where the table of
-    kernels/template_wins.py has the region (gjit/choice/; `unmeasured`: why nothing is timed).
+    kernels/template_wins.py has the region (gjit/choice/; `unmeasured`: why nothing is timed),
+    and with `measure` where a template is worth measuring (`unmeasured`: why the rest are not).
     The branches of a torch.cond are compiled the same way (binding their sizes themselves)."""
     options = run.options
     # lower, attention, fuse, statistics, rows, products: ATen FX graph -> loop IR -> the schedule
@@ -306,7 +311,7 @@ def compile_graph(
         hints = size_hints(gm)
         schedule = functools.partial(schedule_graph, gm, run=run)
         loop_graph, steps, templates = table.unmeasured(
-            schedule, gm, hints, options.target, options.tf32, unmeasured
+            schedule, gm, hints, options.target, options.tf32, unmeasured, measure
         )
     else:
         loop_graph, steps = schedule_graph(gm, templates, run)
@@ -328,6 +333,13 @@ def compile_graph(
                 sub = compile_graph(branch, [], run, initial_templates(options))
             graph.subgraphs[node.target] = sub[2]
     return loop_graph, steps, graph
+
+
+# why mode "default" runs a product in the library without measuring it (gjit/choice/table.py)
+NOT_ALL = (
+    "mode default measures templates only where they fuse a written-out attention "
+    '(mode="max-autotune" or GJIT_MEASURE_ALL_TEMPLATES=1: every template)'
+)
 
 
 def initial_templates(options: CompileOptions) -> TemplateChoice:

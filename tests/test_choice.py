@@ -48,7 +48,7 @@ def timing(monkeypatch):
 
     monkeypatch.setattr(tuning, "bench", bench)
     monkeypatch.setattr(driver, "on_gpu", lambda gm: True)
-    with gjit.config.scope(tune=True, matmul="auto"):
+    with gjit.config.scope(tune=True, matmul="auto", measure_all_templates=True):
         yield timing
 
 
@@ -369,6 +369,54 @@ def test_the_matmul_setting_is_checked():
         gjit.compile(torch.mm)(torch.randn(4, 4), torch.randn(4, 4))
 
 
+def attention_and_linear(q, k, v, w):  # a written-out attention, then a product of its output
+    return bert_attention(q, k, v) @ w
+
+
+def attention_and_linear_args():
+    torch.manual_seed(0)
+    return torch.randn(2, 3, 16, 8), torch.randn(2, 3, 24, 8), torch.randn(2, 3, 24, 8), torch.randn(8, 12)
+
+
+def test_mode_default_runs_products_in_the_library_without_building_their_templates(timing):
+    """Mode "default" (gjit.config.measure_all_templates off): a product with a prologue or an
+    epilogue runs ATen's kernel, its template neither built nor timed; nothing is measured."""
+    args = mlp_args()
+    timing.rule = by_kind({"addmm": 0.1, "mm": 0.1}, {"addmm": 1.0, "mm": 1.0}, kernels=1.0)  # templates win
+    with gjit.config.scope(measure_all_templates=False):
+        out, cm = run_compiled(mlp, *args)
+    assert_mlp(out, args)
+    assert not timing.seen
+    program = cm.entries[0].program
+    assert not [k for k in program.kernels if k.name.startswith(("gjit_mm_", "gjit_attn_"))]
+    report = gjit.explain(cm, *args)
+    assert [e.op for e in report.externs] == ["aten.addmm.default", "aten.mm.default"]
+    for extern in report.externs:
+        assert "mode default measures templates only where they fuse a written-out attention" in extern.reason
+
+
+def test_mode_default_measures_a_written_out_attention_and_no_product(timing):
+    """Mode "default": the template of a written-out attention is built and weighed against the
+    library (it keeps the score matrix on chip), the product after it is the library's unmeasured."""
+    args = attention_and_linear_args()
+    timing.rule = lambda what: 0.1 if what.startswith("template") else 1.0
+    with gjit.config.scope(measure_all_templates=False):
+        out, cm = run_compiled(attention_and_linear, *args)
+    assert_same(out, attention_and_linear(*args), attention_and_linear(*(a.double() for a in args)))
+    measured = [w for w in timing.seen if w.startswith("template")]
+    assert measured and all(w.split()[2].startswith("gjit_attn_") for w in measured), timing.seen
+    assert timing.count("ATen bmm") == 2 and timing.count("ATen mm") == 0, timing.seen
+    program = cm.entries[0].program
+    assert [k.name for k in program.kernels if k.name.startswith(("gjit_mm_", "gjit_attn_"))] == [
+        "gjit_attn_fused_bmm_mul__softmax_0"
+    ]
+    report = gjit.explain(cm, *args)
+    assert [e.op for e in report.externs] == ["aten.mm.default"]
+    assert "mode default measures templates only" in report.externs[0].reason
+    (region,) = program.graph.templates.regions
+    assert region.template and region.why == "measured, float32 without TF32", region
+
+
 @pytest.mark.compile_only
 def test_gjit_aot_builds_what_the_card_runs_without_measuring(sm90):
     """gjit.aot for sm_90 compiles the call for that card: the table's entries there as templates,
@@ -388,7 +436,7 @@ def test_on_a_gpu_each_region_is_measured_and_runs_what_it_chose():
     dims = dict(device="cuda", dtype=torch.float16)
     x, w1, b1 = torch.randn(4096, 768, **dims), torch.randn(3072, 768, **dims) / 28, torch.randn(3072, **dims)
     w2, r = torch.randn(3072, 768, **dims) / 55, torch.randn(4096, 768, **dims)
-    with gjit.config.scope(matmul="auto", tune=True), torch.no_grad():
+    with gjit.config.scope(matmul="auto", tune=True, measure_all_templates=True), torch.no_grad():
         cm = gjit.compile(mlp)
         out = cm(x, w1, b1, w2, r)
     expected, reference = mlp(x, w1, b1, w2, r), mlp(*(t.double() for t in (x, w1, b1, w2, r)))

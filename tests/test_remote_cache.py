@@ -544,7 +544,7 @@ def test_a_remote_hit_keeps_the_per_region_choice_and_measures_nothing(server, t
 
     monkeypatch.setattr(tuning, "bench", bench)
     monkeypatch.setattr(driver, "on_gpu", lambda gm: True)  # measured as on a GPU
-    with gjit.config.scope(tune=True, matmul="auto"):
+    with gjit.config.scope(tune=True, matmul="auto", measure_all_templates=True):
         compile_on_a_new_machine(tmp_path, "a", server.url())
         flush(server.url())
         assert measured

@@ -32,7 +32,7 @@ def measured(monkeypatch):
 
     monkeypatch.setattr(tuning, "bench", bench)
     monkeypatch.setattr(driver, "on_gpu", lambda gm: True)
-    with gjit.config.scope(tune=True, matmul="auto"):
+    with gjit.config.scope(tune=True, matmul="auto", measure_all_templates=True):
         yield times, calls
 
 
@@ -168,7 +168,7 @@ def test_on_a_gpu_the_choice_is_measured_and_exact(dtype):
     w = torch.randn(n, n, device="cuda", dtype=dtype) / n**0.5
     b = torch.randn(n, device="cuda", dtype=dtype)
     cm = gjit.compile(linear_gelu)
-    with gjit.config.scope(tune=True, matmul="auto"):
+    with gjit.config.scope(tune=True, matmul="auto", measure_all_templates=True):
         out = cm(x, w, b)
     expected, reference = linear_gelu(x, w, b), linear_gelu(x.double(), w.double(), b.double())
     assert_same(out, expected, reference)

@@ -64,7 +64,7 @@ def measuring(monkeypatch):
     monkeypatch.setattr(tuning, "clock", lambda: measuring.clock[0])
     monkeypatch.setattr(tuning.Budget, "__init__", budget)
     monkeypatch.setattr(driver, "on_gpu", lambda gm: True)
-    with gjit.config.scope(tune=True, matmul="auto", tune_budget=0.2):
+    with gjit.config.scope(tune=True, matmul="auto", tune_budget=0.2, measure_all_templates=True):
         yield measuring
 
 
@@ -156,10 +156,13 @@ def test_the_heaviest_kernels_get_the_budget_first(measuring):
 
 
 def test_max_autotune_tries_every_configuration(measuring):
+    """Every template built and measured (as GJIT_MEASURE_ALL_TEMPLATES=1 asks in every mode), in
+    every configuration, without a budget."""
     args = mlp_args()
-    with gjit.config.scope(tune_budget=0.2):
+    with gjit.config.scope(tune_budget=0.2, measure_all_templates=False):
         out, cm = run_compiled(gjit.compile(mlp, mode="max-autotune-no-cudagraphs"), *args)
     assert_close_to_float64(out, mlp, *args)
+    assert len([k for k in cm.entries[0].program.kernels if k.name.startswith("gjit_mm_")]) == 2
     assert len(measuring.configurations()) == configs_of(cm)
     lines = tuned_lines(cm, *args)
     assert not any("over the tuning budget" in m for m in lines), lines
@@ -358,8 +361,8 @@ def test_the_driver_gives_the_budget_the_compiles_seconds_so_far(monkeypatch):
     monkeypatch.setattr(tuning.Budget, "__init__", budget)
     monkeypatch.setattr(driver, "on_gpu", lambda gm: True)
     monkeypatch.setattr(tuning, "bench", lambda fn, what: 1.0)
-    with gjit.config.scope(tune=True, matmul="auto", tune_budget=0.2):
+    with gjit.config.scope(tune=True, matmul="auto", tune_budget=0.2, measure_all_templates=True):
         _, cm = run_compiled(mlp, *mlp_args())
     timings = cm.entries[0].program.timings
-    (share, compiled), = seen
+    ((share, compiled),) = seen
     assert share == 0.2 and 0 < compiled <= sum(v for k, v in timings.items() if k != "tune")

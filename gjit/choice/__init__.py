@@ -3,14 +3,23 @@ attention region runs its template kernel (with the prologue and epilogue it fus
 kernels (cuBLAS; SDPA's flash or memory-efficient kernel) plus generated kernels for what the
 template would have fused, whichever is faster for that region at the call's sizes.
 
+Which templates are built to be measured at all depends on the mode. Under mode="max-autotune"
+(and GJIT_MEASURE_ALL_TEMPLATES=1), every product's. In the other modes, only a written-out
+attention's (`table.worth_measuring`: the library side writes and reads the score matrix there),
+with the regions the table below has; every other product runs the library's kernel without a
+template being built. On the H200 (docs/bench.md), over the six workloads of bench/models_gpu.py,
+the library won 65 of the 66 choices measured (a choice covers a model's layers alike), and the
+stage that built and timed the templates was 37-59% of each cold compile.
+
 Measured (a GPU, tuning on: `measure.measured`), within a budget (`tuning.Budget`: by default a
 fifth of the cold compile; none under mode="max-autotune"):
 
-1. The program with every product a template (the driver's first compile), run once (the call's
-   own first run: not the budget's). Each distinct template kernel (the layers of a model share
-   one: decided once), heaviest by modeled time first, is timed in the configuration the table
-   gave it, or takes the record an earlier compile kept (gjit/runtime/tuning_store.py: by kernel
-   code, size bucket, GPU and versions, on disk and in the remote cache).
+1. The program with every product a template that is to be measured (the driver's first
+   compile), run once (the call's own first run: not the budget's). Each distinct template
+   kernel (the layers of a model share one: decided once), heaviest by modeled time first, is
+   timed in the configuration the table gave it, or takes the record an earlier compile kept
+   (gjit/runtime/tuning_store.py: by kernel code, size bucket, GPU and versions, on disk and in
+   the remote cache).
 2. The program with every product an ATen extern (`library.LibrarySide`), run once, its extern
    calls of products and its kernels kept, whenever a timed template needs the library's time
    (its record has none, it is not too short to matter), past the budget too: a timed template

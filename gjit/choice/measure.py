@@ -263,7 +263,9 @@ def choose_measured(first: tuple[LoopGraph, list[Step], CompiledGraph], builder:
     side: LibrarySide | None = None
     library: tuple[LoopGraph, list[Step], CompiledGraph] | None = None
     todo = template_regions(steps)
-    templates = EVERY_TEMPLATE
+    # what may be a template at all (mode "default": gjit/choice/table.py's `unmeasured`), kept
+    # through the rounds; the per-region choices are this module's
+    initial = templates = graph.templates or EVERY_TEMPLATE
     for round_ in range(MAX_ROUNDS):
         decisions = template_decisions((loop_graph, steps, graph), todo, builder, call, first=round_ == 0)
         # the library's side, whenever a timed template needs it (a timed template without it decides
@@ -295,7 +297,7 @@ def choose_measured(first: tuple[LoopGraph, list[Step], CompiledGraph], builder:
                 lines.append(line)
                 log.info("%s", line)
         if compare:
-            templates = TemplateChoice(None, regions=tuple(chosen.values()))
+            templates = dataclasses.replace(initial, regions=tuple(chosen.values()))
         if not went_to_library:  # every region as measured: each in its configuration
             return finish(loop_graph, steps, by_signature, builder, templates, lines)
         if library is not None and all(not c.template for c in chosen.values()):

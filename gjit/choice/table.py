@@ -11,11 +11,13 @@ import sympy
 import torch
 
 from gjit.choice.regions import PRODUCT_OPS, hint, product_names, table_key, template_regions
-from gjit.fusion.regions import Step
-from gjit.ir import LoopGraph
+from gjit.fusion.regions import Region, Step
+from gjit.ir import AttentionNode, LoopGraph
 from gjit.kernels import template_wins
 from gjit.lowering.templates import RegionChoice, TemplateChoice
 from gjit.tuning import log
+
+aten = torch.ops.aten
 
 
 def may_match(node: torch.fx.Node, candidates: set, hints: dict[sympy.Symbol, int]) -> bool:
@@ -29,20 +31,42 @@ def may_match(node: torch.fx.Node, candidates: set, hints: dict[sympy.Symbol, in
     return any(dtype == tensors[0].dtype and dims <= {*sizes, 1} for dtype, sizes in candidates)
 
 
+# a written-out attention's products, and what its softmax decomposes to: a graph without
+# such a softmax is scheduled once for mode "default" (its templates are the table's)
+SCORE_PRODUCTS = (aten.bmm.default, aten.baddbmm.default, aten.mm.default)
+SOFTMAX_OPS = (aten._softmax.default, aten._safe_softmax.default, aten.amax.default)
+
+
+def worth_measuring(region: Region) -> bool:
+    """Whether mode "default" builds a region's template to weigh it against the library: where it
+    fuses a written-out attention (softmax(Q @ K^T) @ V as separate ops). The library side there
+    writes and reads the score matrix, L x S per head, where the template keeps it on chip (the
+    H200: bert's written-out attention 0.026 ms as a template, 0.102 ms as ATen's products and a
+    softmax kernel, eager 0.043). A product with a prologue or an epilogue, or an SDPA call, saves
+    at most its operands' bytes: over the six workloads of bench/models_gpu.py on the H200 the
+    library won 65 of the 66 choices measured, and the stage that built and timed the templates
+    was 37-59% of each cold compile (docs/bench.md). mode="max-autotune" measures every template."""
+    return any(isinstance(n, AttentionNode) and n.absorbed for n in region.nodes)
+
+
 def unmeasured(schedule: Callable[[TemplateChoice], tuple[LoopGraph, list[Step]]], gm: torch.fx.GraphModule,
                hints: dict[sympy.Symbol, int], capability: int | None, tf32: bool | None,
-               why: str) -> tuple[LoopGraph, list[Step], TemplateChoice]:  # fmt: skip
+               why: str, measure: bool = False) -> tuple[LoopGraph, list[Step], TemplateChoice]:  # fmt: skip
     """The schedule with each product in ATen but the regions kernels/template_wins.py's table
-    has for a card of `capability` (`why`: why nothing is measured)."""
-    default = f"the library: nothing measured ({why})"
+    has for a card of `capability` (`why`: why nothing is measured). With `measure`, the templates
+    `worth_measuring` are kept too, for gjit/choice/measure.py to weigh against the library (the
+    table's regions with them); `why` then says why the rest are not."""
+    if measure:
+        default = f"the library: {why}"
+    else:
+        default = f"the library: nothing measured ({why})"
     if capability is not None:
         default += f", and kernels/template_wins.py has no such region for sm_{capability}"
     candidates = template_wins.candidate_sizes(capability)
-    allowed = {
-        n.name
-        for n in gm.graph.nodes
-        if n.op == "call_function" and n.target in PRODUCT_OPS and may_match(n, candidates, hints)
-    }
+    products = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in PRODUCT_OPS]
+    softmax = measure and any(n.target in SOFTMAX_OPS for n in gm.graph.nodes)
+    scores = {n.name for n in products if softmax and n.target in SCORE_PRODUCTS}
+    allowed = scores | {n.name for n in products if may_match(n, candidates, hints)}
     while True:
         chosen = []
         templates = TemplateChoice(frozenset(allowed), default)
@@ -51,6 +75,8 @@ def unmeasured(schedule: Callable[[TemplateChoice], tuple[LoopGraph, list[Step]]
         for region in template_regions(steps):
             names = product_names(region)
             win = template_wins.lookup(capability, *table_key(region, hints, tf32))
+            if win is None and measure and worth_measuring(region):
+                continue  # a template to measure: the choice is measure.py's
             if win is None:
                 dropped |= set(names)
                 continue

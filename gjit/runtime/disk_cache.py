@@ -146,7 +146,8 @@ def graph_key(
     `options`: what the compile was asked for (backend, debug, block sizes...); `program`: the
     ExportedProgram (its calling convention: input and output structure, the signature);
     `shape_guards`: export's own guards (decomposition simplifies with them)."""
-    untuned = () if _tuned_on(gm) else ("tune_budget",)  # nothing measured: the budget changes nothing
+    # nothing measured: neither the budget nor what is measured changes anything
+    untuned = () if _tuned_on(gm) else ("tune_budget", "measure_all_templates")
     parts = {
         "graph": graph_text(gm),
         "call": _call_text(program),
