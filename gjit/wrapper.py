@@ -1,7 +1,8 @@
 """Wrapper codegen: the schedule -> one straight-line Python `call(args)` function.
 
 The wrapper binds size symbols from the inputs, runs externs through eager ATen, builds
-views with ATen's own view ops (zero-copy, eager's strides), allocates what kernels store
+views on the memory they view with eager's strides (one call from the traced layout where that
+memory keeps it, else ATen's own view ops), allocates what kernels store
 (poisoned in debug mode), launches kernels through Triton's launcher, and returns the
 graph's flat outputs.
 """
@@ -34,6 +35,14 @@ PADDED_PRODUCTS = {
 }
 MASK_DTYPES = (torch.float16, torch.bfloat16)  # the fused attention kernels'; float32 keeps eager's call
 MASK_DEVICES = {"cuda"}
+# externs whose result is always a new contiguous tensor (ATen's, and padded_mm's), so that a view
+# of it is built from its traced strides (`WrapperWriter.reinterpret`)
+FRESH_CONTIGUOUS = (
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+)
 
 
 def padded_columns(n: int, dtype: torch.dtype) -> int:
@@ -92,6 +101,7 @@ class WrapperWriter:
         self.bound: set[sympy.Symbol] = set()
         self.defined: set[str] = set()
         self.masks: dict[tuple[str, torch.dtype], tuple[str, str]] = {}  # (mask, dtype) -> converted
+        self.computed = graph.compute_nodes()
 
     def sym(self, expr: Any) -> str:
         expr = to_sympy(expr) if not isinstance(expr, sympy.Basic) else expr
@@ -142,6 +152,8 @@ class WrapperWriter:
         if name in self.defined or name not in self.graph.views:
             return
         view = self.graph.views[name]
+        if self.reinterpret(name):
+            return
         self.ensure(view.base)
         if view.element is None:
             self.call_aten(view.fx_node)
@@ -150,6 +162,59 @@ class WrapperWriter:
             self.call_aten(view.fx_node)
         self.lines.append(f"{name} = {view.fx_node.name}[{view.element}]")
         self.defined.add(name)
+
+    def reinterpret(self, name: str) -> bool:
+        """The view `name` as one call on the memory it views, from its traced size, strides and
+        offset (Inductor's `reinterpret_tensor`: about 1 us, where each ATen view op of the chain
+        costs 2-7 us from Python; it checks no bounds, so GJIT_DEBUG calls the checked as_strided
+        instead), where that memory's layout at the call is the traced one: a
+        graph input's (the guard checks its strides; its own storage offset is added), a buffer
+        the wrapper allocates in the traced strides, a product extern's new contiguous result.
+        False where the chain holds an op that is not a view of the same dtype (the ATen ops run)."""
+        root, base_node = name, None
+        while root in self.graph.views:
+            view = self.graph.views[root]
+            target = view.fx_node.target
+            if not isinstance(target, torch._ops.OpOverload) or not target.is_view:
+                return False
+            base_node = view.fx_node.args[0]
+            root = self.graph.aliases.get(view.base, view.base)
+        view = self.graph.views[name]
+        val = view.fx_node.meta.get("val")
+        val = val if view.element is None else val[view.element]
+        base = base_node.meta.get("val") if isinstance(base_node, torch.fx.Node) else None
+        if not isinstance(val, torch.Tensor) or not isinstance(base, torch.Tensor):
+            return False
+        if val.dtype != base.dtype or val.is_complex() or val.is_neg() or root not in self.defined:
+            return False  # (a negative view's bit, as torch's _neg_view sets it, is not in the strides)
+        if not self.traced_layout_holds(root, base_node, base):
+            return False
+        try:
+            size = ", ".join(self.sym(to_sympy(x)) for x in val.shape)
+            stride = ", ".join(self.sym(to_sympy(x)) for x in val.stride())
+            offset = self.sym(to_sympy(val.storage_offset()) - to_sympy(base.storage_offset()))
+        except WrapperError:
+            return False
+        comma = "," if val.dim() == 1 else ""
+        fn = "gjit_as_strided" if self.poison else "gjit_reinterpret"  # debug: bounds checked
+        self.lines.append(f"{name} = {fn}({root}, ({size}{comma}), ({stride}{comma}), {offset})")
+        self.defined.add(name)
+        return True
+
+    def traced_layout_holds(self, root: str, node: torch.fx.Node, traced: torch.Tensor) -> bool:
+        """Whether the value `root` (FX node `node`) is, at every call, in the strides export traced."""
+        if node.op == "placeholder":
+            return True
+        if root in self.graph.buffers:  # an extern's result
+            contiguous = traced.is_contiguous() and traced.storage_offset() == 0
+            return node.target in FRESH_CONTIGUOUS and node.name == root and contiguous
+        computed = self.computed.get(root)
+        if computed is None or isinstance(computed, ir.ScatterNode) or traced.storage_offset() != 0:
+            return False
+        lay = computed.layout
+        same = len(lay.size) == traced.dim() and lay.offset == 0
+        pairs = zip((*lay.size, *lay.stride), (*traced.shape, *traced.stride()))
+        return same and all(a == to_sympy(b) or sympy.expand(a - to_sympy(b)) == 0 for a, b in pairs)
 
     def call_aten(self, node: torch.fx.Node) -> None:
         if node.target is torch.ops.aten.scaled_dot_product_attention.default and self.boolean_mask(node):

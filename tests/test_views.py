@@ -1,6 +1,7 @@
 """Views are index expressions inside the consuming kernel, never copies: each view (or chain of
 views) feeding one pointwise op is exactly one kernel, and a view returned as an output is built
-by ATen on the same memory, with eager's strides."""
+on the same memory, with eager's strides (by ATen's view ops, or in one call from its traced
+layout where the memory it views keeps the traced one)."""
 
 from __future__ import annotations
 
@@ -448,3 +449,87 @@ def test_two_maskings_of_one_value_keep_their_fill_values():
     """Two pads of one tensor mask the same loads but fill with different values."""
     two_pads = lambda x: F.pad(x, (1, 1), value=0.0) + F.pad(x, (1, 1), value=1.0) * 3  # noqa: E731
     check(two_pads, torch.randn(8, 5), kernels=1)
+
+
+def wrapper_of(cm) -> str:
+    return cm.entries[0].program.graph.wrapper_source
+
+
+def layout(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.storage_offset()
+
+
+def test_views_of_an_input_are_built_on_its_memory_at_any_offset():
+    """A view chain of an input is one call on the input's memory (gjit_reinterpret, no ATen view
+    op), from the traced strides and the offset past the input's own start: an input at another
+    storage offset than the one compiled for gets eager's offsets too."""
+
+    def fn(x):
+        return (
+            x.t(),
+            x.view(-1)[5:],
+            x[1:, ::2],
+            x.view(7, 5).permute(1, 0)[2],
+            x.unsqueeze(0).expand(2, 5, 7),
+        )
+
+    for debug, fn_name in ((True, "gjit_as_strided"), (False, "gjit_reinterpret")):  # checked or not
+        cm = gjit.compile(fn)
+        for start in (3, 10):  # the second call: the same entry, the input further into its storage
+            x = torch.randn(60)[start : start + 35].view(5, 7)
+            eager_runs = gjit.stats()["eager_runs"]
+            with gjit.config.scope(interpret=True, debug=debug):
+                out = cm(x)
+            assert gjit.stats()["eager_runs"] == eager_runs, "the call ran eagerly"
+            for o, e in zip(out, fn(x)):
+                assert o.untyped_storage().data_ptr() == x.untyped_storage().data_ptr(), "the view was copied"
+                assert layout(o) == layout(e) and torch.equal(o, e)
+        assert len(cm.entries) == 1
+        source = wrapper_of(cm)
+        assert source.count(f"{fn_name}(x,") == 5 and "aten." not in source, source
+
+
+def test_views_of_a_products_result_are_built_from_its_traced_strides():
+    """A product extern's result is new and contiguous: the views of it are one call each."""
+
+    def fn(a, b):
+        y = a @ b
+        return y.view(-1)[2:], y.t().unsqueeze(0), y.split(3, 1)[1]
+
+    a, b = torch.randn(5, 4), torch.randn(4, 6)
+    with gjit.config.scope(matmul="aten"):
+        check(fn, a, b, kernels=0)
+        out, cm = run_compiled(gjit.compile(fn), a, b)
+    assert [(o.stride(), o.storage_offset()) for o in out] == [
+        (e.stride(), e.storage_offset()) for e in fn(a, b)
+    ]
+    source = wrapper_of(cm)
+    assert source.count("gjit_as_strided(mm,") == 3, source
+    assert "aten.view" not in source and "aten.split" not in source, source
+
+
+def test_views_that_change_the_dtype_or_read_an_attentions_result_stay_atens():
+    """A chain with a view to another dtype, or of a result whose layout the library decides (an
+    attention extern's), runs ATen's view ops."""
+    x = torch.randn(5, 8)
+    cm = check(lambda a: a.view(torch.int32).t(), x, kernels=0)
+    assert "gjit_as_strided" not in wrapper_of(cm) and "aten.view.dtype" in wrapper_of(cm)
+    q, k, v = (torch.randn(2, 3, 4, 8) for _ in range(3))
+    with gjit.config.scope(matmul="aten"):
+        cm = check(lambda q, k, v: F.scaled_dot_product_attention(q, k, v).transpose(1, 2), q, k, v)
+    assert "gjit_as_strided" not in wrapper_of(cm), wrapper_of(cm)
+
+
+def test_views_of_computed_values_are_built_on_the_buffer_the_wrapper_allocates():
+    def fn(x):
+        y = x * 2
+        return y.t(), y.view(-1)[3:], y[1:].unsqueeze(1)
+
+    x = torch.randn(5, 7)
+    check(fn, x, kernels=1)
+    out, cm = run_compiled(gjit.compile(fn), x)
+    assert [(o.stride(), o.storage_offset()) for o in out] == [
+        (e.stride(), e.storage_offset()) for e in fn(x)
+    ]
+    assert len({o.untyped_storage().data_ptr() for o in out}) == 1
+    assert wrapper_of(cm).count("gjit_as_strided(mul,") == 3, wrapper_of(cm)

@@ -58,6 +58,16 @@ def gjit_alloc(size: tuple, stride: tuple, dtype: torch.dtype, device: torch.dev
     return torch.empty_strided(size, stride, dtype=dtype, device=device)
 
 
+def as_strided(base: torch.Tensor, size: tuple, stride: tuple, offset: int) -> torch.Tensor:
+    """A strided view of `base`'s memory, `offset` elements past `base`'s own start."""
+    return base.as_strided(size, stride, base.storage_offset() + offset)
+
+
+# the same without ATen's dispatch or a bounds check: torch's C++ helper for Inductor's wrappers
+reinterpret_tensor = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+reinterpret_tensor = getattr(reinterpret_tensor, "_reinterpret_tensor", as_strided)
+
+
 def gjit_alloc_poisoned(size: tuple, stride: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Debug allocation: every element starts as NaN (floats) or a sentinel, so unwritten ones show."""
     out = torch.empty_strided(size, stride, dtype=dtype, device=device)
@@ -206,6 +216,8 @@ class CompiledGraph:
             "gjit_padded_addmm": padded_mm.addmm,
             "gjit_additive_mask": attention_masks.additive,  # an attention extern's boolean mask
             "gjit_traced_layout": attention_masks.traced_layout,
+            "gjit_reinterpret": reinterpret_tensor,  # a view from its traced layout
+            "gjit_as_strided": as_strided,  # the same, bounds checked (GJIT_DEBUG)
             "math": math,
             **kernels,
         }
