@@ -103,6 +103,28 @@ def test_the_fake_run_stops_at_data_and_later_kernels_build_at_launch(sm90, capl
     assert any("fake run stopped" in r.getMessage() for r in caplog.records)
 
 
+class Linears(torch.nn.Module):
+    """Two linears run by ATen between kernels: the wrapper views each weight with gjit_reinterpret."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = torch.nn.Linear(32, 64), torch.nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.out(torch.nn.functional.gelu(self.fc(x))).softmax(-1)
+
+
+def test_the_fake_run_goes_on_past_views_built_from_their_traced_layout(sm90):
+    """A view the wrapper builds with gjit_reinterpret (a weight's transpose for ATen's addmm) is a
+    fake tensor in the fake run too: the run reaches every kernel, none is left to build at launch."""
+    with gjit.config.scope(matmul="aten"):
+        graph, args, sizes = first_call(Linears(), torch.randn(3, 40, 32))
+    assert "gjit_reinterpret(p_fc_weight," in graph.wrapper_source
+    built = graph.prebuild(graph.call_fn(interpret=False), args, sizes)
+    assert built is not None and not built.stopped, built
+    assert [launch.name for launch in built.launches] == [k.name for k in graph.kernels]
+
+
 class Kernel:
     """Stands in for a JITFunction: records the grids it is launched with."""
 

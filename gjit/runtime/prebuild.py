@@ -164,6 +164,11 @@ def record_launches(
     overrides |= {name: Recorder("") for name in others}
     overrides |= {name: stop for name in branches}
     overrides |= {"gjit_alloc": alloc, "gjit_alloc_poisoned": alloc, "gjit_check": lambda *a: None}
+    # gjit_reinterpret makes a plain tensor on a fake tensor's storage, which the ops after it
+    # refuse ("convert all Tensors to FakeTensors"); the checked as_strided is the same view, fake
+    checked = call.__globals__.get("gjit_as_strided")
+    if checked is not None:
+        overrides["gjit_reinterpret"] = checked
     dry_run = types.FunctionType(call.__code__, {**call.__globals__, **overrides}, "dry_run")
     try:
         fakes = [fake(x) for x in inputs]
