@@ -387,15 +387,17 @@ def _aliasing(b: _Builder, flat: Sequence[Any], mutated: set[int]) -> None:
 
 def _state(b: _Builder, state: Sequence[tuple[Any, str, torch.Tensor, str]]) -> None:
     """Parameters and buffers are read live: one that was replaced must still fit the kernels.
-    The hot path is one check of every identity at once (C-level maps over the owners' dicts:
-    a 12-layer model has some 150); a new tensor is checked once, then remembered. The slow path
-    explains a miss parameter by parameter."""
+    The hot path is one check of every identity and data pointer at once (C-level maps over the
+    owners' dicts: a 12-layer model has some 150); a new tensor, or new memory under the same one
+    (`param.data = ...` keeps the object and may change the strides), is checked once, then
+    remembered. The slow path explains a miss parameter by parameter."""
     if not state:
         return
     ids = [id(getattr(owner, attr)) for owner, attr, _, _ in state]
+    pointers = [getattr(owner, attr).data_ptr() for owner, attr, _, _ in state]
     b.namespace["state_ids"] = ids
-    b.namespace["state_fits"] = functools.partial(_state_fits, ids, state)
-    b.namespace["state_same"] = _same_state(ids, state)
+    b.namespace["state_fits"] = functools.partial(_state_fits, ids, pointers, state)
+    b.namespace["state_same"] = _same_state(ids, pointers, state)
     b.guard("state_same()", "the parameters and buffers fit", "None", None, "state", True)
     b.later[-1].where = "hot"
     for k, (owner, attr, _, fqn) in enumerate(state):
@@ -407,19 +409,23 @@ def _state(b: _Builder, state: Sequence[tuple[Any, str, torch.Tensor, str]]) -> 
         b.later[-1].where = "explain"
 
 
-def _same_state(ids: list[int], state: Sequence[tuple[Any, str, torch.Tensor, str]]) -> Callable[[], bool]:
-    """Whether every parameter and buffer is the tensor last admitted (its id), or fits."""
+def _same_state(
+    ids: list[int], pointers: list[int], state: Sequence[tuple[Any, str, torch.Tensor, str]]
+) -> Callable[[], bool]:
+    """Whether every parameter and buffer is the tensor last admitted (its id) on the memory
+    last admitted (its data pointer), or fits."""
     tables = [_table(owner, attr) for owner, attr, _, _ in state]
     attrs = [attr for _, attr, _, _ in state]
-    getitem = operator.getitem
+    getitem, data_ptr = operator.getitem, torch.Tensor.data_ptr
 
     def same() -> bool:
         try:
-            if list(map(id, map(getitem, tables, attrs))) == ids:
+            held = list(map(getitem, tables, attrs))
+            if list(map(id, held)) == ids and list(map(data_ptr, held)) == pointers:
                 return True
-        except KeyError:  # one is no longer in its module's dict (a plain attribute now, say)
+        except (KeyError, TypeError, RuntimeError):  # not in its module's dict now; not a tensor
             pass
-        return all([_state_fits(ids, state, k) for k in range(len(state))])
+        return all([_state_fits(ids, pointers, state, k) for k in range(len(state))])
 
     return same
 
@@ -433,7 +439,9 @@ def _table(owner: torch.nn.Module, attr: str) -> dict:
     return {}
 
 
-def _state_fits(ids: list[int], state: Sequence[tuple[Any, str, torch.Tensor, str]], k: int) -> bool:
+def _state_fits(
+    ids: list[int], pointers: list[int], state: Sequence[tuple[Any, str, torch.Tensor, str]], k: int
+) -> bool:
     owner, attr, val, _ = state[k]
     t = getattr(owner, attr)
     ok = (
@@ -445,7 +453,7 @@ def _state_fits(ids: list[int], state: Sequence[tuple[Any, str, torch.Tensor, st
         and not (t.is_neg() or t.is_conj())
     )
     if ok:
-        ids[k] = id(t)
+        ids[k], pointers[k] = id(t), t.data_ptr()
     return ok
 
 

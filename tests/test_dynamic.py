@@ -475,6 +475,32 @@ def test_replaced_parameters_are_guarded():
     assert any(g.description.startswith("weight keeps its shape") for g in cm.entries[0].guards.guards)
 
 
+def test_parameters_given_new_memory_in_place_are_guarded():
+    """`param.data = ...` keeps the Parameter object (its id) and may change its strides: the
+    kernels, and the wrapper's views of it (gjit_reinterpret from the traced strides), would read
+    the new memory in the old layout. A weight read by a kernel, and one viewed for ATen's addmm."""
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.randn(5, 6))
+
+        def forward(self, x):
+            return x + self.p * 2
+
+    cases = ((Scaled(), torch.randn(5, 6), "auto"), (torch.nn.Linear(8, 6), torch.randn(5, 8), "aten"))
+    for model, x, matmul in cases:
+        with gjit.config.scope(matmul=matmul), torch.no_grad():
+            cm = gjit.compile(model)
+            check_call(cm, x)
+            param = next(model.parameters())
+            param.data = param.data.t().contiguous().t()  # the same values, column-major
+            check_call(cm, x)
+            param.data = param.data.contiguous()  # back: the first entry serves it
+            check_call(cm, x)
+        assert len(cm.entries) == 2
+
+
 def test_torch_cond_on_a_size():
     def f(x):
         return torch.cond(x.shape[0] > 4, lambda x: x * 2, lambda x: x - 1, (x,))
