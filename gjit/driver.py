@@ -299,12 +299,14 @@ def compile_graph(
     templates: TemplateChoice | None = None,
     unmeasured: str = "",
     measure: bool = False,
+    branch: bool = False,
 ) -> tuple[LoopGraph, list[Step], CompiledGraph]:
     """One FX graph -> kernels + wrapper; `symbols` are the sizes the caller passes in bound.
     `templates`: which products are templates; None: the library but where the table of
     kernels/template_wins.py has the region (gjit/choice/; `unmeasured`: why nothing is timed),
     and with `measure` where a template is worth measuring (`unmeasured`: why the rest are not).
-    The branches of a torch.cond are compiled the same way (binding their sizes themselves)."""
+    The branches of a torch.cond are compiled the same way (binding their sizes themselves;
+    `branch`: no guard checked their inputs)."""
     options = run.options
     # lower, attention, fuse, statistics, rows, products: ATen FX graph -> loop IR -> the schedule
     if templates is None:
@@ -318,7 +320,7 @@ def compile_graph(
     # codegen: each region -> one Triton (or CUDA C) kernel, sizes as arguments
     kernels = run("codegen", generate_kernels, steps, loop_graph, size_hints(gm), options)
     # wrapper: the schedule -> one Python call function
-    wrapper = run("wrapper", write_wrapper, loop_graph, steps, kernels, symbols, options)
+    wrapper = run("wrapper", write_wrapper, loop_graph, steps, kernels, symbols, options, not branch)
     # write: kernel and wrapper sources to the cache dir (content-addressed)
     graph = run("write", write_graph, gm, kernels, wrapper)
     graph.templates = templates
@@ -328,9 +330,9 @@ def compile_graph(
         if node.op == "get_attr" and is_cond_branch(gm, node):
             branch = getattr(gm, node.target)
             if options.matmul == "auto" and options.matmul_template:  # only one branch would be timed
-                sub = compile_graph(branch, [], run, unmeasured="a torch.cond branch")
+                sub = compile_graph(branch, [], run, unmeasured="a torch.cond branch", branch=True)
             else:
-                sub = compile_graph(branch, [], run, initial_templates(options))
+                sub = compile_graph(branch, [], run, initial_templates(options), branch=True)
             graph.subgraphs[node.target] = sub[2]
     return loop_graph, steps, graph
 
@@ -439,11 +441,14 @@ def write_wrapper(
     kernels: list[KernelSource],
     symbols: list[sympy.Symbol],
     options: CompileOptions,
+    guarded: bool = True,
 ) -> str:
+    """`guarded`: the entry's guards checked the graph's inputs (not a torch.cond branch's)."""
     by_name = {k.name: k for k in kernels}
     return WrapperWriter(
-        loop_graph, steps, by_name, poison=options.debug, input_symbols=symbols, check=options.check
-    ).generate()
+        loop_graph, steps, by_name, poison=options.debug, input_symbols=symbols, check=options.check,
+        guarded=guarded,
+    ).generate()  # fmt: skip
 
 
 def write_graph(gm: torch.fx.GraphModule, kernels: list[KernelSource], wrapper: str) -> CompiledGraph:

@@ -80,7 +80,8 @@ class WrapperError(RuntimeError):
 class WrapperWriter:
     """`WrapperWriter(...).generate()` is the wrapper's source. `input_symbols`: the size symbols
     the entry's guard binds and passes in as `sizes`; `check`: call gjit_check after each kernel
-    (GJIT_CHECK)."""
+    (GJIT_CHECK); `guarded`: the guard checked the inputs' strides (a torch.cond branch's come
+    from its parent's wrapper unchecked)."""
 
     def __init__(
         self,
@@ -90,8 +91,10 @@ class WrapperWriter:
         poison: bool,
         input_symbols: list[sympy.Symbol],
         check: bool = False,
+        guarded: bool = True,
     ):
         self.input_symbols = input_symbols
+        self.guarded = guarded  # the inputs' strides are the entry guard's (not a torch.cond branch's)
         self.check = check
         self.graph = graph
         self.steps = steps
@@ -204,7 +207,7 @@ class WrapperWriter:
     def traced_layout_holds(self, root: str, node: torch.fx.Node, traced: torch.Tensor) -> bool:
         """Whether the value `root` (FX node `node`) is, at every call, in the strides export traced."""
         if node.op == "placeholder":
-            return True
+            return self.guarded
         if root in self.graph.buffers:  # an extern's result
             contiguous = traced.is_contiguous() and traced.storage_offset() == 0
             return node.target in FRESH_CONTIGUOUS and node.name == root and contiguous

@@ -533,3 +533,27 @@ def test_views_of_computed_values_are_built_on_the_buffer_the_wrapper_allocates(
     ]
     assert len({o.untyped_storage().data_ptr() for o in out}) == 1
     assert wrapper_of(cm).count("gjit_as_strided(mul,") == 3, wrapper_of(cm)
+
+
+def test_a_torch_cond_branch_builds_the_views_of_its_operands_with_atens_ops():
+    """No guard checks what a torch.cond branch is handed (its parent's wrapper passes it on): a
+    view of a branch operand is ATen's view op, a view of the graph's input one call."""
+
+    def fn(x, w):
+        def then(x, w):
+            return x @ w.t()
+
+        def other(x, w):
+            return x @ w.t() * 2
+
+        return torch.cond(x.sum() > 0, then, other, (x, w)), w.t()
+
+    x, w = torch.randn(4, 6), torch.randn(5, 6)
+    with gjit.config.scope(matmul="aten"):
+        cm = check(fn, x, w)
+    graph = cm.entries[0].program.graph
+    assert "gjit_as_strided(w," in graph.wrapper_source, graph.wrapper_source
+    branches = [sub.wrapper_source for sub in graph.subgraphs.values()]
+    assert len(branches) == 2
+    for source in branches:
+        assert "gjit_as_strided" not in source and "aten.permute.default(w" in source, source
