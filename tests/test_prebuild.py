@@ -122,6 +122,7 @@ def test_the_fake_run_goes_on_past_views_built_from_their_traced_layout(sm90):
     assert "gjit_reinterpret(p_fc_weight," in graph.wrapper_source
     built = graph.prebuild(graph.call_fn(interpret=False), args, sizes)
     assert built is not None and not built.stopped, built
+    built.wait()  # its builds end in this test's Triton cache (a later test's predicts entries)
     assert [launch.name for launch in built.launches] == [k.name for k in graph.kernels]
 
 
