@@ -56,10 +56,7 @@ def unmeasured(schedule: Callable[[TemplateChoice], tuple[LoopGraph, list[Step]]
     has for a card of `capability` (`why`: why nothing is measured). With `measure`, the templates
     `worth_measuring` are kept too, for gjit/choice/measure.py to weigh against the library (the
     table's regions with them); `why` then says why the rest are not."""
-    if measure:
-        default = f"the library: {why}"
-    else:
-        default = f"the library: nothing measured ({why})"
+    default = f"the library: {why}" if measure else f"the library: nothing measured ({why})"
     if capability is not None:
         default += f", and kernels/template_wins.py has no such region for sm_{capability}"
     candidates = template_wins.candidate_sizes(capability)

@@ -63,9 +63,14 @@ def as_strided(base: torch.Tensor, size: tuple, stride: tuple, offset: int) -> t
     return base.as_strided(size, stride, base.storage_offset() + offset)
 
 
-# the same without ATen's dispatch or a bounds check: torch's C++ helper for Inductor's wrappers
-reinterpret_tensor = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
-reinterpret_tensor = getattr(reinterpret_tensor, "_reinterpret_tensor", as_strided)
+def _reinterpret_tensor() -> Callable:
+    """as_strided's view without ATen's dispatch or a bounds check: torch's C++ helper for
+    Inductor's wrappers (as_strided itself where this torch lacks it)."""
+    guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+    return getattr(guards, "_reinterpret_tensor", as_strided)
+
+
+reinterpret_tensor = _reinterpret_tensor()
 
 
 def gjit_alloc_poisoned(size: tuple, stride: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
