@@ -21,7 +21,7 @@ from gjit import ir
 from gjit.codegen.common import KernelSource
 from gjit.codegen.printer import pyexpr
 from gjit.fusion.regions import Region, Step
-from gjit.lowering.registry import to_sympy
+from gjit.lowering.registry import meta_layout, to_sympy
 
 # Two externs the wrapper calls otherwise on a GPU; the functions are gjit/runtime/padded_mm.py's and
 # attention_masks.py's, whose docstrings hold the measurements. Tests add "cpu" to the devices.
@@ -192,10 +192,10 @@ class WrapperWriter:
             return False  # (a negative view's bit, as torch's _neg_view sets it, is not in the strides)
         if not self.traced_layout_holds(root, base_node, base):
             return False
+        lay = meta_layout(val)
         try:
-            size = ", ".join(self.sym(to_sympy(x)) for x in val.shape)
-            stride = ", ".join(self.sym(to_sympy(x)) for x in val.stride())
-            offset = self.sym(to_sympy(val.storage_offset()) - to_sympy(base.storage_offset()))
+            size, stride = (", ".join(map(self.sym, dims)) for dims in (lay.size, lay.stride))
+            offset = self.sym(lay.offset - meta_layout(base).offset)
         except WrapperError:
             return False
         comma = "," if val.dim() == 1 else ""
@@ -212,12 +212,12 @@ class WrapperWriter:
             contiguous = traced.is_contiguous() and traced.storage_offset() == 0
             return node.target in FRESH_CONTIGUOUS and node.name == root and contiguous
         computed = self.computed.get(root)
-        if computed is None or isinstance(computed, ir.ScatterNode) or traced.storage_offset() != 0:
+        if computed is None or isinstance(computed, ir.ScatterNode):
             return False
-        lay = computed.layout
-        same = len(lay.size) == traced.dim() and lay.offset == 0
-        pairs = zip((*lay.size, *lay.stride), (*traced.shape, *traced.stride()))
-        return same and all(a == to_sympy(b) or sympy.expand(a - to_sympy(b)) == 0 for a, b in pairs)
+        lay, seen = computed.layout, meta_layout(traced)  # what gjit_alloc makes, what export traced
+        if lay.offset != 0 or seen.offset != 0 or len(lay.size) != len(seen.size):
+            return False
+        return all(map(ir.statically_known_equal, (*lay.size, *lay.stride), (*seen.size, *seen.stride)))
 
     def call_aten(self, node: torch.fx.Node) -> None:
         if node.target is torch.ops.aten.scaled_dot_product_attention.default and self.boolean_mask(node):
