@@ -425,6 +425,11 @@ def test_aliased_inputs_of_a_mutating_program():
     expected = f(expected_base[:8], expected_base[2:10])
     out, _ = run_compiled(cm, x, y, expect_eager=True)  # overlapping views: eager too
     assert torch.equal(out, expected) and torch.equal(base, expected_base)
+    guards, base = cm.entries[0].guards, torch.ones(24)
+    x, y = base[:12].view(4, 3), base[3:15].view(4, 3)
+    assert guards.check([x, y]) is None  # the hot path: one storage read per tensor
+    assert guards.failures([x, y]) == [f"x (written) shares no memory with y, got {base.data_ptr()}"]
+    assert guards.check([torch.ones(4, 3), y]) is not None  # a view is fine where nothing aliases it
 
 
 @pytest.mark.parametrize("first", [(4, 3), (1, 3)])

@@ -270,21 +270,36 @@ class CapturedProgram:
                 mutated.append((flat_out[out_index], target))
         outs = [flat_out[i] for i in self.user_output_indices]
         if mutated:
-            outs = [_as_mutated_input(o, mutated) for o in outs]
+            outs = _as_mutated_inputs(outs, mutated)
         return pytree.tree_unflatten(outs, self.out_spec)
 
 
-def _as_mutated_input(out: Any, mutated: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-    if not isinstance(out, torch.Tensor):
-        return out
-    for new, target in mutated:
-        if out is new:
-            return target
-        same_memory = out.untyped_storage().data_ptr() == new.untyped_storage().data_ptr()
-        if same_memory and new.stride() == target.stride() and out.dtype == target.dtype:
+def _as_mutated_inputs(outs: list[Any], mutated: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Any]:
+    """Each output that is a mutated input's new value as that input; one that is a view of it as
+    the same view of the input. Identity first (a static cache's every layer is one), storages
+    read once per call."""
+    targets = {id(new): target for new, target in reversed(mutated)}  # the first pair wins
+    storages: list[int] | None = None
+    found = []
+    for out in outs:
+        target = targets.get(id(out))
+        if target is None and isinstance(out, torch.Tensor):
+            if storages is None:
+                storages = [new.untyped_storage().data_ptr() for new, _ in mutated]
+            target = _as_view_of_target(out, mutated, storages)
+        found.append(out if target is None else target)
+    return found
+
+
+def _as_view_of_target(
+    out: torch.Tensor, mutated: list[tuple[torch.Tensor, torch.Tensor]], storages: list[int]
+) -> torch.Tensor | None:
+    memory = out.untyped_storage().data_ptr()
+    for (new, target), storage in zip(mutated, storages):
+        if storage == memory and new.stride() == target.stride() and out.dtype == target.dtype:
             offset = target.storage_offset() + out.storage_offset() - new.storage_offset()
             return target.as_strided(out.shape, out.stride(), offset)
-    return out
+    return None
 
 
 class _Feed:
