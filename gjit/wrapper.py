@@ -17,7 +17,7 @@ from typing import Any
 import sympy
 import torch
 
-from gjit import ir
+from gjit import ir, memory_plan
 from gjit.codegen.common import KernelSource
 from gjit.codegen.printer import pyexpr
 from gjit.fusion.regions import Region, Step
@@ -104,6 +104,8 @@ class WrapperWriter:
         self.bound: set[sympy.Symbol] = set()
         self.defined: set[str] = set()
         self.masks: dict[tuple[str, torch.dtype], tuple[str, str]] = {}  # (mask, dtype) -> converted
+        self.allocs: dict[int, str] = {}  # line -> an allocation's arguments (gjit/memory_plan.py)
+        self.fresh: set[int] = set()  # lines whose result is new memory
         self.computed = graph.compute_nodes()
 
     def sym(self, expr: Any) -> str:
@@ -224,6 +226,8 @@ class WrapperWriter:
             return
         args = [self.arg(a) for a in node.args]
         args += [f"{k}={self.arg(v)}" for k, v in node.kwargs.items()]
+        if returns_fresh(node.target):
+            self.fresh.add(len(self.lines))
         self.lines.append(f"{node.name} = {self.callee(node)}({', '.join(args)})")
         self.defined.add(node.name)
 
@@ -249,6 +253,7 @@ class WrapperWriter:
         additive, dead = self.masks[name, query.dtype]
         args = [additive if a is mask else self.arg(a) for a in node.args]
         args += [f"{k}={additive if v is mask else self.arg(v)}" for k, v in node.kwargs.items()]
+        self.fresh.add(len(self.lines))
         self.lines.append(f"{node.name} = {_op_name(node.target)}({', '.join(args)})")
         self.lines.append(f"{node.name} = gjit_traced_layout({node.name}, {dead}, ({stride},))")
         self.defined.add(node.name)
@@ -297,6 +302,7 @@ class WrapperWriter:
             stride = ", ".join(self.sym(s) for s in lay.stride)
             fn = "gjit_alloc_poisoned" if self.poison else "gjit_alloc"
             comma = "," if len(lay.size) == 1 else ""
+            self.allocs[len(self.lines)] = f"({size}{comma}), ({stride}{comma}), {lay.dtype}"
             self.lines.append(f"{name} = {fn}(({size}{comma}), ({stride}{comma}), {lay.dtype}, gjit_device)")
             self.defined.add(name)
         numel = self.sym(kernel.numel)
@@ -384,6 +390,10 @@ class WrapperWriter:
         output = next(n for n in self.graph.fx_graph.nodes if n.op == "output")
         outs = [self.arg(a) for a in output.args[0]]
         self.lines.append(f"return ({', '.join(outs)}{',' if len(outs) == 1 else ''})")
+        if not self.check:  # (the checker reads the call's locals)
+            inputs = {n.name for n in placeholders}
+            tensors = (self.defined | {name for pair in self.masks.values() for name in pair}) - inputs
+            self.lines = memory_plan.plan(self.lines, self.allocs, self.fresh, tensors, inputs, self.poison)
         kernel_names = ", ".join(k.name for k in self.kernels.values())
         header = [
             "# gjit wrapper: binds sizes, runs externs and views through ATen, launches kernels",
@@ -397,6 +407,14 @@ class WrapperWriter:
             "def call(args, sizes):",
         ]
         return "\n".join(header + [f"    {ln}" for ln in self.lines]) + "\n"
+
+
+def returns_fresh(target: Any) -> bool:
+    """Whether an ATen op's results are new memory by its schema: no view, no result that
+    aliases an argument (`Tensor(a)`, `Tensor(a!)`). Ops of other namespaces may alias anything."""
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten" or target.is_view:
+        return False
+    return all(r.alias_info is None for r in target._schema.returns)
 
 
 def _op_name(target: Any) -> str:

@@ -40,7 +40,7 @@ LAYERS = [
     ("kernels", ["gjit.kernels"]),
     ("codegen", ["gjit.codegen"]),
     ("toolchain", ["gjit.codegen.toolchain"]),
-    ("wrapper", ["gjit.wrapper"]),
+    ("wrapper", ["gjit.wrapper", "gjit.memory_plan"]),
     ("runtime", ["gjit.runtime"]),
     ("guards", ["gjit.guards"]),
     ("debug", ["gjit.debug"]),

@@ -75,7 +75,12 @@ reinterpret_tensor = _reinterpret_tensor()
 
 def gjit_alloc_poisoned(size: tuple, stride: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Debug allocation: every element starts as NaN (floats) or a sentinel, so unwritten ones show."""
-    out = torch.empty_strided(size, stride, dtype=dtype, device=device)
+    return repoison(torch.empty_strided(size, stride, dtype=dtype, device=device))
+
+
+def repoison(out: torch.Tensor) -> torch.Tensor:
+    """A dead buffer handed to a new one (gjit/memory_plan.py) poisoned again, in debug mode."""
+    dtype = out.dtype
     if dtype.is_floating_point:
         out.fill_(float("nan"))
     elif dtype == torch.bool:
@@ -216,6 +221,7 @@ class CompiledGraph:
         extra = {
             "gjit_alloc": gjit_alloc,
             "gjit_alloc_poisoned": gjit_alloc_poisoned,
+            "gjit_repoison": repoison,
             "next_power_of_2": next_power_of_2,  # a looped reduction's block (not Triton's: slow)
             "gjit_padded_mm": padded_mm.mm,  # products of misaligned output rows
             "gjit_padded_addmm": padded_mm.addmm,
