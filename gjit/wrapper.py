@@ -175,7 +175,10 @@ class WrapperWriter:
         instead), where that memory's layout at the call is the traced one: a
         graph input's (the guard checks its strides; its own storage offset is added), a buffer
         the wrapper allocates in the traced strides, a product extern's new contiguous result.
-        False where the chain holds an op that is not a view of the same dtype (the ATen ops run)."""
+        Another extern's result (its library picks the strides: SDPA's kernels, by backend) or a
+        torch.cond branch's operand is tested for its traced strides first, and where they differ
+        the chain's ATen view ops run. False where the chain holds an op that is not a view of the
+        same dtype (the ATen ops run)."""
         root, base_node = name, None
         while root in self.graph.views:
             view = self.graph.views[root]
@@ -192,19 +195,51 @@ class WrapperWriter:
             return False
         if val.dtype != base.dtype or val.is_complex() or val.is_neg() or root not in self.defined:
             return False  # (a negative view's bit, as torch's _neg_view sets it, is not in the strides)
-        if not self.traced_layout_holds(root, base_node, base):
+        holds = self.traced_layout_holds(root, base_node, base)
+        if not holds and root not in self.graph.buffers:
             return False
         lay = meta_layout(val)
         try:
             size, stride = (", ".join(map(self.sym, dims)) for dims in (lay.size, lay.stride))
             offset = self.sym(lay.offset - meta_layout(base).offset)
+            check = "" if holds else self.strides_check(root, base)
         except WrapperError:
             return False
         comma = "," if val.dim() == 1 else ""
         fn = "gjit_as_strided" if self.poison else "gjit_reinterpret"  # debug: bounds checked
-        self.lines.append(f"{name} = {fn}({root}, ({size}{comma}), ({stride}{comma}), {offset})")
+        view = f"{fn}({root}, ({size}{comma}), ({stride}{comma}), {offset})"
+        if check:
+            view = f"{view} if {check} else {self.view_ops(name)}"
+        self.lines.append(f"{name} = {view}")
         self.defined.add(name)
         return True
+
+    def strides_check(self, root: str, traced: torch.Tensor) -> str:
+        """A test that the extern result `root` has the strides export traced (dims of size 1,
+        whose strides address nothing, left out), as the library may return other strides (SDPA's
+        kernels do, by backend)."""
+        strides = [
+            self.sym(st) if not ir.statically_known_equal(n, 1) else None
+            for n, st in zip(traced.shape, traced.stride())
+        ]
+        if None not in strides:
+            return f"{root}.stride() == ({', '.join(strides)}{',' if len(strides) == 1 else ''})"
+        return (
+            " and ".join(f"{root}.stride({d}) == {st}" for d, st in enumerate(strides) if st is not None)
+            or "True"
+        )
+
+    def view_ops(self, name: str) -> str:
+        """The view `name` as ATen's view ops from its root (or a link already built), in one
+        expression."""
+        if name in self.defined or name not in self.graph.views:
+            return name
+        view = self.graph.views[name]
+        node = view.fx_node
+        args = [self.view_ops(self.graph.aliases.get(view.base, view.base)), *map(self.arg, node.args[1:])]
+        args += [f"{k}={self.arg(v)}" for k, v in node.kwargs.items()]
+        call = f"{_op_name(node.target)}({', '.join(args)})"
+        return call if view.element is None else f"{call}[{view.element}]"
 
     def traced_layout_holds(self, root: str, node: torch.fx.Node, traced: torch.Tensor) -> bool:
         """Whether the value `root` (FX node `node`) is, at every call, in the strides export traced."""

@@ -508,16 +508,19 @@ def test_views_of_a_products_result_are_built_from_its_traced_strides():
     assert "aten.view" not in source and "aten.split" not in source, source
 
 
-def test_views_that_change_the_dtype_or_read_an_attentions_result_stay_atens():
-    """A chain with a view to another dtype, or of a result whose layout the library decides (an
-    attention extern's), runs ATen's view ops."""
+def test_views_that_change_the_dtype_stay_atens_and_an_attentions_result_is_checked_first():
+    """A chain with a view to another dtype runs ATen's view ops; one of a result whose layout the
+    library decides (an attention extern's) is one call behind a test of its strides."""
     x = torch.randn(5, 8)
     cm = check(lambda a: a.view(torch.int32).t(), x, kernels=0)
-    assert "gjit_as_strided" not in wrapper_of(cm) and "aten.view.dtype" in wrapper_of(cm)
+    assert "gjit_as_strided(a," not in wrapper_of(cm) and "view = aten.view.dtype(a" in wrapper_of(cm)
     q, k, v = (torch.randn(2, 3, 4, 8) for _ in range(3))
     with gjit.config.scope(matmul="aten"):
         cm = check(lambda q, k, v: F.scaled_dot_product_attention(q, k, v).transpose(1, 2), q, k, v)
-    assert "gjit_as_strided" not in wrapper_of(cm), wrapper_of(cm)
+    source = wrapper_of(cm)
+    assert "= gjit_as_strided(scaled_dot_product_attention," in source, source
+    assert " if scaled_dot_product_attention.stride() == " in source, source
+    assert "else aten.permute.default(scaled_dot_product_attention, [0, 2, 1, 3])" in source, source
 
 
 def test_views_of_computed_values_are_built_on_the_buffer_the_wrapper_allocates():
@@ -535,9 +538,10 @@ def test_views_of_computed_values_are_built_on_the_buffer_the_wrapper_allocates(
     assert wrapper_of(cm).count("gjit_as_strided(mul,") == 3, wrapper_of(cm)
 
 
-def test_a_torch_cond_branch_builds_the_views_of_its_operands_with_atens_ops():
+def test_a_torch_cond_branch_checks_the_strides_of_its_operands_before_a_view_in_one_call():
     """No guard checks what a torch.cond branch is handed (its parent's wrapper passes it on): a
-    view of a branch operand is ATen's view op, a view of the graph's input one call."""
+    view of a branch operand is one call where the operand's strides are the traced ones, ATen's
+    view op where not; a view of the graph's input one call."""
 
     def fn(x, w):
         def then(x, w):
@@ -556,4 +560,39 @@ def test_a_torch_cond_branch_builds_the_views_of_its_operands_with_atens_ops():
     branches = [sub.wrapper_source for sub in graph.subgraphs.values()]
     assert len(branches) == 2
     for source in branches:
-        assert "gjit_as_strided" not in source and "aten.permute.default(w" in source, source
+        assert "= gjit_as_strided(w, (s21, s15), (1, s21), 0) if w.stride() == (s21, 1) else " in source, (
+            source
+        )
+        assert "aten.permute.default(w, [1, 0])" in source, source
+
+
+@torch.library.custom_op("gjit_test::column_major_copy", mutates_args=())
+def column_major_copy(x: torch.Tensor) -> torch.Tensor:
+    return x.t().contiguous().t()  # x's values in column-major strides
+
+
+@column_major_copy.register_fake
+def _(x):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)  # what export traces: row-major
+
+
+@pytest.mark.parametrize("strides_as_traced", [True, False])
+def test_views_of_an_extern_check_its_strides(strides_as_traced):
+    """A library's result may come in other strides than export traced (SDPA's, by backend): its
+    view chains are one call where the strides are the traced ones and ATen's view ops where not,
+    each as eager's view."""
+
+    def f(x):
+        q = x.view(1, 1, *x.shape)
+        y = F.scaled_dot_product_attention(q, q, q)[0, 0] if strides_as_traced else column_major_copy(x)
+        return y.t()[1:].unsqueeze(0), y[2:].t()
+
+    cm, x = gjit.compile(f), torch.randn(5, 5)
+    with gjit.config.scope(matmul="aten"):  # attention as ATen's SDPA
+        run_compiled(cm, torch.randn(5, 5))
+        out, _ = run_compiled(cm, x)
+    for got, want in zip(out, f(x)):
+        torch.testing.assert_close(got, want)
+        assert got.stride() == want.stride() and got.storage_offset() == want.storage_offset()
+    root = "scaled_dot_product_attention" if strides_as_traced else "column_major_copy"
+    assert f" if {root}.stride(" in cm.entries[0].program.graph.wrapper_source
