@@ -215,19 +215,11 @@ class WrapperWriter:
         return True
 
     def strides_check(self, root: str, traced: torch.Tensor) -> str:
-        """A test that the extern result `root` has the strides export traced (dims of size 1,
-        whose strides address nothing, left out), as the library may return other strides (SDPA's
-        kernels do, by backend)."""
-        strides = [
-            self.sym(st) if not ir.statically_known_equal(n, 1) else None
-            for n, st in zip(traced.shape, traced.stride())
-        ]
-        if None not in strides:
-            return f"{root}.stride() == ({', '.join(strides)}{',' if len(strides) == 1 else ''})"
-        return (
-            " and ".join(f"{root}.stride({d}) == {st}" for d, st in enumerate(strides) if st is not None)
-            or "True"
-        )
+        """A test that the extern result `root` has the strides export traced, as the library
+        may return other strides (SDPA's kernels do, by backend). Size-1 dims too: their strides
+        address nothing, but eager's views carry them."""
+        strides = [self.sym(st) for st in traced.stride()]
+        return f"{root}.stride() == ({', '.join(strides)}{',' if len(strides) == 1 else ''})"
 
     def view_ops(self, name: str) -> str:
         """The view `name` as ATen's view ops from its root (or a link already built), in one
@@ -444,10 +436,21 @@ class WrapperWriter:
         return "\n".join(header + [f"    {ln}" for ln in self.lines]) + "\n"
 
 
+# externs whose results are new memory (the memory plan's): not every op whose schema says so,
+# since some return their argument itself (aten.dequantize.self of a float tensor, _unsafe_view)
+FRESH_RESULTS = (
+    *FRESH_CONTIGUOUS,
+    torch.ops.aten.scaled_dot_product_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten.convolution.default,
+)
+
+
 def returns_fresh(target: Any) -> bool:
-    """Whether an ATen op's results are new memory by its schema: no view, no result that
-    aliases an argument (`Tensor(a)`, `Tensor(a!)`). Ops of other namespaces may alias anything."""
-    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten" or target.is_view:
+    """Whether an extern's results are new memory: one of FRESH_RESULTS, an op whose schema
+    also returns no alias of an argument."""
+    if target not in FRESH_RESULTS:
         return False
     return all(r.alias_info is None for r in target._schema.returns)
 

@@ -192,3 +192,17 @@ def test_a_view_read_by_a_later_extern_keeps_its_buffer():
     last = next(k for k, line in enumerate(lines) if line.startswith("mm_1 = aten.mm.default(permute"))
     assert "gjit_repoison(mul)" not in "\n".join(lines[view:last]), lines
     assert "del permute, mul" in lines[last + 1], lines
+
+
+def test_an_extern_that_returns_its_argument_keeps_the_argument_alive():
+    """Some ATen ops return their argument itself though their schema promises new memory
+    (dequantize of a float tensor): only known products and attention count as new memory."""
+
+    def f(x, w):
+        a = torch.relu(x)
+        b = torch.dequantize(a)
+        c = torch.exp(x + b.mean())
+        return c @ w + b
+
+    with gjit.config.scope(matmul="aten"):
+        check(gjit.compile(f, dynamic=False), torch.randn(8, 8), torch.randn(8, 8))

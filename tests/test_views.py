@@ -596,3 +596,25 @@ def test_views_of_an_extern_check_its_strides(strides_as_traced):
         assert got.stride() == want.stride() and got.storage_offset() == want.storage_offset()
     root = "scaled_dot_product_attention" if strides_as_traced else "column_major_copy"
     assert f" if {root}.stride(" in cm.entries[0].program.graph.wrapper_source
+
+
+@torch.library.custom_op("gjit_test::odd_unit_stride", mutates_args=())
+def odd_unit_stride(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_strided((4, 1, 6), (6, 1, 1))
+    return out.copy_(x.view(4, 1, 6))
+
+
+@odd_unit_stride.register_fake
+def _(x):
+    return x.new_empty((4, 1, 6))  # traced strides (6, 6, 1)
+
+
+def test_views_of_an_extern_keep_eagers_strides_on_size_1_dims():
+    def f(x):
+        return odd_unit_stride(x * 2).transpose(0, 1)
+
+    with gjit.config.scope(matmul="aten"):
+        x = torch.randn(4, 6)
+        out, _ = run_compiled(gjit.compile(f, dynamic=False), x)
+    torch.testing.assert_close(out, f(x))
+    assert out.stride() == f(x).stride()
