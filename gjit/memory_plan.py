@@ -6,12 +6,13 @@ wrapper's call lives until the call ends (its peak memory is the sum of them), a
 is a new allocator call from Python (2-5 us each; a GPT-2 decode step allocates 85). The writer
 (gjit/wrapper.py) hands over its lines, which of them allocate (with the allocation's arguments
 as text: the same text is the same size, strides and dtype within one call, since a size symbol
-is bound once) and which call an op whose result is new memory. The plan then reads every
+is bound once) and which call an extern whose result is new memory. The plan then reads every
 statement's names and:
 
 1. groups the names that may share memory: a statement that is neither an allocation nor a
-   fresh op may alias what it defines with every name it mentions (a view, `index_put_`, a
-   getitem, a branch's call); a kernel launch defines nothing;
+   call the writer knows returns new memory (a product's, attention's) may alias what it defines
+   with every name it mentions (a view, `index_put_`, a getitem, a branch's call, an op that
+   returns its argument though its schema says otherwise); a kernel launch defines nothing;
 2. a group dies after the last statement that mentions one of its names. A group whose memory is
    one allocation of the wrapper, with no graph input and no output in it, goes to a pool keyed
    by that allocation's arguments; a later allocation of the same key takes it
