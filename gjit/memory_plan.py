@@ -81,7 +81,12 @@ def plan(
             and sum(m in roots for m in mine) == 1
         )
 
-    taken = _reuses(statements, roots, death, group, reusable)  # statement index -> dead buffer
+    pooled = {name for name in roots if reusable(name)}
+    dies: dict[int, list[str]] = {}  # statement index -> the pooled buffers whose group dies there
+    for name in roots:  # in the order of their allocations
+        if name in pooled:
+            dies.setdefault(death[group(name)], []).append(name)
+    taken = _reuses(statements, roots, dies)  # statement index -> the dead buffer it takes
     given = set(taken.values())
     out: list[str] = []
     for i, s in enumerate(statements):
@@ -93,12 +98,9 @@ def plan(
             out.extend(s.lines)
         gone = []
         for name in sorted(n for n in s.mentions & defined if last.get(n) == i and n not in inputs):
-            if name in roots and reusable(name):
-                continue  # deleted with its group (below), or when an allocation takes it
-            gone.append(name)
-        for name in sorted(roots):
-            if reusable(name) and death[group(name)] == i and name not in given:
+            if name not in pooled:  # a pooled one goes with its group (below), or when taken
                 gone.append(name)
+        gone += sorted(name for name in dies.get(i, []) if name not in given)
         if gone and i < end:
             out.append(f"del {', '.join(gone)}")
     return out
@@ -141,14 +143,10 @@ def _groups(statements: list[_Statement], known: set[str]):
 
 
 def _reuses(
-    statements: list[_Statement], roots: dict[str, str], death: dict[str, int], group, reusable
+    statements: list[_Statement], roots: dict[str, str], dies: dict[int, list[str]]
 ) -> dict[int, str]:
     """Statement index of an allocation -> the dead buffer whose memory it takes."""
     pool: dict[str, list[str]] = {}
-    dies: dict[int, list[str]] = {}
-    for name in roots:
-        if reusable(name):
-            dies.setdefault(death[group(name)], []).append(name)
     taken: dict[int, str] = {}
     for i, s in enumerate(statements):
         if s.alloc is not None and pool.get(s.alloc):
