@@ -40,7 +40,7 @@ from gjit.lowering.graph import lower_graph
 from gjit.lowering.registry import EXTERN_REASONS, LOWERINGS, size_reason
 from gjit.lowering.templates import EVERY_TEMPLATE, NO_TEMPLATES, TemplateChoice
 from gjit.runtime import disk_cache as cache
-from gjit.runtime import program_store
+from gjit.runtime import early_builds, program_store
 from gjit.runtime.graph import CompiledGraph
 from gjit.stats import timed
 from gjit.wrapper import WrapperWriter, graph_device
@@ -430,7 +430,19 @@ def generate_kernels(
     regions = [s for s in steps if isinstance(s, Region)]
     for r in regions:
         fusion_log.info("region: %s (stores %s)", ", ".join(n.name for n in r.inlined + r.nodes), r.stores)
-    kernels = [generate_kernel(r, loop_graph, hints, k, options) for k, r in enumerate(regions)]
+    early = early_builds.start(loop_graph, hints)  # on a GPU: each kernel's build starts now
+    kernels = []
+    try:
+        for k, r in enumerate(regions):
+            kernels.append(generate_kernel(r, loop_graph, hints, k, options))
+            if early is not None:
+                early.add(kernels[-1])
+    except BaseException:
+        if early is not None:
+            early.close(cancel=True)  # nothing will launch them
+        raise
+    if early is not None:
+        early.close()
     share_code(kernels)  # a layer whose kernel is an earlier layer's code launches that one
     return kernels
 

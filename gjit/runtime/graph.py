@@ -137,6 +137,13 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def write_kernel(kernel: KernelSource) -> str:
+    """`kernel`'s file in the cache dir (content-addressed: the same source, the same path)."""
+    if kernel.backend == "cuda":
+        return write_source("kernels", kernel.name, runtime_cuda.kernel_file_text(kernel), ".cu")
+    return write_source("kernels", kernel.name, KERNEL_PRELUDE + kernel.source)
+
+
 def load_kernel(path: str, name: str, interpret: bool) -> Any:
     key = (path, interpret)
     with LOAD_LOCK:
@@ -175,14 +182,8 @@ class CompiledGraph:
     _check_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def write(self) -> None:
-        for k in self.kernels:
-            if k.code_of is not None:  # another region's code: that kernel's file (first in the list)
-                path = self.kernel_paths[k.code_of]
-            elif k.backend == "cuda":
-                path = write_source("kernels", k.name, runtime_cuda.kernel_file_text(k), ".cu")
-            else:
-                path = write_source("kernels", k.name, KERNEL_PRELUDE + k.source)
-            self.kernel_paths[k.name] = path
+        for k in self.kernels:  # a region with another's code: that kernel's file (first in the list)
+            self.kernel_paths[k.name] = write_kernel(k) if k.code_of is None else self.kernel_paths[k.code_of]
         self.wrapper_path = write_source("wrappers", "wrapper", self.wrapper_source)
 
     def call_fn(self, interpret: bool) -> Callable:

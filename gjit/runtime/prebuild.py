@@ -264,6 +264,9 @@ MAX_WORKERS = 32  # as Inductor's compile workers: more cost memory and forks fo
 _warned = False  # a failure is a warning once per process, then info
 _off = ""  # why prebuilds are off for the rest of the process ('' while they are on)
 _pending: set[concurrent.futures.Future] = set()  # builds not done: cancelled when the process exits
+# the builds in workers not done yet, by their entry in Triton's cache: a prebuild that finds its
+# specialization there (an early build, gjit/runtime/early_builds.py) waits for it, not builds it again
+_building: dict[tuple[str, str], concurrent.futures.Future] = {}
 _no_workers = ""  # why no build worker can start in this process ('' while they can)
 _entry_names_wrong = False  # a worker's build was not where entry_name said: names are not used
 _NOTED: set[str] = set()  # why prebuilds are not done, each said once
@@ -275,6 +278,7 @@ def _after_fork_in_child() -> None:
     global _HOOK_LOCK
     _HOOK_LOCK = threading.Lock()
     _pending.clear()
+    _building.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -322,6 +326,16 @@ def _cancel_pending() -> None:
 getattr(threading, "_register_atexit", atexit.register)(_cancel_pending)
 
 
+def unavailable() -> str:
+    """Why no kernel is built before its launch in this process ('' when they are)."""
+    return _off or _missing_from_triton()
+
+
+def is_building(entry: tuple[str, str]) -> bool:
+    """Whether a worker is building the specialization of Triton's cache entry `entry`."""
+    return entry in _building
+
+
 def start(
     call: Callable,
     kernels: dict[str, Any],
@@ -337,7 +351,7 @@ def start(
     file; `others`: the CUDA C kernels' names; `branches`: the torch.cond branch runners'. None
     when there is nothing to build in parallel or nothing to share."""
     workers = min(config.compile_workers if workers is None else workers, MAX_WORKERS)
-    missing = _off or _missing_from_triton()
+    missing = unavailable()
     if missing:
         if missing not in _NOTED:
             _NOTED.add(missing)
@@ -359,25 +373,31 @@ def start(
         for b in todo
         if remote is not None and b.entry and triton_binaries.fetch(remote, *b.entry, b.target)
     ]
-    todo = [b for b in todo if b not in fetched]
+    # a build a worker is already making (an early build of this compile): waited for, not repeated
+    building = [(b, _building.get(b.entry)) if b.entry and b not in fetched else (b, None) for b in todo]
+    joined = [(b, future) for b, future in building if future is not None]
+    todo = [b for b in todo if b not in fetched and all(b is not j for j, _ in joined)]
     # in parallel; or one build, in a worker still when a remote cache is there to share its binary
     wanted = todo and ((parallel and len(todo) >= 2) or remote is not None)
     futures = _submit(todo, paths, max(1, min(workers, len(todo))), remote) if wanted else {}
+    stats.count("kernels_prebuilt", sum(map(len, futures.values())))
+    for b, future in joined:
+        futures.setdefault(id(b.kernel), []).append(future)
     namespace = call.__globals__
     for name in paths:
         kernel, launched = kernels[name], namespace.get(name)
         # the kernel or its pre-bound launcher (gjit/runtime/launch.py), not while tuning wraps it
         if id(kernel) in futures and (launched is kernel or getattr(launched, "fn", None) is kernel):
             namespace[name] = Awaiting(launched, futures[id(kernel)], namespace, name)
-    stats.count("kernels_prebuilt", sum(map(len, futures.values())))
     log.info(
         "gjit: %d kernel launch(es), %d specialization(s): %d in Triton's cache, %d from the remote cache, "
-        "%d building in %d worker(s)",
+        "%d already building, %d building in %d worker(s)",
         len(launches),
         len(builds),
         sum(b.cached for b in builds),
         len(fetched),
-        sum(map(len, futures.values())),
+        len(joined),
+        sum(map(len, futures.values())) - len(joined),
         workers,
     )
     return Prebuild(launches, builds, stopped, futures, fetched)
@@ -390,35 +410,64 @@ def _submit(
     with a big template at the end while the others idle: tiny Llama's first launches were ready
     in 1.52 s this way, 1.67 s in launch order, on 2 workers): id(kernel) -> its builds' futures.
     Nothing when no worker can start."""
-    global _no_workers
     futures: dict[int, list[concurrent.futures.Future]] = {}
+    pool = open_pool(workers)
+    if pool is None:
+        return {}
+    for b in sorted(todo, key=lambda b: -len(b.kernel.src)):
+        future = submit(pool, b, paths[b.name], remote)
+        if future is None:
+            break
+        futures.setdefault(id(b.kernel), []).append(future)
+    pool.shutdown(wait=False)  # the queued builds still run; the workers exit after them
+    return futures
+
+
+def open_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor | None:
+    """`workers` build processes (forked at the first `submit`), or None where none can start
+    (said once; the remote cache's binaries still serve). The caller shuts it down, without
+    waiting, once everything is submitted."""
+    global _no_workers
+    if _no_workers or _off:
+        return None
     try:
         pool = build_pool(workers, spawn=False)
     except Exception as e:  # noqa: BLE001 - no process can start: the launches build
         _turn_off(f"no build worker could start ({type(e).__name__}: {e})")
         note_failure("starting build workers", e)
-        return {}
-    if pool is None:  # the remote cache's binaries still serve
+        return None
+    if pool is None:
         _no_workers = "no fork here, or a daemonic process"
         log.info("gjit: kernels build at their launch: build workers cannot start (%s)", _no_workers)
-        return {}
+        return None
     finish_warm_up()  # Triton's one-time hashing, once, inherited by every worker
+    return pool
+
+
+def submit(
+    pool: concurrent.futures.ProcessPoolExecutor,
+    b: Build,
+    path: str,
+    remote: remote_cache.RemoteCache | None,
+) -> concurrent.futures.Future | None:
+    """The build `b` (of the kernel in `path`) handed to `pool`: its future, counted by the progress
+    line, cancelled at exit if not started, shared with the remote cache when done; None when the
+    pool could not start (prebuilds are then off in this process)."""
     try:
         with quiet_forks():  # the workers fork at the first submit
-            for b in sorted(todo, key=lambda b: -len(b.kernel.src)):
-                future = pool.submit(build_one, paths[b.name], b.kernel.fn.__name__, b.data, b.target)
-                progress.building(1)
-                future.add_done_callback(_progress_built)
-                _pending.add(future)
-                future.add_done_callback(_pending.discard)
-                if b.entry is not None:
-                    future.add_done_callback(functools.partial(_built, remote, b.entry))
-                futures.setdefault(id(b.kernel), []).append(future)
+            future = pool.submit(build_one, path, b.kernel.fn.__name__, b.data, b.target)
     except Exception as e:  # noqa: BLE001 - a fork that failed: what was submitted still runs
         _turn_off(f"starting build workers failed ({type(e).__name__}: {e})")
         note_failure("starting build workers", e)
-    pool.shutdown(wait=False)  # the queued builds still run; the workers exit after them
-    return futures
+        return None
+    progress.building(1)
+    future.add_done_callback(_progress_built)
+    _pending.add(future)
+    future.add_done_callback(_pending.discard)
+    if b.entry is not None:
+        _building[b.entry] = future
+        future.add_done_callback(functools.partial(_built, remote, b.entry))
+    return future
 
 
 def _progress_built(future: concurrent.futures.Future) -> None:
@@ -431,6 +480,8 @@ def _built(
     """After a worker's build (in the pool's thread): the binary must be where entry_name said
     (else names are not used from then on, said once); with a remote cache, it is shared."""
     global _entry_names_wrong
+    if _building.get(entry) is future:
+        del _building[entry]
     if future.cancelled() or future.exception() is not None:
         return
     try:

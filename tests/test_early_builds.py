@@ -1,0 +1,155 @@
+"""Kernels built while codegen still writes the program (gjit/runtime/early_builds.py), checked
+without a GPU: compiles on CPU tensors are told they are for a GPU (the one seam: `wanted`), and
+Triton's launcher, on a driver that names an H100 (sm_90) and launches nothing, must find each
+kernel of the real first call in Triton's on-disk cache, where the workers put it."""
+
+import pytest
+import torch
+
+import gjit
+from gjit import driver
+from gjit.runtime import early_builds, prebuild
+from helpers import first_graph_call, kernel_launches, through_tritons_launcher
+
+pytestmark = pytest.mark.compile_only
+
+
+class MlpNorm(torch.nn.Module):
+    """Three kernels: a matmul with its epilogue, a row reduction, a column reduction."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(32, 64)
+        self.norm = torch.nn.LayerNorm(64)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.fc(x))
+        return self.norm(h).softmax(-1), (h * 2).sum(0)
+
+
+class Layers(torch.nn.Module):
+    """Three alike layers, a product between each two: their kernels are one code (codegen/share.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fcs = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(3))
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(32) for _ in range(3))
+
+    def forward(self, x):
+        for fc, norm in zip(self.fcs, self.norms):
+            x = torch.tanh(norm(fc(x))) + x
+        return x
+
+
+@pytest.fixture
+def early(sm90, monkeypatch):
+    """Compiles of CPU graphs start early builds as on a GPU; the EarlyBuilds each one made, and
+    for each kernel codegen generated, the builds started before it."""
+    monkeypatch.setattr(early_builds, "wanted", lambda graph: True)
+    made, started = [], []
+    start, generate = early_builds.start, driver.generate_kernel
+
+    def spy_start(graph, hints):
+        made.append(start(graph, hints))
+        return made[-1]
+
+    def spy_generate(*args, **kwargs):
+        started.append(gjit.stats().get("kernels_built_early", 0))
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(early_builds, "start", spy_start)
+    monkeypatch.setattr(driver, "generate_kernel", spy_generate)
+    return made, started
+
+
+def first_launches(graph, args, sizes) -> list[bool]:
+    """Each kernel launch of the real call through Triton's launcher: found in Triton's cache (True)
+    or compiled at the launch (False)."""
+    namespace = graph.call_fn(interpret=False).__globals__
+    return through_tritons_launcher(namespace, kernel_launches(graph, args, sizes))
+
+
+INPUTS = {
+    "contiguous": lambda: torch.randn(3, 40, 32),
+    "unaligned view": lambda: torch.randn(3, 40, 33)[..., 1:],  # 4 bytes past an aligned address
+    "size-1 batch": lambda: torch.randn(1, 16, 32),  # sizes of 1 and multiples of 16
+}
+
+
+@pytest.mark.parametrize("inputs", list(INPUTS))
+def test_each_kernel_builds_while_the_later_ones_are_generated(early, inputs):
+    made, started = early
+    before = gjit.stats().get("kernels_built_early", 0)
+    _, graph, args, sizes = first_graph_call(MlpNorm().eval(), INPUTS[inputs]())
+    assert len(made) == 1 and made[0] is not None
+    assert [n - before for n in started] == [0, 1, 2]  # kernel k's build started before kernel k + 1
+    made[0].wait()
+    assert gjit.stats()["kernels_built_early"] - before == 3
+    # the real first call's launches find every binary: the foreseen launches were the real ones
+    assert first_launches(graph, args, sizes) == [True] * 3
+
+
+def test_the_first_calls_prebuild_waits_for_early_builds_and_starts_none_again(early):
+    made, _ = early
+    _, graph, args, sizes = first_graph_call(MlpNorm().eval(), INPUTS["contiguous"]())
+    before = gjit.stats().get("kernels_prebuilt", 0)
+    built = graph.prebuild(graph.call_fn(interpret=False), args, sizes)  # builds may still run
+    assert gjit.stats().get("kernels_prebuilt", 0) == before
+    assert len(built.builds) == 3
+    joined = [f for futures in built.futures.values() for f in futures]
+    assert set(joined) <= set(made[0].futures)
+    assert sum(b.cached for b in built.builds) + len(joined) == 3
+    built.wait()
+    made[0].wait()
+    assert first_launches(graph, args, sizes) == [True] * 3
+
+
+def test_alike_layers_build_their_one_kernel_once(early):
+    made, _ = early
+    before = gjit.stats().get("kernels_built_early", 0)
+    with gjit.config.scope(matmul="aten"):  # the products between the layers' kernels
+        _, graph, args, sizes = first_graph_call(Layers().eval(), torch.randn(4, 8, 32))
+    shared = [k for k in graph.kernels if k.code_of is not None]
+    assert len(graph.kernels) == 3 and len(shared) == 2
+    made[0].wait()
+    assert gjit.stats()["kernels_built_early"] - before == 1
+    # three launches of one function: its binary loaded once, from Triton's cache (none compiled)
+    assert first_launches(graph, args, sizes) == [True]
+
+
+def test_a_launch_foreseen_wrong_is_built_by_the_first_calls_prebuild(early, monkeypatch):
+    """The prediction decides nothing: early builds of another alignment than the call's leave the
+    real specializations to the first call's prebuild."""
+    made, _ = early
+    monkeypatch.setattr(early_builds.EarlyBuilds, "offset", lambda self, name: 4)
+    _, graph, args, sizes = first_graph_call(MlpNorm().eval(), INPUTS["contiguous"]())
+    made[0].wait()
+    before = gjit.stats().get("kernels_prebuilt", 0)
+    built = graph.prebuild(graph.call_fn(interpret=False), args, sizes)
+    assert gjit.stats()["kernels_prebuilt"] - before == 3 and not any(b.cached for b in built.builds)
+    built.wait()
+    assert first_launches(graph, args, sizes) == [True] * 3
+
+
+def test_a_graph_on_the_cpu_starts_no_early_build(sm90):
+    before = gjit.stats().get("kernels_built_early", 0)
+    first_graph_call(MlpNorm().eval(), INPUTS["contiguous"]())
+    assert gjit.stats().get("kernels_built_early", 0) == before
+
+
+def test_one_worker_and_no_remote_cache_start_no_early_build(early):
+    made, _ = early
+    with gjit.config.scope(compile_workers=1):
+        first_graph_call(MlpNorm().eval(), INPUTS["contiguous"]())
+    assert made == [None]
+
+
+def test_an_early_build_that_fails_leaves_the_compile_alone(early, monkeypatch):
+    made, _ = early
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no specialization")
+
+    monkeypatch.setattr(prebuild, "specializations", broken)
+    first_graph_call(MlpNorm().eval(), INPUTS["contiguous"]())  # compiled, and matches eager
+    assert "no specialization" in made[0].failed and not made[0].futures
