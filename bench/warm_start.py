@@ -187,7 +187,8 @@ def format_table(results: dict[str, dict[str, dict]]) -> str:
         if on_cpu:
             kernels = r["gjit sm_90"]["sm_90 kernels"]
         else:
-            kernels = r["gjit cold"]["counters"].get("kernels_prebuilt", 0)
+            counters = r["gjit cold"]["counters"]  # built during codegen, or by the first call's prebuild
+            kernels = counters.get("kernels_built_early", 0) + counters.get("kernels_prebuilt", 0)
         lines.append(f"| {name} | {cells} | {kernels} | {cold_ratio:.2f}x | {ratio:.2f}x |")
     lines.append("")
     lines.append("gjit's stages of the model's entry (ms):")
