@@ -198,9 +198,7 @@ class CompiledFunction:
 
     @staticmethod
     def _run(entry: Entry, args: tuple, kwargs: dict, flat: list, sizes: tuple) -> Any:
-        out = run_program(entry.program, flat, sizes, entry.graphs)
-        aliases = entry.program.captured.aliases
-        return aliases.restore(args, kwargs, out) if aliases.pairs else out
+        return run_program(entry.program, flat, sizes, entry.graphs, (args, kwargs))
 
     def _lookup(self, flat: list, spec: pytree.TreeSpec) -> tuple[Entry, tuple] | None:
         """The newest entry that admits the call, and the sizes its guard binds."""

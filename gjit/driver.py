@@ -489,11 +489,14 @@ def region_checker(gm: torch.fx.GraphModule, graph: LoopGraph, steps: list[Step]
     return RegionChecker(gm, members, stores)
 
 
-def run_program(program: CompiledProgram, flat_user: list[Any], sizes: tuple, graphs: Any = None) -> Any:
+def run_program(
+    program: CompiledProgram, flat_user: list[Any], sizes: tuple, graphs: Any = None, call: Any = None
+) -> Any:
     """Run one call: `sizes` are the size symbols' values the entry's guard bound; `graphs`, the
-    entry's CUDA graphs (gjit/runtime/cuda_graphs.py) in mode="reduce-overhead"."""
+    entry's CUDA graphs (gjit/runtime/cuda_graphs.py) in mode="reduce-overhead"; `call`, the call's
+    (args, kwargs), whose caches a returned cache updates."""
     captured = program.captured
     graph_inputs = captured.graph_inputs(flat_user)
     run = program.graph.run if graphs is None else graphs.run
     flat_out = run(graph_inputs, sizes)
-    return captured.finish(flat_user, flat_out, graph_inputs)
+    return captured.finish(flat_user, flat_out, graph_inputs, call)

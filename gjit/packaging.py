@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 from gjit import logs, stats
 from gjit.api import CompiledFunction, Entry, Package, RecompileError
 from gjit.capture import kv_cache
+from gjit.capture.cache_aliases import CacheAliases
 from gjit.capture.export import CapturedProgram, Exported, captured_program
 from gjit.capture.in_place import as_functional
 from gjit.driver import CompiledProgram
@@ -297,7 +298,7 @@ def _entry_from_record(
     with stats.timed("program", timings):
         decomposed = program_store.load_served(record["program"], {prefix + k: v for k, v in state.items()})
         from_one = frozenset(tuple(p) for p in record["from_one"])
-        exported = Exported(decomposed, _holder(model, prefix), kv_cache.CacheAliases(), from_one)
+        exported = Exported(decomposed, _holder(model, prefix), CacheAliases(), from_one)
         captured = captured_program(exported, decomposed)
         captured.exported = None
         captured.aliases.pairs = [(_path_from(a), _path_from(b)) for a, b in record["cache_aliases"]]

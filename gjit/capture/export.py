@@ -28,10 +28,10 @@ except ImportError:
 
 from gjit import locks, logs, stats
 from gjit.capture import kv_cache
+from gjit.capture.cache_aliases import CacheAliases
 from gjit.capture.calling import as_module, constants_as_tokens, explicit_keywords
 from gjit.capture.export_budget import ExportTooSlow, export_budget
 from gjit.capture.in_place import write_in_place
-from gjit.capture.kv_cache import CacheAliases
 from gjit.capture.module_copy import private_tree, shares_state
 from gjit.config import config
 from gjit.stats import timed
@@ -252,11 +252,14 @@ class CapturedProgram:
                 out.append((self.module.get_submodule(owner_name), attr, val, key))
         return out
 
-    def finish(self, flat_user: list[Any], flat_out: list[Any], graph_inputs: list[Any]) -> Any:
+    def finish(
+        self, flat_user: list[Any], flat_out: list[Any], graph_inputs: list[Any], call: tuple | None = None
+    ) -> Any:
         """Apply recorded mutations, then rebuild the user's output pytree. An output that is (a
         view of) the new value of a mutated input is returned as (that view of) the input, as in
         eager, where `x.add_(1); return x` returns x itself. A mutated buffer is the one the call
-        read (`graph_inputs`), whatever the module holds by now."""
+        read (`graph_inputs`), whatever the module holds by now. With the call's `(args, kwargs)`,
+        a returned input cache is the caller's object, given the returned state (cache_aliases.py)."""
         mutated = []
         for out_index, (kind, key) in self.mutations.items():
             if kind == "user":
@@ -271,6 +274,8 @@ class CapturedProgram:
         outs = [flat_out[i] for i in self.user_output_indices]
         if mutated:
             outs = _as_mutated_inputs(outs, mutated)
+        if call is not None and self.aliases.pairs:
+            return self.aliases.rebuild(*call, outs, self.out_spec)
         return pytree.tree_unflatten(outs, self.out_spec)
 
 

@@ -9,15 +9,13 @@ such a step as a function of tensors:
   are leaves, everything else (layer classes, `is_initialized`, dtypes) is the tree's context, so an
   empty cache (prefill) and a filled one (decode) are different trees, hence different entries, as
   they are different programs;
-- export records, while it traces, which returned cache is which input cache (`CacheAliases`);
-- after a compiled call the input object takes the returned state (`adopt`) and is itself returned,
-  so the caller's object is updated in place and `out.past_key_values is cache`, as in eager.
+- export records, while it traces, which returned cache is which input cache, and after a compiled
+  call the input object takes the returned state and is itself returned (cache_aliases.py).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import enum
 import importlib
 import json
@@ -111,8 +109,8 @@ def _register_new(classes: list[type]) -> bool:
     for cls in new:
         pytree.register_pytree_node(
             cls,
-            _flatten,
-            _unflatten,
+            flatten_cache,
+            unflatten_cache,
             serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
             flatten_with_keys_fn=_flatten_with_keys,
             to_dumpable_context=_dump_context,
@@ -130,7 +128,7 @@ def _register_new(classes: list[type]) -> bool:
 # specialized by export and guarded like any int input, one it does not need stays free.
 
 
-def _flatten(obj: Any) -> tuple[list, Any]:
+def flatten_cache(obj: Any) -> tuple[list, Any]:
     leaves: list = []
     return leaves, (type(obj), _state(vars(obj), leaves))
 
@@ -142,10 +140,10 @@ def _flatten_with_keys(obj: Any) -> tuple[list, Any]:
     return [(pytree.MappingKey(name), leaf) for name, leaf in zip(names, leaves)], context
 
 
-def _unflatten(values, context: Any) -> Any:
+def unflatten_cache(values, context: Any) -> Any:
     cls, state = context
     obj = cls.__new__(cls)
-    obj.__dict__.update(_build(state, iter(values)))
+    obj.__dict__.update(build_state(state, iter(values)))
     return obj
 
 
@@ -186,7 +184,7 @@ def _plain_object(value: Any) -> bool:
     )
 
 
-def _build(context: Any, leaves) -> Any:
+def build_state(context: Any, leaves) -> Any:
     tag = context[0]
     if tag == "leaf":
         return next(leaves)
@@ -194,11 +192,11 @@ def _build(context: Any, leaves) -> Any:
         return context[1]
     if tag == "object":
         obj = context[1].__new__(context[1])
-        obj.__dict__.update(_build(context[2], leaves))
+        obj.__dict__.update(build_state(context[2], leaves))
         return obj
     if tag is dict or tag is collections.OrderedDict:
-        return tag((k, _build(v, leaves)) for k, v in context[1])
-    return tag(_build(v, leaves) for v in context[1])
+        return tag((k, build_state(v, leaves)) for k, v in context[1])
+    return tag(build_state(v, leaves) for v in context[1])
 
 
 # A context as JSON (torch.export.save of a program that takes a cache): classes by import path,
@@ -351,127 +349,6 @@ def lookup(tree: Any, path: tuple) -> Any:
             children, _ = pytree.SUPPORTED_NODES[type(tree)].flatten_with_keys_fn(tree)
             tree = dict(children)[key]
     return tree
-
-
-@dataclasses.dataclass
-class CacheAliases:
-    """Which returned caches are input caches: output key path -> input key path of (args, kwargs).
-
-    Filled by the forward hook export's trace runs (`recording`); empty for a model without caches."""
-
-    pairs: list[tuple[tuple, tuple]] = dataclasses.field(default_factory=list)
-    # input caches the trace changed but did not return (their new state would be lost)
-    unreturned: list[str] = dataclasses.field(default_factory=list)
-
-    def recording(self, module: torch.nn.Module):
-        """Hooks on the module export traces: note the returned objects that are input caches, and
-        the input caches whose state changed without being returned. Returns the hooks' handle."""
-        before: dict[int, tuple] = {}
-
-        def pre_hook(mod, args, kwargs):
-            before.clear()
-            for key, (path,) in cache_paths((args, kwargs)).items():
-                cache = lookup((args, kwargs), path)
-                leaves, context = _flatten(cache)
-                before[key] = (path, [id(t) for t in leaves], context, type(cache).__name__)
-
-        def hook(mod, args, kwargs, output):
-            returned = cache_paths(output, every=True)
-            self.pairs = [
-                (path, before[key][0]) for key, paths in returned.items() if key in before for path in paths
-            ]
-            self.unreturned = []
-            for key, (path, ids, context, name) in before.items():
-                if key in returned:
-                    continue
-                leaves, now = _flatten(lookup((args, kwargs), path))
-                if now != context or [id(t) for t in leaves] != ids:
-                    self.unreturned.append(f"the {name} passed as {_call_name(path)}")
-
-        handles = [
-            module.register_forward_pre_hook(pre_hook, with_kwargs=True),
-            module.register_forward_hook(hook, with_kwargs=True),
-        ]
-        return _Handles(handles)
-
-    def restore(self, args: tuple, kwargs: dict, output: Any) -> Any:
-        """Give each input cache the state of the returned one, and return the input cache in its place."""
-        for out_path, in_path in self.pairs:
-            mine, theirs = lookup((args, kwargs), in_path), lookup(output, out_path)
-            adopt(mine, theirs)
-            output = _replace(output, out_path, mine)
-        return output
-
-
-def _call_name(path: tuple) -> str:
-    """A key path into (args, kwargs) in the call's words: `past_key_values`, `argument 1`."""
-    head, rest = path[0], path[1:]
-    if (
-        isinstance(head, pytree.SequenceKey)
-        and head.idx == 1
-        and rest
-        and isinstance(rest[0], pytree.MappingKey)
-    ):
-        return f"{rest[0].key}{pytree.keystr(rest[1:])}"
-    if isinstance(head, pytree.SequenceKey) and head.idx == 0 and rest:
-        return f"argument {pytree.keystr(rest[:1]).strip('[]')}{pytree.keystr(rest[1:])}"
-    return pytree.keystr(path)
-
-
-class _Handles:
-    def __init__(self, handles: list):
-        self.handles = handles
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
-def adopt(target: Any, source: Any) -> None:
-    """Give `target` the state of `source` (same class), keeping nested objects' identities where
-    they line up (a cache's layer objects stay the caller's layer objects)."""
-    state = vars(target)
-    for name, value in vars(source).items():
-        old = state.get(name)
-        if _same_shape_object(old, value):
-            adopt(old, value)
-        elif isinstance(old, list) and isinstance(value, list) and len(old) == len(value):
-            for i, (o, v) in enumerate(zip(old, value)):
-                if _same_shape_object(o, v):
-                    adopt(o, v)
-                else:
-                    old[i] = v
-        else:
-            state[name] = value
-    for name in [n for n in state if n not in vars(source)]:
-        del state[name]
-
-
-def _same_shape_object(old: Any, new: Any) -> bool:
-    return (
-        old is not None
-        and type(old) is type(new)
-        and hasattr(old, "__dict__")
-        and not isinstance(old, (torch.Tensor, type))
-    )
-
-
-def _replace(tree: Any, path: tuple, value: Any) -> Any:
-    """`tree` with the node at `path` replaced: in place in a fresh dict, ModelOutput or list; a tuple
-    (or another node) is rebuilt through its pytree registration."""
-    if not path:
-        return value
-    key, rest = path[0], path[1:]
-    if isinstance(key, pytree.MappingKey) and isinstance(tree, dict):
-        tree[key.key] = _replace(tree[key.key], rest, value)  # ModelOutput.__setitem__ sets the field too
-        return tree
-    if isinstance(key, pytree.SequenceKey) and isinstance(tree, list):
-        tree[key.idx] = _replace(tree[key.idx], rest, value)
-        return tree
-    node = pytree.SUPPORTED_NODES[type(tree)]
-    children_with_keys, context = node.flatten_with_keys_fn(tree)
-    children = [_replace(c, rest, value) if k == key else c for k, c in children_with_keys]
-    return node.unflatten_fn(children, context)
 
 
 def describe_change(old: Any, new: Any) -> str | None:

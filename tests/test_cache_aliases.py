@@ -1,0 +1,175 @@
+"""A returned input cache after a compiled call (gjit/capture/cache_aliases.py): `rebuild` gives the
+caller's cache object the returned state without building the returned cache first, and must leave
+exactly what building it and `restore` leave: the same output tree, the caller's object in it, its
+layer objects kept where they line up, every tensor the returned one."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import gjit
+from gjit.capture import cache_aliases, kv_cache
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.cpu
+
+IN_PATH = (pytree.SequenceKey(1), pytree.MappingKey("past_key_values"))
+OUT_PATH = (pytree.MappingKey("past_key_values"),)
+
+
+def dynamic(layers: int, length: int, seed: int) -> transformers.DynamicCache:
+    torch.manual_seed(seed)
+    cache = transformers.DynamicCache()
+    for i in range(layers):
+        cache.update(torch.randn(1, 2, length, 8), torch.randn(1, 2, length, 8), i)
+    return cache
+
+
+def static(seed: int) -> transformers.StaticCache:
+    config = transformers.LlamaConfig(
+        hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, vocab_size=50
+    )
+    cache = transformers.StaticCache(config=config, max_cache_len=16)
+    torch.manual_seed(seed)
+    for i in range(3):
+        cache.update(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), i, {"cache_position": torch.arange(4)})
+    return cache
+
+
+def longer(cache):
+    """The same cache one position on (new tensors), as a decode step returns it."""
+    grown = copy.deepcopy(cache)
+    for i, layer in enumerate(grown.layers):
+        grown.update(
+            torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), i, {"cache_position": torch.tensor([4])}
+        )
+        layer.extra = i  # a new attribute on a layer
+    return grown
+
+
+def one_more_layer(cache):
+    grown = longer(cache)
+    grown.update(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), len(grown.layers))
+    return grown
+
+
+def with_stale(cache):
+    cache.layers[0].stale = 1
+    cache.stale = 2
+    return cache
+
+
+def without_stale(cache):
+    """One position on, and attributes the caller's object has gone from the returned one."""
+    grown = longer(cache)
+    del grown.layers[0].stale, grown.stale
+    return grown
+
+
+CASES = {
+    "dynamic, one position on": lambda: (dynamic(3, 4, 0), longer),
+    "dynamic, a layer more": lambda: (dynamic(2, 4, 1), one_more_layer),
+    "dynamic, attributes gone": lambda: (with_stale(dynamic(2, 4, 7)), without_stale),
+    "static, written in place": lambda: (static(2), lambda c: c),
+    "static, one position on": lambda: (static(3), longer),
+    "encoder-decoder": lambda: (
+        transformers.EncoderDecoderCache(dynamic(2, 4, 4), dynamic(2, 3, 5)),
+        lambda c: transformers.EncoderDecoderCache(longer(c.self_attention_cache), c.cross_attention_cache),
+    ),
+}
+
+
+def objects(value, path: str = "") -> list:
+    """Each object of a cache's state (the cache, its layers, nested caches) with its path."""
+    if isinstance(value, list):
+        return [o for i, v in enumerate(value) for o in objects(v, f"{path}[{i}]")]
+    if isinstance(value, torch.Tensor) or not hasattr(value, "__dict__") or callable(value):
+        return []
+    return [(path, value)] + [o for k, v in vars(value).items() for o in objects(v, f"{path}.{k}")]
+
+
+def state(cache) -> tuple:
+    """What a caller sees of its cache: every value of its state (tensors by identity)."""
+    leaves, context = kv_cache.flatten_cache(cache)
+    return [id(x) if isinstance(x, torch.Tensor) else x for x in leaves], context
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_rebuild_leaves_what_restore_leaves(case):
+    kv_cache.register_all()
+    given, step = CASES[case]()
+    returned = step(given)
+    output = transformers.modeling_outputs.CausalLMOutputWithPast(
+        logits=torch.randn(1, 1, 50), past_key_values=returned
+    )
+    leaves, spec = pytree.tree_flatten(output)
+    aliases = cache_aliases.CacheAliases(pairs=[(OUT_PATH, IN_PATH)])
+    results = []
+    for how in ("restore", "rebuild"):
+        # the caller's object: a copy of its own (layers, nested caches), over the same tensors
+        tensors = [x for x in pytree.tree_leaves(given) if isinstance(x, torch.Tensor)]
+        mine = copy.deepcopy(given, {id(t): t for t in tensors})
+        originals = {id(o) for _, o in objects(mine)}
+        call = ((), {"past_key_values": mine})
+        if how == "restore":
+            out = aliases.restore(*call, pytree.tree_unflatten(leaves, spec))
+        else:
+            out = aliases.rebuild(*call, leaves, spec)
+        assert out.past_key_values is mine and out.logits is output.logits
+        kept = [(path, id(o) in originals) for path, o in objects(mine)]
+        results.append((state(mine), kept, list(out.keys())))
+    assert results[0] == results[1]
+    assert aliases._plans[id(spec)][1] is not None  # rebuild did not fall back to restore
+
+
+def test_an_output_a_skeleton_cannot_stand_for_falls_back_to_restore(monkeypatch):
+    kv_cache.register_all()
+    given = dynamic(2, 4, 6)
+    returned = longer(given)
+    output = {"logits": torch.randn(2), "past_key_values": returned}
+    leaves, spec = pytree.tree_flatten(output)
+    aliases = cache_aliases.CacheAliases(pairs=[(OUT_PATH, IN_PATH)])
+
+    def refuse(*args):
+        raise ValueError("no skeleton")
+
+    monkeypatch.setattr(cache_aliases, "_plan", refuse)
+    out = aliases.rebuild((), {"past_key_values": given}, leaves, spec)
+    assert out["past_key_values"] is given and aliases._plans[id(spec)][1] is None
+    assert state(given)[0] == state(returned)[0]
+
+
+def test_a_compiled_decode_loop_rebuilds_its_cache_in_place(monkeypatch):
+    """The compiled path: each decode call's output holds the caller's cache, rebuilt (not restored)."""
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=50,
+        )
+    ).eval()  # fmt: skip
+    plans = []
+    plan = cache_aliases._plan
+    monkeypatch.setattr(cache_aliases, "_plan", lambda *a: plans.append(plan(*a)) or plans[-1])
+    ids = torch.randint(0, 50, (1, 5))
+
+    def loop(forward, cache):
+        out = forward(input_ids=ids, past_key_values=cache)
+        for _ in range(3):
+            assert out.past_key_values is cache
+            out = forward(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache)
+        return out.logits
+
+    with torch.no_grad():
+        want = loop(model, transformers.DynamicCache(config=model.config))
+    cache = transformers.DynamicCache(config=model.config)
+    eager_runs = gjit.stats()["eager_runs"]
+    with gjit.config.scope(interpret=True, debug=True), torch.no_grad():
+        got = loop(gjit.compile(model), cache)
+    assert gjit.stats()["eager_runs"] == eager_runs, "a call ran eagerly"
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert plans and all(p is not None for p in plans)
