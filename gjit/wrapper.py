@@ -18,9 +18,11 @@ import sympy
 import torch
 
 from gjit import ir, memory_plan
+from gjit.capture.in_place import WRITTEN_BACK
 from gjit.codegen.common import KernelSource
 from gjit.codegen.printer import pyexpr
 from gjit.fusion.regions import Region, Step
+from gjit.fusion.schedule import step_reads
 from gjit.lowering.registry import meta_layout, to_sympy
 
 # Two externs the wrapper calls otherwise on a GPU; the functions are gjit/runtime/padded_mm.py's and
@@ -107,6 +109,9 @@ class WrapperWriter:
         self.allocs: dict[int, str] = {}  # line -> an allocation's arguments (gjit/memory_plan.py)
         self.fresh: set[int] = set()  # lines whose result is new memory
         self.computed = graph.compute_nodes()
+        # values the call writes back into an input -> that input (gjit/capture/in_place.py)
+        owner = graph.fx_graph.owning_module
+        self.written_back: dict[str, str] = {} if owner is None else owner.meta.get(WRITTEN_BACK, {})
 
     def sym(self, expr: Any) -> str:
         expr = to_sympy(expr) if not isinstance(expr, sympy.Basic) else expr
@@ -324,6 +329,11 @@ class WrapperWriter:
                 self.lines.append(f"{name} = {node.base}")
                 self.defined.add(name)
                 continue
+            target = self.stored_into(region, name)
+            if target is not None:  # the input's new value: no copy into it after the call
+                self.lines.append(f"{name} = {target}  # stored into the input it updates")
+                self.defined.add(name)
+                continue
             lay = node.layout
             size = ", ".join(self.sym(s) for s in lay.size)
             stride = ", ".join(self.sym(s) for s in lay.stride)
@@ -369,6 +379,44 @@ class WrapperWriter:
         self.lines.append(f"    {kernel.name}[{grid}]({', '.join(args + sizes)}, {launch})")
         if self.check:
             self.lines.append(f"gjit_check({kernel.name!r}, locals())")
+
+    def stored_into(self, region: Region, name: str) -> str | None:
+        """The input the region's value `name` may be stored into, or None. `name` is that input's
+        new value, which the call would otherwise copy into it after the wrapper returns
+        (Inductor stores such a value in place the same way). Only where the stores are the
+        input's own: its layout, strides the guard checked, and a pointwise kernel that reads the
+        input only at the element it stores, in the body of `name` (each element read, then
+        written, by the same thread); and only where no later step and no output reads the
+        input's old value."""
+        target = self.written_back.get(name)
+        buffer = self.graph.buffers.get(target) if target is not None else None
+        if buffer is None or buffer.kind != "input" or not self.guarded or self.check:
+            return None
+        if region.reduction is not None or region.scatter or region.matmul or region.parts:
+            return None
+        mine, theirs = self.computed[name].layout, buffer.layout
+        sides = [(*lay.size, *lay.stride, lay.offset) for lay in (mine, theirs)]
+        same = (
+            mine.dtype == theirs.dtype
+            and len(mine.size) == len(theirs.size)
+            and all(map(ir.statically_known_equal, *sides))
+            and ir.statically_known_equal(mine.offset, 0)
+        )
+        if not same:
+            return None
+        at = tuple(ir.index_vars(len(mine.size)))
+        for stored, body in region.bodies.items():
+            for read in ir.reads(body):
+                if ir.resolve(self.graph, read.name) != target:
+                    continue
+                if stored != name or read.name != target or tuple(read.index) != at or read.indirect:
+                    return None
+        later = self.steps[self.steps.index(region) + 1 :]
+        if any(target in step_reads(step, self.graph, {}) for step in later):
+            return None
+        if any(out is not None and ir.resolve(self.graph, out) == target for out in self.graph.outputs):
+            return None
+        return target
 
     def flush_asserts(self) -> None:
         """export's runtime assertions on sizes (e.g. a data-dependent size is >= 0), emitted as soon

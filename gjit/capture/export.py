@@ -31,7 +31,7 @@ from gjit.capture import kv_cache
 from gjit.capture.cache_aliases import CacheAliases
 from gjit.capture.calling import as_module, constants_as_tokens, explicit_keywords
 from gjit.capture.export_budget import ExportTooSlow, export_budget
-from gjit.capture.in_place import write_in_place
+from gjit.capture.in_place import WRITTEN_BACK, write_in_place, written_back
 from gjit.capture.module_copy import private_tree, shares_state
 from gjit.config import config
 from gjit.stats import timed
@@ -567,6 +567,7 @@ def describe(
                 f"unsupported exported output kind {spec.kind} ({spec.arg}): gjit compiles inference graphs"
             )
     write_in_place(program)
+    program.graph_module.meta[WRITTEN_BACK] = written_back(program, sources, mutations)
     return CapturedProgram(
         program=program,
         module=module,

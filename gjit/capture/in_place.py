@@ -4,11 +4,14 @@ A static KV cache's `index_copy_` is functionalized by export into `index_put` p
 whole cache back into the input; `write_in_place` turns it back into `index_put_` on the caller's
 buffer when nothing else reads the old value. `as_functional` undoes that for the span of a
 `torch.export` serialization (the serializer stores the program as decomposition left it).
+`written_back` names the other values a call writes back into its inputs (a counter's `+= 1`),
+which the wrapper stores into the input itself where that is safe (gjit/wrapper.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -96,3 +99,22 @@ def _fresh(node: torch.fx.Node) -> bool:
     if target in (torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.alias.default):
         return False
     return not any(r.alias_info is not None for r in target._schema.returns)
+
+
+# the graph module's meta key of `written_back`'s result
+WRITTEN_BACK = "gjit_written_back"
+
+
+def written_back(
+    program: ExportedProgram, sources: list[tuple[str, Any]], mutations: dict[int, tuple[str, Any]]
+) -> dict[str, str]:
+    """Each output node whose value a call writes back into an input (`mutations`: output index ->
+    a buffer's or user input's source, as `sources` names each placeholder's) -> that placeholder."""
+    nodes = list(program.graph.nodes)
+    placeholders = dict(zip(sources, (n.name for n in nodes if n.op == "placeholder")))
+    outputs = next(n for n in reversed(nodes) if n.op == "output").args[0]
+    return {
+        outputs[i].name: placeholders[source]
+        for i, source in mutations.items()
+        if isinstance(outputs[i], torch.fx.Node) and source in placeholders
+    }
