@@ -5,7 +5,9 @@ layer objects kept where they line up, every tensor the returned one."""
 
 from __future__ import annotations
 
+import collections
 import copy
+import enum
 
 import pytest
 import torch
@@ -173,3 +175,31 @@ def test_a_compiled_decode_loop_rebuilds_its_cache_in_place(monkeypatch):
     assert gjit.stats()["eager_runs"] == eager_runs, "a call ran eagerly"
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert plans and all(p is not None for p in plans)
+
+
+class Odd:
+    """A cache-like object with every kind of value a cache's state may hold."""
+
+    def __init__(self):
+        self.layers = [Odd.Layer(), Odd.Layer()]
+        self.weight = torch.nn.Parameter(torch.randn(2))  # a tensor subclass: a leaf
+        self.table = {"a": torch.randn(1), "b": [1, (2, torch.randn(1))]}
+        self.ordered = collections.OrderedDict(x=torch.randn(1))
+        self.pair = (3, None)
+        self.flags = (True, 0.5, "s", torch.float16, torch.device("cpu"))
+        self.kind = enum.Enum("Kind", "A").A
+        self.method = self.__init__  # a callable: a constant
+
+    class Layer:
+        def __init__(self):
+            self.keys, self.length, self.ready = torch.randn(2), 7, False
+
+
+@pytest.mark.parametrize("case", [*CASES, "every kind of value"])
+def test_the_flatten_on_every_calls_path_is_the_general_one(case):
+    """kv_cache's hot-path flatten gives the context and leaves the general walk gives."""
+    cache = Odd() if case == "every kind of value" else CASES[case]()[0]
+    leaves, context = kv_cache.flatten_cache(cache)
+    general: list = []
+    assert context == (type(cache), kv_cache._state(vars(cache), general, [], ""))
+    assert len(leaves) == len(general) and all(a is b for a, b in zip(leaves, general))

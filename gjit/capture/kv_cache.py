@@ -130,7 +130,7 @@ def _register_new(classes: list[type]) -> bool:
 
 def flatten_cache(obj: Any) -> tuple[list, Any]:
     leaves: list = []
-    return leaves, (type(obj), _state(vars(obj), leaves))
+    return leaves, (type(obj), _values(vars(obj), leaves))
 
 
 def _flatten_with_keys(obj: Any) -> tuple[list, Any]:
@@ -170,8 +170,34 @@ def _state(value: Any, leaves: list, names: list | None = None, name: str = "") 
         sep = "." if name else ""
         return (kind, tuple([(k, _state(v, leaves, names, f"{name}{sep}{k}")) for k, v in value.items()]))
     if _plain_object(value):
-        return ("object", kind, _state(vars(value), leaves, names, name))
+        state = _values(vars(value), leaves) if names is None else _state(vars(value), leaves, names, name)
+        return ("object", kind, state)
     return ("const", value)
+
+
+# types whose values are constants of a context (what `_state` finds for them, sooner)
+_CONSTANT_TYPES = (bool, float, str, type(None), torch.dtype, torch.device)
+
+
+def _values(value: Any, leaves: list) -> Any:
+    """`_state(value, leaves)`, on every call's path: a dict's (an object's vars) values that are
+    plain tensors, ints or constants handled in its loop, without a call each."""
+    kind = type(value)
+    if kind is not dict:
+        return _state(value, leaves)
+    items = []
+    for key, item in value.items():
+        kind = type(item)
+        if kind is torch.Tensor or kind is int:
+            leaves.append(item)
+            items.append((key, _LEAF))
+        elif kind in _CONSTANT_TYPES:
+            items.append((key, ("const", item)))
+        elif kind is list:
+            items.append((key, (list, tuple([_values(v, leaves) for v in item]))))
+        else:
+            items.append((key, _state(item, leaves)))
+    return (dict, tuple(items))
 
 
 def _plain_object(value: Any) -> bool:
