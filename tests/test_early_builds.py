@@ -3,6 +3,10 @@ without a GPU: compiles on CPU tensors are told they are for a GPU (the one seam
 Triton's launcher, on a driver that names an H100 (sm_90) and launches nothing, must find each
 kernel of the real first call in Triton's on-disk cache, where the workers put it."""
 
+import multiprocessing
+import sys
+import time
+
 import pytest
 import torch
 
@@ -12,6 +16,35 @@ from gjit.runtime import early_builds, prebuild
 from helpers import first_graph_call, kernel_launches, through_tritons_launcher
 
 pytestmark = pytest.mark.compile_only
+
+_GATE = None  # set to an event before a compile: its build workers (forked after) wait for it
+_build_one = prebuild.build_one
+
+
+def gated_build(*args):
+    """A worker's build held until the test opens the gate (picklable: workers look it up here)."""
+    _GATE.wait(30)
+    return _build_one(*args)
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """The early builds started from now on wait in their workers until `gate.set()`."""
+    opened = multiprocessing.get_context("fork").Event()
+    monkeypatch.setattr(sys.modules[__name__], "_GATE", opened)
+    monkeypatch.setattr(prebuild, "build_one", gated_build)
+    yield opened
+    opened.set()
+
+
+def ended(futures) -> None:
+    """Until `futures` are done and their callbacks (in the pool's thread) have run."""
+    for f in futures:
+        f.exception(timeout=60)
+    deadline = time.monotonic() + 30
+    while any(f in prebuild._pending or f in prebuild._building.values() for f in futures):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
 
 
 class MlpNorm(torch.nn.Module):
@@ -153,3 +186,27 @@ def test_an_early_build_that_fails_leaves_the_compile_alone(early, monkeypatch):
     monkeypatch.setattr(prebuild, "specializations", broken)
     first_graph_call(MlpNorm().eval(), INPUTS["contiguous"]())  # compiled, and matches eager
     assert "no specialization" in made[0].failed and not made[0].futures
+
+
+def test_a_build_ending_while_the_first_call_looks_is_waited_for_not_started_again(early, gate, monkeypatch):
+    """The pool's thread takes a build out of the builds in flight when it ends; the first call's
+    prebuild, which looked at Triton's cache before that, must still wait for it, not build it again."""
+    made, _ = early
+    _, graph, args, sizes = first_graph_call(MlpNorm().eval(), INPUTS["contiguous"]())
+    assert len(made[0].futures) == 3 and not any(f.done() for f in made[0].futures)
+    specializations = prebuild.specializations
+
+    def then_the_builds_end(launches, kernels):
+        builds = specializations(launches, kernels)  # Triton's cache looked at: none there yet
+        gate.set()
+        ended(made[0].futures)
+        return builds
+
+    monkeypatch.setattr(prebuild, "specializations", then_the_builds_end)
+    before = gjit.stats().get("kernels_prebuilt", 0)
+    built = graph.prebuild(graph.call_fn(interpret=False), args, sizes)
+    assert not any(b.cached for b in built.builds)
+    assert gjit.stats().get("kernels_prebuilt", 0) == before, "an early build was started again"
+    assert {f for futures in built.futures.values() for f in futures} == set(made[0].futures)
+    built.wait()
+    assert first_launches(graph, args, sizes) == [True] * 3

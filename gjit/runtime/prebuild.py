@@ -361,6 +361,10 @@ def start(
     parallel = workers >= 2 and len(set(paths.values())) >= 2 and not _no_workers
     if not parallel and remote is None:
         return None
+    # the builds in workers now (early builds of this compile), taken before Triton's cache is looked
+    # at: one that ends in between (the pool's thread then drops it from `_building`) is waited
+    # for, done, instead of built again
+    building = _building.copy()
     launches, stopped = record_launches(call, list(paths), others, branches, inputs, sizes)
     if stopped:
         log.info(
@@ -374,8 +378,7 @@ def start(
         if remote is not None and b.entry and triton_binaries.fetch(remote, *b.entry, b.target)
     ]
     # a build a worker is already making (an early build of this compile): waited for, not repeated
-    building = [(b, _building.get(b.entry)) if b.entry and b not in fetched else (b, None) for b in todo]
-    joined = [(b, future) for b, future in building if future is not None]
+    joined = [(b, building[b.entry]) for b in todo if b.entry in building and b not in fetched]
     todo = [b for b in todo if b not in fetched and all(b is not j for j, _ in joined)]
     # in parallel; or one build, in a worker still when a remote cache is there to share its binary
     wanted = todo and ((parallel and len(todo) >= 2) or remote is not None)
