@@ -9,9 +9,10 @@ place a few times a second, cleared when the compile ends:
 Nothing otherwise: not a terminal (a pipe, a file, pytest's capture), the knob off, or a compile
 shorter than that. The compile's stages say where it is (`stage`: every stage the driver times,
 through `stats.timed`), the kernel builds how many are done (`building`, `built`: from any thread,
-as the prebuild's workers finish), tuning how far it is (`tuning`). A thread draws the line (so a
-long stage, export, shows too), under one lock with everything else here. One line per process: a
-compile inside another, or in another thread, shares the line, which goes when the last ends.
+as the workers finish; one an earlier compile started is not counted), tuning how far it is
+(`tuning`). A thread draws the line (so a long stage, export, shows too), under one lock with
+everything else here. One line per process: a compile inside another, or in another thread, shares
+the line, which goes when the last ends.
 gjit's log handler clears it before a record (the next tick draws it again), so logs read as ever.
 """
 
@@ -42,6 +43,10 @@ class _Line:
         self.stage = ""
         self.built = self.builds = 0
         self.tuned = self.tunings = 0
+        # the compiles the counts are of (one more each time a first one starts): a build started
+        # under another, earlier one (a torch.cond branch not taken, a choice tuning dropped) and
+        # ending now is not counted
+        self.session = 0
         self.stream: TextIO | None = None  # stderr when it is a terminal and the knob is on
         self.drawn = 0  # characters of the line on screen (0: none)
         self.stop: threading.Event | None = None  # the drawing thread's, while one runs
@@ -104,6 +109,7 @@ def compiling(label: str) -> Iterator[None]:
     with line.lock:
         line.depth += 1
         if line.depth == 1:
+            line.session += 1
             line.label, line.start, line.stage = label, time.monotonic(), ""
             line.built = line.builds = line.tuned = line.tunings = 0
             line.stream = _terminal()
@@ -138,17 +144,18 @@ def stage(name: str) -> None:
             _LINE.stage = name
 
 
-def building(kernels: int) -> None:
-    """`kernels` more kernel builds started."""
+def building(kernels: int) -> int:
+    """`kernels` more kernel builds started; what to hand `built` when each ends."""
     with _LINE.lock:
         if _LINE.depth:
             _LINE.builds += kernels
+        return _LINE.session
 
 
-def built() -> None:
-    """A kernel build finished (any thread)."""
+def built(session: int) -> None:
+    """A kernel build started in `session` (`building`'s) finished (any thread)."""
     with _LINE.lock:
-        if _LINE.depth:
+        if _LINE.depth and session == _LINE.session:
             _LINE.built += 1
 
 

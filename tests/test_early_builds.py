@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import gjit
-from gjit import driver
+from gjit import driver, progress
 from gjit.runtime import early_builds, prebuild
 from helpers import first_graph_call, kernel_launches, through_tritons_launcher
 
@@ -210,3 +210,25 @@ def test_a_build_ending_while_the_first_call_looks_is_waited_for_not_started_aga
     assert {f for futures in built.futures.values() for f in futures} == set(made[0].futures)
     built.wait()
     assert first_launches(graph, args, sizes) == [True] * 3
+
+
+def test_the_next_compiles_progress_line_counts_none_of_the_last_ones_builds(early, gate, monkeypatch):
+    """Builds that outlive their compile (a torch.cond branch not taken, a choice tuning dropped, a
+    launch foreseen wrong) are not the next compile's: its line must not say "built 3/0"."""
+    made, _ = early
+    first_graph_call(MlpNorm().eval(), INPUTS["contiguous"]())  # its three builds held in the workers
+    counts = []
+    generate = driver.generate_kernel
+
+    def at_the_first_kernel(*args, **kwargs):
+        if not counts:
+            gate.set()
+            ended(made[0].futures)  # the last compile's builds end during this one
+            counts.append((progress._LINE.built, progress._LINE.builds))
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(driver, "generate_kernel", at_the_first_kernel)
+    first_graph_call(
+        torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Softmax(-1)).eval(), torch.randn(8, 32)
+    )
+    assert counts == [(0, 0)]

@@ -105,8 +105,9 @@ def test_nested_and_threaded_compiles_share_one_line_with_builds_and_tuning(monk
             progress.stage("export")
             with progress.compiling("Inner"):  # a compile inside the outer one: the same line
                 progress.stage("codegen")
-                progress.building(2)
-                worker = threading.Thread(target=progress.built)  # a build's callback, in its thread
+                session = progress.building(2)
+                # a build's callback, in its thread
+                worker = threading.Thread(target=progress.built, args=(session,))
                 worker.start()
                 worker.join()
                 progress.tuning(1, 3)

@@ -463,8 +463,7 @@ def submit(
         _turn_off(f"starting build workers failed ({type(e).__name__}: {e})")
         note_failure("starting build workers", e)
         return None
-    progress.building(1)
-    future.add_done_callback(_progress_built)
+    future.add_done_callback(functools.partial(_progress_built, progress.building(1)))
     _pending.add(future)
     future.add_done_callback(_pending.discard)
     if b.entry is not None:
@@ -473,8 +472,8 @@ def submit(
     return future
 
 
-def _progress_built(future: concurrent.futures.Future) -> None:
-    progress.built()  # (in the pool's thread) the progress line counts it at its next tick
+def _progress_built(session: int, future: concurrent.futures.Future) -> None:
+    progress.built(session)  # (in the pool's thread) the progress line counts it at its next tick
 
 
 def _built(
