@@ -203,3 +203,46 @@ def test_the_flatten_on_every_calls_path_is_the_general_one(case):
     general: list = []
     assert context == (type(cache), kv_cache._state(vars(cache), general, [], ""))
     assert len(leaves) == len(general) and all(a is b for a, b in zip(leaves, general))
+
+
+class Window(enum.Enum):
+    SLIDING = 1
+    FULL = 2
+
+
+def masked(x):  # functions held by a cache's state: constants of its context
+    return x
+
+
+def unmasked(x):
+    return x
+
+
+@pytest.mark.parametrize("how", ["restore", "rebuild"])
+def test_a_constant_the_step_changes_is_replaced_not_adopted(how):
+    """An enum member, a function, an OrderedDict of a cache's state are values, as the flatten
+    keeps them (a constant of the context, a mapping): the caller's cache holds the returned one, as
+    in eager, and the old one is left alone (an enum member is the whole process's)."""
+    kv_cache.register_all()
+    given = dynamic(2, 4, 8)
+    given.window, given.layers[0].mask, given.layers[1].seen = (
+        Window.SLIDING,
+        masked,
+        collections.OrderedDict(a="x"),
+    )
+    returned = longer(given)
+    returned.window, returned.layers[0].mask = Window.FULL, unmasked
+    returned.layers[1].seen = collections.OrderedDict(a="y", b="z")
+    output = transformers.modeling_outputs.CausalLMOutputWithPast(
+        logits=torch.randn(1, 1, 50), past_key_values=returned
+    )
+    leaves, spec = pytree.tree_flatten(output)
+    aliases = cache_aliases.CacheAliases(pairs=[(OUT_PATH, IN_PATH)])
+    call = ((), {"past_key_values": given})
+    if how == "restore":
+        aliases.restore(*call, pytree.tree_unflatten(leaves, spec))
+    else:
+        aliases.rebuild(*call, leaves, spec)
+    assert (Window.SLIDING.name, Window.SLIDING.value) == ("SLIDING", 1), "an enum member was overwritten"
+    assert given.window is Window.FULL and given.layers[0].mask is unmasked
+    assert given.layers[1].seen == collections.OrderedDict(a="y", b="z")

@@ -18,7 +18,14 @@ import torch
 import torch.utils._pytree as pytree
 
 from gjit import logs
-from gjit.capture.kv_cache import build_state, cache_paths, flatten_cache, lookup, unflatten_cache
+from gjit.capture.kv_cache import (
+    build_state,
+    cache_paths,
+    flatten_cache,
+    is_state_object,
+    lookup,
+    unflatten_cache,
+)
 
 log = logs.logger("capture")
 
@@ -151,12 +158,10 @@ def adopt(target: Any, source: Any) -> None:
 
 
 def _same_shape_object(old: Any, new: Any) -> bool:
-    return (
-        old is not None
-        and type(old) is type(new)
-        and hasattr(old, "__dict__")
-        and not isinstance(old, (torch.Tensor, type))
-    )
+    """Whether `old` takes `new`'s state in place: two objects of one class whose state the flatten
+    looks into (a cache layer). A constant of the context (an enum member, a function) or a mapping
+    is a value, replaced whole: adopting it would rewrite a process-wide object."""
+    return old is not None and type(old) is type(new) and is_state_object(old)
 
 
 def _replace(tree: Any, path: tuple, value: Any) -> Any:

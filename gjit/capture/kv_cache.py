@@ -210,6 +210,17 @@ def _plain_object(value: Any) -> bool:
     )
 
 
+def is_state_object(value: Any) -> bool:
+    """Whether the flatten looks into `value`'s state (an "object" of the context: a cache layer, a
+    nested cache), rather than keeping it as a leaf, a sequence, a mapping or a constant."""
+    kind = type(value)
+    return (
+        kind not in (int, list, tuple, dict, collections.OrderedDict)
+        and not isinstance(value, _LEAF_TYPES)
+        and _plain_object(value)
+    )
+
+
 def build_state(context: Any, leaves) -> Any:
     tag = context[0]
     if tag == "leaf":
