@@ -5,6 +5,7 @@ kernel of the real first call in Triton's on-disk cache, where the workers put i
 
 import multiprocessing
 import sys
+import threading
 import time
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 import gjit
 from gjit import driver, progress
-from gjit.runtime import early_builds, prebuild
+from gjit.runtime import early_builds, interpret, prebuild
 from helpers import first_graph_call, kernel_launches, through_tritons_launcher
 
 pytestmark = pytest.mark.compile_only
@@ -232,3 +233,26 @@ def test_the_next_compiles_progress_line_counts_none_of_the_last_ones_builds(ear
         torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Softmax(-1)).eval(), torch.randn(8, 32)
     )
     assert counts == [(0, 0)]
+
+
+def test_workers_forked_while_another_thread_interprets_kernels_still_build(early):
+    """A thread running kernels in Triton's interpreter has `tl`'s helpers (tl.sum, ...) swapped
+    for interpreted ones; build workers forked meanwhile must build with Triton's own."""
+    made, _ = early
+    inside = threading.Event()
+
+    def interpreting():  # until the compile below has handed its three builds to forked workers
+        with interpret.stdlib_interpreted():
+            inside.set()
+            deadline = time.monotonic() + 30
+            while not (made and made[0] and len(made[0].futures) == 3) and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    other = threading.Thread(target=interpreting)
+    other.start()
+    inside.wait(30)
+    _, graph, args, sizes = first_graph_call(MlpNorm().eval(), INPUTS["contiguous"]())
+    other.join()
+    made[0].wait()
+    assert [f.exception() for f in made[0].futures] == [None] * 3
+    assert first_launches(graph, args, sizes) == [True] * 3

@@ -162,8 +162,11 @@ _INSTALLING = threading.Lock()  # not _INTERPRETER: a load (holding graph.LOAD_L
 
 
 def _after_fork_in_child() -> None:
-    """A fork has no interpreted run in progress (the thread that ran one is not in it)."""
+    """A fork has no interpreted run in progress (the thread that ran one is not in it), so `tl`'s
+    helpers are Triton's own again: a build worker forked meanwhile compiles them for a GPU."""
     global _INTERPRETER, _depth
+    if _depth:
+        _put_back_stdlib()
     _INTERPRETER, _depth = threading.RLock(), 0
 
 
@@ -211,8 +214,14 @@ def _swapped_stdlib() -> Iterator[None]:
         yield
     finally:
         interpreter_builder.options = options
-        for name, (original, _) in _STDLIB.items():
-            setattr(tl, name, original)
+        _put_back_stdlib()
+
+
+def _put_back_stdlib() -> None:
+    import triton.language as tl
+
+    for name, (original, _) in _STDLIB.items():
+        setattr(tl, name, original)
 
 
 def create_assert(self, condition, message):
