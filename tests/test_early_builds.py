@@ -10,10 +10,12 @@ import time
 
 import pytest
 import torch
+import triton
 
 import gjit
 from gjit import driver, progress
 from gjit.runtime import early_builds, interpret, prebuild
+from gjit.runtime import graph as graph_module
 from helpers import first_graph_call, kernel_launches, through_tritons_launcher
 
 pytestmark = pytest.mark.compile_only
@@ -36,6 +38,7 @@ def gate(monkeypatch):
     monkeypatch.setattr(prebuild, "build_one", gated_build)
     yield opened
     opened.set()
+    ended(list(prebuild._pending))  # none ends in the next test, whose Triton cache is another folder
 
 
 def ended(futures) -> None:
@@ -253,6 +256,33 @@ def test_workers_forked_while_another_thread_interprets_kernels_still_build(earl
     inside.wait(30)
     _, graph, args, sizes = first_graph_call(MlpNorm().eval(), INPUTS["contiguous"]())
     other.join()
+    made[0].wait()
+    assert [f.exception() for f in made[0].futures] == [None] * 3
+    assert first_launches(graph, args, sizes) == [True] * 3
+
+
+def test_workers_forked_while_another_thread_loads_an_interpreted_kernel_still_build(early, monkeypatch):
+    """An interpreted load sets Triton's process-wide `runtime.interpret` while it imports (holding
+    LOAD_LOCK, which the compile does not hold when it forks): the workers must build GPU kernels."""
+    made, _ = early
+    loading = threading.Event()
+    specializations = prebuild.specializations
+
+    def load_interpreted():
+        with graph_module.LOAD_LOCK, triton.knobs.runtime.scope():
+            triton.knobs.runtime.interpret = True
+            loading.set()
+            time.sleep(1.0)
+
+    def then_another_thread_loads(launches, kernels):
+        builds = specializations(launches, kernels)
+        if not loading.is_set():  # before the first build's workers fork
+            threading.Thread(target=load_interpreted).start()
+            loading.wait(30)
+        return builds
+
+    monkeypatch.setattr(prebuild, "specializations", then_another_thread_loads)
+    _, graph, args, sizes = first_graph_call(MlpNorm().eval(), INPUTS["contiguous"]())
     made[0].wait()
     assert [f.exception() for f in made[0].futures] == [None] * 3
     assert first_launches(graph, args, sizes) == [True] * 3

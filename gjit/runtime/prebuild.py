@@ -235,6 +235,7 @@ def build_one(path: str, name: str, data: str, target: tuple) -> float:
 
     start = time.perf_counter()
     triton.knobs.runtime.jit_cache_hook = None  # the parent's, inherited by the fork
+    triton.knobs.runtime.interpret = False  # set by an interpreted load in another thread at the fork
     gpu = GPUTarget(*target)
     driver.set_active(TargetDriver(gpu))
     spec = json.loads(data)
