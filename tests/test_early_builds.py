@@ -286,3 +286,17 @@ def test_workers_forked_while_another_thread_loads_an_interpreted_kernel_still_b
     made[0].wait()
     assert [f.exception() for f in made[0].futures] == [None] * 3
     assert first_launches(graph, args, sizes) == [True] * 3
+
+
+def test_the_first_call_of_a_graph_with_one_kernel_waits_for_its_early_build(early, gate):
+    """One kernel file (here three layers of one code) builds nothing in parallel at the first call,
+    but its early build, still running, is waited for rather than compiled again at the launch."""
+    made, _ = early
+    with gjit.config.scope(matmul="aten"):
+        _, graph, args, sizes = first_graph_call(Layers().eval(), torch.randn(4, 8, 32))
+    assert len(made[0].futures) == 1 and not made[0].futures[0].done()
+    built = graph.prebuild(graph.call_fn(interpret=False), args, sizes)
+    assert built is not None and [f for fs in built.futures.values() for f in fs] == made[0].futures
+    gate.set()
+    built.wait()
+    assert first_launches(graph, args, sizes) == [True]

@@ -350,7 +350,7 @@ def start(
     """Prebuild the kernels of the device wrapper `call` for its first call (`inputs`, `sizes`).
     `kernels`: each Triton kernel's name in the wrapper -> its JITFunction, `paths` -> its source
     file; `others`: the CUDA C kernels' names; `branches`: the torch.cond branch runners'. None
-    when there is nothing to build in parallel or nothing to share."""
+    when there is nothing to build in parallel, to share or to wait for."""
     workers = min(config.compile_workers if workers is None else workers, MAX_WORKERS)
     missing = unavailable()
     if missing:
@@ -360,12 +360,12 @@ def start(
         return None
     remote = remote_cache.current()
     parallel = workers >= 2 and len(set(paths.values())) >= 2 and not _no_workers
-    if not parallel and remote is None:
-        return None
     # the builds in workers now (early builds of this compile), taken before Triton's cache is looked
     # at: one that ends in between (the pool's thread then drops it from `_building`) is waited
-    # for, done, instead of built again
+    # for, done, instead of built again; also by a graph of one kernel, which builds nothing here
     building = _building.copy()
+    if not parallel and remote is None and not building:
+        return None
     launches, stopped = record_launches(call, list(paths), others, branches, inputs, sizes)
     if stopped:
         log.info(
