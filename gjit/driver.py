@@ -430,7 +430,7 @@ def generate_kernels(
     regions = [s for s in steps if isinstance(s, Region)]
     for r in regions:
         fusion_log.info("region: %s (stores %s)", ", ".join(n.name for n in r.inlined + r.nodes), r.stores)
-    early = early_builds.start(loop_graph, hints)  # on a GPU: each kernel's build starts now
+    early = early_builds.start(loop_graph, hints, len(regions))  # on a GPU: each kernel's build starts now
     kernels = []
     try:
         for k, r in enumerate(regions):

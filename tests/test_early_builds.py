@@ -86,8 +86,8 @@ def early(sm90, monkeypatch):
     made, started = [], []
     start, generate = early_builds.start, driver.generate_kernel
 
-    def spy_start(graph, hints):
-        made.append(start(graph, hints))
+    def spy_start(graph, hints, kernels):
+        made.append(start(graph, hints, kernels))
         return made[-1]
 
     def spy_generate(*args, **kwargs):
@@ -179,6 +179,14 @@ def test_one_worker_and_no_remote_cache_start_no_early_build(early):
     with gjit.config.scope(compile_workers=1):
         first_graph_call(MlpNorm().eval(), INPUTS["contiguous"]())
     assert made == [None]
+
+
+def test_a_graph_of_few_kernels_forks_no_more_workers_than_it_has_kernels(early):
+    made, _ = early
+    with gjit.config.scope(compile_workers=8):
+        first_graph_call(MlpNorm().eval(), INPUTS["contiguous"]())
+    made[0].wait()
+    assert made[0].workers == 3 and made[0].pool._max_workers == 3
 
 
 def test_an_early_build_that_fails_leaves_the_compile_alone(early, monkeypatch):

@@ -53,15 +53,17 @@ def wanted(graph: LoopGraph) -> bool:
     return device.type == "cuda" and not config.interpret
 
 
-def start(graph: LoopGraph, hints: dict[sympy.Symbol, int]) -> EarlyBuilds | None:
-    """The early builds of `graph`'s kernels at the example's sizes `hints`, or None where there
-    is nothing to start (not on a GPU, one worker and no remote cache, prebuilds off)."""
+def start(graph: LoopGraph, hints: dict[sympy.Symbol, int], kernels: int) -> EarlyBuilds | None:
+    """The early builds of `graph`'s `kernels` kernels at the example's sizes `hints`, or None
+    where there is nothing to start (not on a GPU, one worker and no remote cache, prebuilds
+    off). Its workers are at most one per kernel: a forked pool starts them all at its first
+    build, and a torch.cond branch's or tuning's program of a few kernels opens a pool of its own."""
     if not wanted(graph) or prebuild.unavailable():
         return None
     remote = remote_cache.current()
-    workers = min(config.compile_workers, prebuild.MAX_WORKERS)
-    if workers < 2 and remote is None:
+    if config.compile_workers < 2 and remote is None:
         return None
+    workers = max(1, min(config.compile_workers, prebuild.MAX_WORKERS, kernels))
     return EarlyBuilds(graph, hints, workers, remote)
 
 
