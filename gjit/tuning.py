@@ -42,7 +42,7 @@ from gjit.codegen.common import KernelSource
 from gjit.codegen.share import code_text
 from gjit.fusion.regions import Region
 from gjit.runtime import interpret as interpret_libdevice
-from gjit.runtime.graph import KERNEL_PRELUDE, CompiledGraph, load_kernel, write_source
+from gjit.runtime.graph import CompiledGraph, load_kernel, write_kernel
 from gjit.wrapper import PADDED_PRODUCTS
 
 log = logs.logger("tuning")
@@ -238,7 +238,7 @@ def describe(kernel: KernelSource) -> str:
 
 def loaded(kernel: KernelSource, launch: Launch) -> Any:
     """The kernel's @triton.jit function: compiled for the launch's device, else interpreted."""
-    path = write_source("kernels", kernel.name, KERNEL_PRELUDE + kernel.source)
+    path = write_kernel(kernel)
     return load_kernel(path, kernel.name, interpret=not launch.inputs[0].is_cuda)
 
 
