@@ -48,8 +48,9 @@
                                                          same inputs, report the error per kernel
     gjit.config.dump_dir              GJIT_DUMP_DIR      write every compile stage of each entry here
     gjit.config.compile_workers       GJIT_COMPILE_WORKERS  processes that build kernel binaries for a GPU
-                                                         target at once: gjit.aot, and a graph's first
-                                                         call on a GPU (default: usable CPUs)
+                                                         target at once: gjit.aot, and on a GPU from
+                                                         codegen and a graph's first call (default:
+                                                         usable CPUs)
     gjit.config.prebound_launches     GJIT_PREBOUND_LAUNCHES=0  on a GPU, launch every kernel through
                                                          Triton's JITFunction.run instead of the compiled
                                                          kernel bound at its first launch (A/B timing)
@@ -276,7 +277,8 @@ class Config:
         "GJIT_COMPILE_WORKERS",
         _env_int("GJIT_COMPILE_WORKERS", _usable_cpus()),
         "worker processes that build a graph's kernel binaries for a GPU target at once, for gjit.aot and "
-        "at a graph's first call on a GPU (gjit/runtime/prebuild.py; 1: built in process, one by one)",
+        "on a GPU from codegen and the graph's first call (gjit/runtime/early_builds.py, prebuild.py; "
+        "1: built in process, one by one)",
     )
 
     prebound_launches = _Knob(
