@@ -11,12 +11,13 @@ import time
 import pytest
 import torch
 import triton
+from test_prebuild import INPUTS, MlpNorm, jit_first_launches
 
 import gjit
 from gjit import driver, progress
 from gjit.runtime import early_builds, interpret, prebuild
 from gjit.runtime import graph as graph_module
-from helpers import first_graph_call, kernel_launches, through_tritons_launcher
+from helpers import first_graph_call
 
 pytestmark = pytest.mark.compile_only
 
@@ -49,19 +50,6 @@ def ended(futures) -> None:
     while any(f in prebuild._pending or f in prebuild._building.values() for f in futures):
         assert time.monotonic() < deadline
         time.sleep(0.01)
-
-
-class MlpNorm(torch.nn.Module):
-    """Three kernels: a matmul with its epilogue, a row reduction, a column reduction."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(32, 64)
-        self.norm = torch.nn.LayerNorm(64)
-
-    def forward(self, x):
-        h = torch.nn.functional.gelu(self.fc(x))
-        return self.norm(h).softmax(-1), (h * 2).sum(0)
 
 
 class Layers(torch.nn.Module):
@@ -102,15 +90,7 @@ def early(sm90, monkeypatch):
 def first_launches(graph, args, sizes) -> list[bool]:
     """Each kernel launch of the real call through Triton's launcher: found in Triton's cache (True)
     or compiled at the launch (False)."""
-    namespace = graph.call_fn(interpret=False).__globals__
-    return through_tritons_launcher(namespace, kernel_launches(graph, args, sizes))
-
-
-INPUTS = {
-    "contiguous": lambda: torch.randn(3, 40, 32),
-    "unaligned view": lambda: torch.randn(3, 40, 33)[..., 1:],  # 4 bytes past an aligned address
-    "size-1 batch": lambda: torch.randn(1, 16, 32),  # sizes of 1 and multiples of 16
-}
+    return jit_first_launches(graph, args, sizes, graph.call_fn(interpret=False).__globals__)
 
 
 @pytest.mark.parametrize("inputs", list(INPUTS))

@@ -262,4 +262,4 @@ def _taken(old: Any, context: Any, leaves: Iterator) -> Any:
 
 def _same_class_object(old: Any, cls: type) -> bool:
     """`_same_shape_object(old, new)` for a new object of class `cls`."""
-    return type(old) is cls and hasattr(old, "__dict__") and not isinstance(old, torch.Tensor)
+    return type(old) is cls and is_state_object(old)

@@ -97,10 +97,10 @@ class EarlyBuilds:
             log.info("gjit: early builds stop at %s (%s); the first call prebuilds", kernel.name, self.failed)
 
     def _add(self, kernel: KernelSource) -> None:
-        name, path = self.first.setdefault(code_key(kernel), (kernel.name, ""))
-        if not path:
-            path = write_kernel(kernel)
-            self.first[code_key(kernel)] = (name, path)
+        key = code_key(kernel)
+        if key not in self.first:
+            self.first[key] = (kernel.name, write_kernel(kernel))
+        name, path = self.first[key]
         launch = self.launch(kernel)
         if launch is None:
             return

@@ -380,7 +380,8 @@ def start(
     ]
     # a build a worker is already making (an early build of this compile): waited for, not repeated
     joined = [(b, building[b.entry]) for b in todo if b.entry in building and b not in fetched]
-    todo = [b for b in todo if b not in fetched and all(b is not j for j, _ in joined)]
+    waited = {id(b) for b, _ in joined}
+    todo = [b for b in todo if b not in fetched and id(b) not in waited]
     # in parallel; or one build, in a worker still when a remote cache is there to share its binary
     wanted = todo and ((parallel and len(todo) >= 2) or remote is not None)
     futures = _submit(todo, paths, max(1, min(workers, len(todo))), remote) if wanted else {}
