@@ -5,6 +5,7 @@ launched and its output compared with the first's) and the test says what each m
 returns, so the decisions are known."""
 
 import pytest
+import sympy
 import torch
 import torch.nn.functional as F
 
@@ -210,6 +211,41 @@ def test_attention_configurations_are_measured_too(measured):
     line = next(m for m in gjit.explain(cm, q, k, v).matmuls if "ms by tiles" in m)
     assert "not tuned" not in line and "does not build" not in line, line
 
+
+
+def test_what_is_timed_is_the_launch_alone(measured, monkeypatch):
+    """A measured call evaluates no size expression: on a GPU the host's sympy work inside the
+    timed call (0.1-0.4 ms) was counted as the kernel's time, and short templates lost to ATen
+    for it. Each timed call here launches its kernel (the interpreter runs it) and counts the
+    sympy substitutions it makes: none."""
+    times, calls = measured
+    substitutions: list[int] = []
+    real_subs = sympy.Basic.subs
+
+    def counted(self, *args, **kwargs):
+        substitutions[-1] += 1
+        return real_subs(self, *args, **kwargs)
+
+    fake = tuning.bench
+
+    def bench(fn, what):
+        substitutions.append(0)
+        monkeypatch.setattr(sympy.Basic, "subs", counted)
+        try:
+            return fake(fn, what)
+        finally:
+            monkeypatch.setattr(sympy.Basic, "subs", real_subs)
+
+    monkeypatch.setattr(tuning, "bench", bench)
+    q, k, v = (torch.randn(2, 3, 40, 16) for _ in range(3))
+    fn = F.scaled_dot_product_attention
+    cm = gjit.compile(fn, dynamic=True)
+    configs = len(attention_configs(40, 40, 16, 16, torch.float32))
+    times += [1.0] * configs + [2.0]
+    out, _ = run_compiled(cm, q, k, v)
+    assert_same(out, fn(q, k, v))
+    assert len(calls) == configs + 1 and not times
+    assert substitutions == [0] * (configs + 1), substitutions
 
 def test_measuring_runs_leave_an_input_written_in_place_as_one_call_does(measured):
     """Tuning runs the program on the call's own inputs (no copies of the weights): the index
