@@ -49,6 +49,28 @@ def test_a_row_major_right_operand_is_padded_along_its_columns():
     torch.testing.assert_close(padded_mm.mm(a, b), a @ b, rtol=2e-3, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows, n, pitch", [(5, 257, 264), (1, 300, 304), (0, 257, 264), (3, 1030, 1040)])
+def test_the_copy_out_takes_each_rows_first_columns_bit_for_bit(dtype, rows, n, pitch):
+    """kernels/column_copy.py (interpreted here): NaN, infinities and signed zeros copied as they
+    are; rows past a block boundary and a row shorter than a block; no rows at all."""
+    padded = torch.randn(rows, pitch).to(dtype)
+    if rows:
+        padded[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+    out = padded_mm.first_columns(padded, n)
+    assert out.is_contiguous() and out.shape == (rows, n)
+    assert torch.equal(out.view(torch.int16), padded[:, :n].contiguous().view(torch.int16))
+
+
+def test_the_copy_out_with_int64_offsets_computes_the_same():
+    """The branch for outputs of 2**31 elements or more, run on a small one."""
+    padded = torch.randn(7, 72, dtype=torch.float16)
+    out = torch.empty(7, 65, dtype=torch.float16)
+    kernel = padded_mm._copy_kernel(on_gpu=False)
+    kernel[(1,)](padded, out, out.numel(), N=65, PITCH=72, BLOCK=padded_mm.COPY_BLOCK, WIDE=True)
+    assert torch.equal(out, padded[:, :65])
+
+
 def test_what_is_padded():
     cuda = torch.device("cuda")
     dynamic = ShapeEnv().create_unbacked_symint()

@@ -13,16 +13,14 @@ import functools
 import math
 import os
 import threading
-import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import triton
 
 from gjit import logs
 from gjit.codegen.common import KernelSource, next_power_of_2
-from gjit.codegen.toolchain.files import import_file, write_source
+from gjit.codegen.toolchain.files import write_source
 from gjit.codegen.triton.pointwise import KERNEL_PRELUDE
 from gjit.config import config
 from gjit.lowering.templates import TemplateChoice
@@ -39,14 +37,7 @@ cache_log = logs.logger("cache")
 # ----------------------------------------------------------------------------------------------
 
 
-def load_module(path: str, extra: dict[str, Any] | None = None, interpret: bool = False) -> types.ModuleType:
-    """Import a generated file; with `interpret`, its @triton.jit kernels become interpreted."""
-    if not interpret:
-        return import_file(path, extra)
-    interpret_libdevice.install()
-    with triton.knobs.runtime.scope():
-        triton.knobs.runtime.interpret = True
-        return import_file(path, extra, suffix="_interp")
+load_module = interpret_libdevice.load_module  # a generated file imported, for a GPU or interpreted
 
 
 # ----------------------------------------------------------------------------------------------

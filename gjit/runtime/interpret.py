@@ -6,6 +6,7 @@ the interpreter's builder an implementation of `create_extern_elementwise` that 
 libdevice symbol to the same function evaluated by torch in float64 and rounded to the
 argument's precision. The kernel source is unchanged: what the tests run is what a GPU runs,
 and `tests/test_interpret_libdevice.py` checks these stand-ins against float64 references.
+`load_module` imports a kernel file either way.
 """
 
 from __future__ import annotations
@@ -17,10 +18,15 @@ import dataclasses
 import functools
 import os
 import threading
+import types
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
+import triton
+
+from gjit.codegen.toolchain.files import import_file
 
 
 @functools.cache
@@ -309,3 +315,13 @@ def _install() -> None:
             setattr(interpreter.InterpreterBuilder, name, _boolean_result(compare))
     if not getattr(interpreter._patch_lang, "gjit_libdevice", False):
         interpreter._patch_lang = _patch_lang_with_libdevice(interpreter._patch_lang)
+
+
+def load_module(path: str, extra: dict[str, Any] | None = None, interpret: bool = False) -> types.ModuleType:
+    """Import a generated file; with `interpret`, its @triton.jit kernels become interpreted."""
+    if not interpret:
+        return import_file(path, extra)
+    install()
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = True
+        return import_file(path, extra, suffix="_interp")

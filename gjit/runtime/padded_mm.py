@@ -9,7 +9,8 @@ aligned one that torch.compile's program ran (bench/models_gpu.py, 2026-11-28).
 The wrapper calls these instead of `aten.mm` / `aten.addmm` where the output's N is static and
 misaligned (`gjit.wrapper.pads_product`): the right operand (and a bias) gets zero columns up to
 `padded_columns`, the product runs aligned, and its first N columns are copied out to the layout
-eager returns. (Writing the product into a padded view through `out=` does not help: ATen computes
+eager returns by kernels/column_copy.py (ATen's copy of the strided view took 0.48 ms for those
+logits, 1.7 TB/s). (Writing the product into a padded view through `out=` does not help: ATen computes
 into a contiguous buffer and copies, the same slow kernel; measured on the H200.) Products of few
 rows keep ATen's own call: their kernels (gemv) do not mind the alignment, and the copies would
 cost more than they save.
@@ -17,12 +18,21 @@ cost more than they save.
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+import triton
 
+from gjit.kernels import column_copy
+from gjit.runtime.interpret import load_module
 from gjit.wrapper import padded_columns
 
 LEAST_ROWS = 128  # fewer output rows: ATen's own call
+COPY_BLOCK = 1024  # output elements per program of the copy out (Inductor's XBLOCK for a copy)
+_LOADING = threading.Lock()
+_INTERPRETED: list[Any] = []  # the copy kernel for CPU tensors (tests), loaded once
 
 
 def _extra_columns(b: torch.Tensor) -> int:
@@ -42,7 +52,7 @@ def _padded_operand(b: torch.Tensor) -> torch.Tensor:
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.shape[0] < LEAST_ROWS:
         return torch.ops.aten.mm.default(a, b)
-    return torch.mm(a, _padded_operand(b))[:, : b.shape[1]].contiguous()
+    return first_columns(torch.mm(a, _padded_operand(b)), b.shape[1])
 
 
 def addmm(
@@ -51,4 +61,29 @@ def addmm(
     if a.shape[0] < LEAST_ROWS or bias.dim() != 1 or bias.shape[0] != b.shape[1]:
         return torch.ops.aten.addmm.default(bias, a, b, beta=beta, alpha=alpha)
     out = torch.addmm(F.pad(bias, (0, _extra_columns(b))), a, _padded_operand(b), beta=beta, alpha=alpha)
-    return out[:, : b.shape[1]].contiguous()
+    return first_columns(out, b.shape[1])
+
+
+def first_columns(padded: torch.Tensor, n: int) -> torch.Tensor:
+    """The first `n` columns of a row-major [M, P] product, contiguous (kernels/column_copy.py:
+    on a GPU compiled, on CPU tensors interpreted, as gjit's kernels run there)."""
+    rows, pitch = padded.shape[0], padded.stride(0)
+    assert padded.dim() == 2 and padded.stride(1) == 1, padded.stride()
+    out = torch.empty((rows, n), dtype=padded.dtype, device=padded.device)
+    numel = out.numel()
+    if numel == 0:
+        return out
+    grid = (triton.cdiv(numel, COPY_BLOCK),)
+    _copy_kernel(padded.is_cuda)[grid](
+        padded, out, numel, N=n, PITCH=pitch, BLOCK=COPY_BLOCK, WIDE=numel >= 2**31, num_warps=4
+    )
+    return out
+
+
+def _copy_kernel(on_gpu: bool) -> Any:
+    if on_gpu:
+        return column_copy.copy_columns
+    with _LOADING:
+        if not _INTERPRETED:
+            _INTERPRETED.append(load_module(column_copy.__file__, interpret=True).copy_columns)
+    return _INTERPRETED[0]
