@@ -35,6 +35,7 @@ PADDED_PRODUCTS = {
     torch.ops.aten.mm.default: "gjit_padded_mm",
     torch.ops.aten.addmm.default: "gjit_padded_addmm",
 }
+COLUMN_COPY = "gjit_column_copy"  # kernels/column_copy.py's kernel, as padded products take it
 MASK_DTYPES = (torch.float16, torch.bfloat16)  # the fused attention kernels'; float32 keeps eager's call
 MASK_DEVICES = {"cuda"}
 # externs whose result is always a new contiguous tensor (ATen's, and padded_mm's), so that a view
@@ -260,7 +261,10 @@ class WrapperWriter:
         args += [f"{k}={self.arg(v)}" for k, v in node.kwargs.items()]
         if returns_fresh(node.target):
             self.fresh.add(len(self.lines))
-        self.lines.append(f"{node.name} = {self.callee(node)}({', '.join(args)})")
+        callee = self.callee(node)
+        if callee in PADDED_PRODUCTS.values():  # its copy out: a kernel the graph loads and prebuilds
+            args.append(f"copy={COLUMN_COPY}")
+        self.lines.append(f"{node.name} = {callee}({', '.join(args)})")
         self.defined.add(node.name)
 
     def boolean_mask(self, node: torch.fx.Node) -> bool:

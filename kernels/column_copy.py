@@ -1,11 +1,14 @@
 """The first N columns of a row-major [M, PITCH] tensor into a contiguous [M, N] one.
 
 gjit/runtime/padded_mm.py computes a product whose rows would be misaligned into PITCH >= N
-columns and copies its N columns out with this kernel. ATen's copy of that strided view runs its
-generic elementwise kernel, one element per load and store: 0.48 ms for GPT-2's 4096 x 50257
-fp16 logits on an H200 (1.7 TB/s). Here each program writes BLOCK consecutive elements of the
-output (stores of 16 bytes: the output and BLOCK are aligned) and reads them through the row
-and column of each (N and PITCH are compile-time constants: the division is a multiply).
+columns and copies its N columns out with this kernel, which the wrapper hands it by name
+(`copy=gjit_column_copy`: the first call's prebuild builds it with the graph's kernels).
+
+ATen's copy of that strided view runs its generic elementwise kernel, one element per load and
+store: 0.48 ms for GPT-2's 4096 x 50257 fp16 logits on an H200 (1.7 TB/s). Here each program
+writes BLOCK consecutive elements of the output (stores of 16 bytes: the output and BLOCK are
+aligned) and reads them through the row and column of each (N and PITCH are compile-time
+constants: the division is a multiply).
 """
 
 import triton
@@ -13,7 +16,7 @@ import triton.language as tl
 
 
 @triton.jit
-def copy_columns(src, dst, numel, N: tl.constexpr, PITCH: tl.constexpr, BLOCK: tl.constexpr,
+def gjit_column_copy(src, dst, numel, N: tl.constexpr, PITCH: tl.constexpr, BLOCK: tl.constexpr,
                  WIDE: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     if WIDE:  # numel >= 2**31: int64 offsets

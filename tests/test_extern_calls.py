@@ -13,6 +13,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 import gjit
 from gjit import tuning, wrapper
 from gjit.runtime import attention_masks, padded_mm
+from gjit.runtime.graph import LIBRARY_KERNELS, load_kernel
 from helpers import assert_same, check, run_compiled
 
 pytestmark = pytest.mark.cpu
@@ -22,6 +23,11 @@ pytestmark = pytest.mark.cpu
 def on_cpu(monkeypatch):
     monkeypatch.setattr(wrapper, "PAD_DEVICES", {"cuda", "cpu"})
     monkeypatch.setattr(wrapper, "MASK_DEVICES", {"cuda", "cpu"})
+
+
+def copy_kernel():
+    """kernels/column_copy.py's kernel as a CPU graph loads it: interpreted."""
+    return load_kernel(LIBRARY_KERNELS[wrapper.COLUMN_COPY], wrapper.COLUMN_COPY, interpret=True)
 
 
 def wrapper_source(cm: gjit.CompiledFunction) -> str:
@@ -43,10 +49,10 @@ def test_a_row_major_right_operand_is_padded_along_its_columns():
     a = torch.randn(padded_mm.LEAST_ROWS, 24, dtype=torch.float16)
     b = torch.randn(24, 257, dtype=torch.float16)  # [K, N] as it is in memory
     bias = torch.randn(257, dtype=torch.float16)
-    out = padded_mm.addmm(bias, a, b, beta=0.5, alpha=2.0)
+    out = padded_mm.addmm(bias, a, b, beta=0.5, alpha=2.0, copy=copy_kernel())
     assert out.is_contiguous() and out.shape == (padded_mm.LEAST_ROWS, 257)
     torch.testing.assert_close(out, torch.addmm(bias, a, b, beta=0.5, alpha=2.0), rtol=2e-3, atol=2e-2)
-    torch.testing.assert_close(padded_mm.mm(a, b), a @ b, rtol=2e-3, atol=2e-2)
+    torch.testing.assert_close(padded_mm.mm(a, b, copy=copy_kernel()), a @ b, rtol=2e-3, atol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -57,7 +63,7 @@ def test_the_copy_out_takes_each_rows_first_columns_bit_for_bit(dtype, rows, n, 
     padded = torch.randn(rows, pitch).to(dtype)
     if rows:
         padded[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
-    out = padded_mm.first_columns(padded, n)
+    out = padded_mm.first_columns(padded, n, copy_kernel())
     assert out.is_contiguous() and out.shape == (rows, n)
     assert torch.equal(out.view(torch.int16), padded[:, :n].contiguous().view(torch.int16))
 
@@ -66,8 +72,7 @@ def test_the_copy_out_with_int64_offsets_computes_the_same():
     """The branch for outputs of 2**31 elements or more, run on a small one."""
     padded = torch.randn(7, 72, dtype=torch.float16)
     out = torch.empty(7, 65, dtype=torch.float16)
-    kernel = padded_mm._copy_kernel(on_gpu=False)
-    kernel[(1,)](padded, out, out.numel(), N=65, PITCH=72, BLOCK=padded_mm.COPY_BLOCK, WIDE=True)
+    copy_kernel()[(1,)](padded, out, out.numel(), N=65, PITCH=72, BLOCK=padded_mm.COPY_BLOCK, WIDE=True)
     assert torch.equal(out, padded[:, :65])
 
 

@@ -16,9 +16,9 @@ import torch
 import triton
 
 import gjit
-from gjit import tuning
+from gjit import tuning, wrapper
 from gjit.runtime import graph as graph_module
-from gjit.runtime import package, prebuild, triton_binaries
+from gjit.runtime import package, padded_mm, prebuild, triton_binaries
 from helpers import first_graph_call, kernel_launches, through_tritons_launcher
 
 pytestmark = pytest.mark.compile_only
@@ -124,6 +124,28 @@ def test_the_fake_run_goes_on_past_views_built_from_their_traced_layout(sm90):
     assert built is not None and not built.stopped, built
     built.wait()  # its builds end in this test's Triton cache (a later test's predicts entries)
     assert [launch.name for launch in built.launches] == [k.name for k in graph.kernels]
+
+
+def test_a_padded_products_copy_out_is_prebuilt_with_the_graphs_kernels(sm90, monkeypatch):
+    """A product padded for the tensor cores (gjit/runtime/padded_mm.py) hands its copy out to
+    kernels/column_copy.py's kernel by name: the fake run records that launch, a worker builds it,
+    and the real launch (its own tensors) finds the binary."""
+    monkeypatch.setattr(wrapper, "PAD_DEVICES", {"cuda", "cpu"})
+    model = torch.nn.Sequential(torch.nn.Linear(48, 300), torch.nn.GELU()).to(torch.bfloat16)
+    rows = padded_mm.LEAST_ROWS + 5
+    with gjit.config.scope(matmul="aten"):
+        graph, args, sizes = first_call(model, torch.randn(rows, 48, dtype=torch.bfloat16))
+    assert f"copy={wrapper.COLUMN_COPY})" in graph.wrapper_source
+    call = graph.call_fn(interpret=False)
+    built = graph.prebuild(call, args, sizes)
+    assert built is not None and not built.stopped, built
+    assert [launch.name for launch in built.launches] == [wrapper.COLUMN_COPY, graph.kernels[0].name]
+    assert {b.name for b in built.builds} == {wrapper.COLUMN_COPY, graph.kernels[0].name}
+    built.wait()
+    padded, out = torch.empty(rows, 304, dtype=torch.bfloat16), torch.empty(rows, 300, dtype=torch.bfloat16)
+    (grid, kwargs) = next((x.grid, x.kwargs) for x in built.launches if x.name == wrapper.COLUMN_COPY)
+    launch = (wrapper.COLUMN_COPY, grid, (padded, out, out.numel()), kwargs)
+    assert through_tritons_launcher(call.__globals__, [launch]) == [True]
 
 
 class Kernel:

@@ -23,12 +23,13 @@ from gjit.codegen.common import KernelSource, next_power_of_2
 from gjit.codegen.toolchain.files import write_source
 from gjit.codegen.triton.pointwise import KERNEL_PRELUDE
 from gjit.config import config
+from gjit.kernels import column_copy
 from gjit.lowering.templates import TemplateChoice
 from gjit.runtime import attention_masks, padded_mm, prebuild
 from gjit.runtime import cuda as runtime_cuda
 from gjit.runtime import interpret as interpret_libdevice
 from gjit.runtime.launch import Launcher
-from gjit.wrapper import graph_device
+from gjit.wrapper import COLUMN_COPY, graph_device
 
 cache_log = logs.logger("cache")
 
@@ -111,6 +112,8 @@ def _interpreted(call: Callable) -> Callable:
     return run
 
 
+# hand-written kernels a wrapper hands its externs: name -> source file (the name is the kernel's)
+LIBRARY_KERNELS = {COLUMN_COPY: column_copy.__file__}  # padded products' copy out (runtime/padded_mm.py)
 # kernel source path (content-addressed) -> its loaded @triton.jit function, per mode: a kernel
 # shared by two entries (an automatic-dynamic recompile) or two models is JIT-compiled once
 _KERNELS: dict[tuple[str, bool], Any] = {}
@@ -224,12 +227,19 @@ class CompiledGraph:
             "math": math,
             **kernels,
         }
+        extra |= self.library_kernels(interpret)
         extra |= {name: sub.run_branch for name, sub in self.subgraphs.items()}
         extra |= self.eager_subgraphs()
         if self.checker is not None:
             extra["gjit_check"] = self.checker.check_region
         call = load_module(self.wrapper_path, extra).call
         return _interpreted(call) if interpret else call
+
+    def library_kernels(self, interpret: bool) -> dict[str, Any]:
+        """The hand-written kernels this wrapper hands its externs (LIBRARY_KERNELS), by name,
+        loaded as the graph's own are."""
+        used = [name for name in LIBRARY_KERNELS if name in self.wrapper_source]
+        return {name: load_kernel(LIBRARY_KERNELS[name], name, interpret) for name in used}
 
     def all_kernels(self) -> list[KernelSource]:
         """The kernels of this graph and of its torch.cond branches, recursively."""
@@ -262,6 +272,9 @@ class CompiledGraph:
         try:
             # the JITFunctions themselves: the wrapper's names may be wrapped (tuning's probes)
             kernels = {k.name: load_kernel(paths[k.name], k.code_of or k.name, False) for k in triton_kernels}
+            library = self.library_kernels(interpret=False)
+            kernels |= library
+            paths |= {name: LIBRARY_KERNELS[name] for name in library}
             branches = list(self.subgraphs)
             self.prebuild_result = prebuild.start(call, kernels, paths, others, branches, graph_inputs, sizes)
         except Exception as e:

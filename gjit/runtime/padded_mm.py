@@ -18,21 +18,16 @@ cost more than they save.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 import triton
 
-from gjit.kernels import column_copy
-from gjit.runtime.interpret import load_module
 from gjit.wrapper import padded_columns
 
 LEAST_ROWS = 128  # fewer output rows: ATen's own call
 COPY_BLOCK = 1024  # output elements per program of the copy out (Inductor's XBLOCK for a copy)
-_LOADING = threading.Lock()
-_INTERPRETED: list[Any] = []  # the copy kernel for CPU tensors (tests), loaded once
 
 
 def _extra_columns(b: torch.Tensor) -> int:
@@ -49,24 +44,24 @@ def _padded_operand(b: torch.Tensor) -> torch.Tensor:
     return F.pad(b, (0, pad))
 
 
-def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def mm(a: torch.Tensor, b: torch.Tensor, *, copy: Any) -> torch.Tensor:
+    """`copy`: kernels/column_copy.py's kernel, as the graph loaded it (compiled or interpreted)."""
     if a.shape[0] < LEAST_ROWS:
         return torch.ops.aten.mm.default(a, b)
-    return first_columns(torch.mm(a, _padded_operand(b)), b.shape[1])
+    return first_columns(torch.mm(a, _padded_operand(b)), b.shape[1], copy)
 
 
 def addmm(
-    bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1
+    bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1, copy: Any
 ) -> torch.Tensor:
     if a.shape[0] < LEAST_ROWS or bias.dim() != 1 or bias.shape[0] != b.shape[1]:
         return torch.ops.aten.addmm.default(bias, a, b, beta=beta, alpha=alpha)
     out = torch.addmm(F.pad(bias, (0, _extra_columns(b))), a, _padded_operand(b), beta=beta, alpha=alpha)
-    return first_columns(out, b.shape[1])
+    return first_columns(out, b.shape[1], copy)
 
 
-def first_columns(padded: torch.Tensor, n: int) -> torch.Tensor:
-    """The first `n` columns of a row-major [M, P] product, contiguous (kernels/column_copy.py:
-    on a GPU compiled, on CPU tensors interpreted, as gjit's kernels run there)."""
+def first_columns(padded: torch.Tensor, n: int, copy: Any) -> torch.Tensor:
+    """The first `n` columns of a row-major [M, P] product, contiguous, by the kernel `copy`."""
     rows, pitch = padded.shape[0], padded.stride(0)
     assert padded.dim() == 2 and padded.stride(1) == 1, padded.stride()
     out = torch.empty((rows, n), dtype=padded.dtype, device=padded.device)
@@ -74,16 +69,5 @@ def first_columns(padded: torch.Tensor, n: int) -> torch.Tensor:
     if numel == 0:
         return out
     grid = (triton.cdiv(numel, COPY_BLOCK),)
-    _copy_kernel(padded.is_cuda)[grid](
-        padded, out, numel, N=n, PITCH=pitch, BLOCK=COPY_BLOCK, WIDE=numel >= 2**31, num_warps=4
-    )
+    copy[grid](padded, out, numel, N=n, PITCH=pitch, BLOCK=COPY_BLOCK, WIDE=numel >= 2**31, num_warps=4)
     return out
-
-
-def _copy_kernel(on_gpu: bool) -> Any:
-    if on_gpu:
-        return column_copy.copy_columns
-    with _LOADING:
-        if not _INTERPRETED:
-            _INTERPRETED.append(load_module(column_copy.__file__, interpret=True).copy_columns)
-    return _INTERPRETED[0]
