@@ -52,6 +52,13 @@ if [ "$MODE" != kernels ] || fits "${MODELS_S:-390}"; then
 fi
 pack
 
+step "the copy out of a padded product: kernels/column_copy.py against ATen's strided copy (bench/column_copy.py)"
+if fits "${COPY_S:-45}"; then
+    timeout "${COPY_S:-45}" $PY bench/column_copy.py 2>"$LOGS/column_copy.err" | tee "$LOGS/column_copy.md"
+    tail -3 "$LOGS/column_copy.err"
+fi
+pack
+
 step "host time per kernel launch on the card: Triton's path against gjit's pre-bound launches"
 if fits "${LAUNCH_S:-60}"; then
     GJIT_TUNE=0 timeout "${LAUNCH_S:-60}" $PY bench/launch_overhead.py --device cuda \
