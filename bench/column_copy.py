@@ -34,8 +34,25 @@ def timed(fn, device: str) -> float:
     return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
 
+def row(rows: int, n: int, dtype: torch.dtype, kernel, device: str) -> str:
+    """One shape's line of the table; the kernel's output checked against ATen's, bit for bit."""
+    pitch = padded_columns(n, dtype)
+    padded = torch.randn(rows, pitch, device=device).to(dtype)
+    plain = torch.empty(rows, n, device=device, dtype=dtype)
+    aten_out, ours = padded[:, :n].contiguous(), first_columns(padded, n, kernel)
+    assert torch.equal(aten_out.view(torch.int16), ours.view(torch.int16)), "the kernel copied another thing"
+    aten_ms = timed(lambda: padded[:, :n].contiguous(), device)
+    ours_ms = timed(lambda: first_columns(padded, n, kernel), device)
+    copy_ms = timed(lambda: torch.empty_like(plain).copy_(plain), device)
+    name = str(dtype).removeprefix("torch.")
+    times = f"{aten_ms:.3f} | {ours_ms:.3f} | {copy_ms:.3f} | {copy_ms / ours_ms:.2f}"
+    return f"| {rows} x {n} | {name} | {pitch} | {times} |"
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", default="cuda")
     device = parser.parse_args().device
     kernel = load_kernel(LIBRARY_KERNELS[COLUMN_COPY], COLUMN_COPY, interpret=device != "cuda")
@@ -44,18 +61,7 @@ def main() -> None:
     print("| M x N | dtype | pitch | ATen ms | kernel ms | plain copy ms | kernel / copy rate |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for rows, n, dtype in SHAPES["cuda" if device == "cuda" else "cpu"]:
-        pitch = padded_columns(n, dtype)
-        padded = torch.randn(rows, pitch, device=device).to(dtype)
-        plain = torch.empty(rows, n, device=device, dtype=dtype)
-        aten_out, ours = padded[:, :n].contiguous(), first_columns(padded, n, kernel)
-        assert torch.equal(aten_out.view(torch.int16), ours.view(torch.int16)), "the kernel copied something else"
-        aten_ms = timed(lambda: padded[:, :n].contiguous(), device)
-        ours_ms = timed(lambda: first_columns(padded, n, kernel), device)
-        copy_ms = timed(lambda: torch.empty_like(plain).copy_(plain), device)
-        print(
-            f"| {rows} x {n} | {str(dtype).removeprefix('torch.')} | {pitch} | {aten_ms:.3f} | {ours_ms:.3f} "
-            f"| {copy_ms:.3f} | {copy_ms / ours_ms:.2f} |"
-        )
+        print(row(rows, n, dtype, kernel, device))
 
 
 if __name__ == "__main__":
