@@ -93,14 +93,18 @@ def attention_configs(
     return out
 
 
-def tile_order(index_dtype: str) -> list[str]:
-    """The template's first lines: which batch element and query tile this program computes."""
+def tile_order(index_dtype: str, causal: bool = False) -> list[str]:
+    """The template's first lines: which batch element and query tile (`tile_m`) this program
+    computes. Causal, a batch element's tiles run last row first: the tiles that see the most keys
+    start first, and the last programs of the launch are short ones (flash attention's order)."""
     pid = "tl.program_id(0)" if index_dtype == "int32" else "tl.program_id(0).to(tl.int64)"
+    tile = "tiles_m - 1 - pid % tiles_m" if causal else "pid % tiles_m"
     return [
         f"pid = {pid}",
         "tiles_m = (L + BLOCK_M - 1) // BLOCK_M",
         "batch = pid // tiles_m",
-        "rm = (pid % tiles_m) * BLOCK_M + tl.arange(0, BLOCK_M)",
+        f"tile_m = {tile}",
+        "rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)",
     ]
 
 
@@ -115,12 +119,20 @@ def template(
     empty_rows: str,
     epilogue: list[str],
     causal: bool = False,
+    full_score: list[str] | None = None,
 ) -> list[str]:
     """The kernel body: `head` (tile order, batch dims), the query tile `q` (its lines end in the
     assignment), the loop over key blocks around the key tile `k`, the score block `s` and the
     value tile `v`, the online softmax, then the output tile `out` and the epilogue on it. Each
     dot has its options (`dot_options`: q @ k, p @ v); the probabilities enter the second dot as
     `probs_type`, the value tile's dtype.
+
+    The score lines give `s` in base-2 units (the score times log2(e), codegen folds the factor
+    into the score's scale): the softmax takes exp2, one instruction, where exp is a multiply and
+    an exp2. `full_score`, where codegen has it, is the score of a block with nothing to mask:
+    every key in range and, causal, at or before the tile's first query. Those blocks run first,
+    in a loop of their own (flash attention's blocks off the diagonal), and `score`, which masks,
+    only in the blocks after them.
 
     A row whose scores so far are all -inf (masked) keeps the max at -inf; its exponentials are
     taken against 0 instead (exp(-inf) = 0, never -inf - -inf = NaN), so it adds nothing. A row
@@ -130,6 +142,46 @@ def template(
     finish = "out = acc / tl.where((rm < L) & (S > 0), l_i, 1.0)[:, None]"
     if empty_rows == "zero":  # acc is 0 where l_i is
         finish = "out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]"
+    # keys past the tile's last query are all masked: no block after them
+    keys_end = "tl.minimum(S, (tile_m + 1) * BLOCK_M)" if causal else "S"
+    # blocks wholly before the tile's first query and before S
+    full_end = "tl.minimum(tile_m * BLOCK_M, S) // BLOCK_N * BLOCK_N" if causal else "S // BLOCK_N * BLOCK_N"
+
+    def step(what: str, score_lines: list[str]) -> list[str]:
+        return [
+            "    rn = n0 + tl.arange(0, BLOCK_N)",
+            "    # the key tile [BLOCK_D, BLOCK_N] (prologue)",
+            *(f"    {ln}" for ln in key),
+            f"    qk = tl.dot(q, k{dot_options[0]})",
+            f"    # the score block [BLOCK_M, BLOCK_N]{what}",
+            *(f"    {ln}" for ln in score_lines),
+            "    # online softmax in base 2: rescale what is summed so far when the row max grows",
+            "    m_new = tl.maximum(m_i, tl.max(s, 1))",
+            "    m_use = tl.where(m_new == float('-inf'), 0.0, m_new)",
+            "    p = tl.math.exp2(s - m_use[:, None])",
+            "    alpha = tl.math.exp2(m_i - m_use)",
+            "    l_i = l_i * alpha + tl.sum(p, 1)",
+            "    # the value tile [BLOCK_N, BLOCK_E] (prologue)",
+            *(f"    {ln}" for ln in value),
+            f"    acc = tl.dot(p.to({probs_type}), v, acc * alpha[:, None]{dot_options[1]})",
+            "    m_i = m_new",
+        ]
+
+    if full_score is None:
+        loops = [
+            f"keys_end = {keys_end}",
+            "for n0 in range(0, keys_end, BLOCK_N):",
+            *step(": the graph's scaling, masks and biases", score),
+        ]
+    else:
+        loops = [
+            f"keys_end = {keys_end}",
+            f"full_end = {full_end}",
+            "for n0 in range(0, full_end, BLOCK_N):",
+            *step(" of keys all in range (causal: all visible): no bound or causal mask", full_score),
+            "for n0 in range(full_end, keys_end, BLOCK_N):",
+            *step(": the graph's scaling, masks and biases", score),
+        ]
     return [
         *head,
         "# the query tile [BLOCK_M, BLOCK_D] (prologue), loaded once",
@@ -137,31 +189,7 @@ def template(
         "m_i = tl.full([BLOCK_M], float('-inf'), tl.float32)",
         "l_i = tl.zeros([BLOCK_M], tl.float32)",
         "acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)",
-        *(
-            # keys past the tile's last query are all masked: no block after them
-            [
-                "keys_end = tl.minimum(S, (pid % tiles_m + 1) * BLOCK_M)",
-                "for n0 in range(0, keys_end, BLOCK_N):",
-            ]
-            if causal
-            else ["for n0 in range(0, S, BLOCK_N):"]
-        ),
-        "    rn = n0 + tl.arange(0, BLOCK_N)",
-        "    # the key tile [BLOCK_D, BLOCK_N] (prologue)",
-        *(f"    {ln}" for ln in key),
-        f"    qk = tl.dot(q, k{dot_options[0]})",
-        "    # the score block [BLOCK_M, BLOCK_N]: the graph's scaling, masks and biases",
-        *(f"    {ln}" for ln in score),
-        "    # online softmax: rescale what is summed so far when the row max grows",
-        "    m_new = tl.maximum(m_i, tl.max(s, 1))",
-        "    m_use = tl.where(m_new == float('-inf'), 0.0, m_new)",
-        "    p = tl.exp(s - m_use[:, None])",
-        "    alpha = tl.exp(m_i - m_use)",
-        "    l_i = l_i * alpha + tl.sum(p, 1)",
-        "    # the value tile [BLOCK_N, BLOCK_E] (prologue)",
-        *(f"    {ln}" for ln in value),
-        f"    acc = tl.dot(p.to({probs_type}), v, acc * alpha[:, None]{dot_options[1]})",
-        "    m_i = m_new",
+        *loops,
         finish,
         "# the epilogue, on the output tile",
         *epilogue,

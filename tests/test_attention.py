@@ -71,7 +71,13 @@ def test_causal_attention_stops_each_query_tile_at_its_diagonal(dtype, queries, 
     causal = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
     _, report = check_attention(causal, q, k, v)
     (kernel,) = report.kernels
-    assert "for n0 in range(0, keys_end, BLOCK_N):" in kernel.source
+    # the blocks before the diagonal first, in a loop with neither the causal nor the bound mask
+    full, masked = kernel.source.split("for n0 in range(0, full_end, BLOCK_N):")[1].split(
+        "for n0 in range(full_end, keys_end, BLOCK_N):"
+    )
+    assert "tl.where" in masked and "<= c" in masked and "< S," in masked
+    assert "<= c" not in full and "< S," not in full and "exp2" in full
+    assert "tile_m = tiles_m - 1 - pid % tiles_m" in kernel.source  # the longest tiles first
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

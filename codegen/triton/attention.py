@@ -19,8 +19,45 @@ from gjit import ir
 from gjit.codegen.common import KernelSource, hint
 from gjit.codegen.triton.matmul import MatmulWriter
 from gjit.codegen.triton.pointwise import TL_DTYPES
-from gjit.ir import Expr, Score, dot_operands
+from gjit.ir import Const, Expr, IndexValue, Op, Score, dot_operands, walk
 from gjit.kernels.attention import attention_configs, template, tile_order
+
+LOG2E = 1.4426950408889634  # log2(e): the template's softmax is in base 2 (exp2: one instruction)
+
+
+def in_base_2(score: Expr) -> Expr:
+    """`score` times log2(e), the factor folded into the score's own float32 scale where it has
+    one (q.k * scale: one multiply by scale * log2(e)), passed through float32 where, add, sub and
+    neg (a bias is multiplied, -inf stays -inf), else one multiply at the end. Nothing below a cast
+    or another op changes: the score rounds where eager's does."""
+    f32 = torch.float32
+    if isinstance(score, Const) and score.dtype == f32:
+        return Const(f32, float(score.value) * LOG2E)
+    if isinstance(score, Op) and score.dtype == f32:
+        if score.name == "where":
+            cond, a, b = score.args
+            return Op(f32, "where", (cond, in_base_2(a), in_base_2(b)))
+        if score.name in ("add", "sub"):
+            return Op(f32, score.name, tuple(in_base_2(a) for a in score.args))
+        if score.name == "neg":
+            return Op(f32, "neg", (in_base_2(score.args[0]),))
+        if score.name in ("mul", "truediv"):
+            a, b = score.args
+            if b.dtype == f32 and not any(isinstance(x, Score) for x in walk(b)) and score.name == "mul":
+                return Op(f32, "mul", (a, in_base_2(b)))  # the scale: folded once, out of the loop
+            if a.dtype == f32:
+                return Op(f32, score.name, (in_base_2(a), b))
+    return Op(f32, "mul", (score, Const(f32, LOG2E)))
+
+
+def causal_inner(score: Expr, i: sympy.Symbol, j: sympy.Symbol) -> Expr | None:
+    """The score under sdpa's causal mask, where(j <= i, inner, -inf): `inner`, the score of a
+    block wholly before the diagonal; None for any other form."""
+    if not (isinstance(score, Op) and score.name == "where"):
+        return None
+    keep, inner, masked = score.args
+    below = isinstance(keep, IndexValue) and keep.expr == sympy.Le(j, i)
+    return inner if below and isinstance(masked, Const) and masked.value == float("-inf") else None
 
 
 class AttentionWriter(MatmulWriter):
@@ -94,7 +131,7 @@ class AttentionWriter(MatmulWriter):
         i, e, j, d = self.i_var, self.e_var, self.j_var, self.d_var
 
         head = [f"L = {self.index(length)}", f"S = {self.index(keys)}", f"D = {self.index(dim)}"]
-        head += [f"EV = {self.index(dim_v)}", *tile_order(index_dtype)]
+        head += [f"EV = {self.index(dim_v)}", *tile_order(index_dtype, self.matmul.causal)]
         if index_dtype == "int64":
             head.append("rm = rm.to(tl.int64)")
         head += self.batch_lines(batch)
@@ -110,9 +147,16 @@ class AttentionWriter(MatmulWriter):
         key.append(f"k = {value}")
 
         score = self.tile("s", "[BLOCK_M, BLOCK_N]", (i, "rm", "L"), (j, f"rn{wide}", "S"))
-        value = self.emit(body.score)
+        value = self.emit(in_base_2(body.score))
         # keys past the end take no part; a query row past the end is finite garbage, not stored
         score += [*self.lines, f"s = tl.where({j.name}_s < S, {value}, float('-inf'))"]
+        # the blocks before the causal diagonal and the end: the score with neither mask
+        inner = causal_inner(body.score, i, j) if self.matmul.causal else body.score
+        full_score = None
+        if inner is not None:
+            full_score = self.tile("s", "[BLOCK_M, BLOCK_N]", (i, "rm", "L"), (j, f"rn{wide}", "S"))
+            value = self.emit(in_base_2(inner))
+            full_score += [*self.lines, f"s = {value}"]
 
         vals = self.tile("v", "[BLOCK_N, BLOCK_E]", (j, f"rn{wide}", "S"), (e, lanes_e, "EV"))
         value = self.emit(value_value)
@@ -127,7 +171,7 @@ class AttentionWriter(MatmulWriter):
         lines = template(
             head, query, key, score, vals,
             (ieee if dtype == torch.float32 else "", ieee if value_dtype == torch.float32 else ""),
-            TL_DTYPES[value_dtype], self.matmul.empty_rows, epilogue, self.matmul.causal,
+            TL_DTYPES[value_dtype], self.matmul.empty_rows, epilogue, self.matmul.causal, full_score,
         )  # fmt: skip
         programs = sympy.Mul(*batch, (length + blocks.m - 1) // blocks.m)  # sympy floor: integer math
         dims = f"[{', '.join(map(str, batch))}{', ' if batch else ''}{length} x {dim}]"

@@ -17,7 +17,7 @@ from torch.utils._sympy.functions import FloorDiv
 
 from gjit import ir
 from gjit.ir import Const, Index, Score, statically_known_equal
-from gjit.lowering.pointwise import op
+from gjit.lowering.pointwise import op, where
 from gjit.lowering.registry import (
     TensorValue,
     Unsupported,
@@ -116,13 +116,13 @@ def sdpa(
     score = op("mul", Score(torch.float32), factor)
     if is_causal:  # the top-left aligned lower triangle, as eager's is_causal
         keep = ir.IndexValue(torch.bool, sympy.Le(j, i))
-        score = op("where", keep, score, Const(torch.float32, float("-inf")))
+        score = where(keep, score, Const(torch.float32, float("-inf")))
     elif isinstance(attn_mask, TensorValue):
         scores_size = (*batch_size, length, keys)
         at = broadcast_index(attn_mask, (*b, i, j), scores_size, ctx.known_one)
         mask = attn_mask.load(at)
         if attn_mask.dtype == torch.bool:
-            score = op("where", mask, score, Const(torch.float32, float("-inf")))
+            score = where(mask, score, Const(torch.float32, float("-inf")))
         else:
             score = op("add", score, cast(mask, torch.float32))
     elif attn_mask is not None:
