@@ -178,7 +178,12 @@ def template(
             f"keys_end = {keys_end}",
             f"full_end = {full_end}",
             "for n0 in range(0, full_end, BLOCK_N):",
-            *step(" of keys all in range (causal: all visible): no bound or causal mask", full_score),
+            *step(
+                " of keys all in range and before the tile's first query: no bound or causal mask"
+                if causal
+                else " of keys all in range: no bound mask",
+                full_score,
+            ),
             "for n0 in range(full_end, keys_end, BLOCK_N):",
             *step(": the graph's scaling, masks and biases", score),
         ]
