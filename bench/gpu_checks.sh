@@ -59,6 +59,18 @@ if fits "${COPY_S:-45}"; then
 fi
 pack
 
+if [ "$MODE" = kernels ]; then  # rows of 1025-8192: looped (the default) against persistent
+    step "rows of 2048-8192: looped (GJIT_PERSISTENT_MAX=1024, the default) against persistent (8192)"
+    for pmax in 1024 8192; do
+        if fits "${ROWS_S:-100}"; then
+            GJIT_PERSISTENT_MAX=$pmax timeout "${ROWS_S:-100}" $PY -m gjit.bench --device-sizes \
+                --cases softmax_2k rms_norm_4k layer_norm_wide --json "$LOGS/rows_$pmax.json" \
+                2>"$LOGS/rows_$pmax.err" | tail -5
+        fi
+    done
+    pack
+fi
+
 step "host time per kernel launch on the card: Triton's path against gjit's pre-bound launches"
 if fits "${LAUNCH_S:-60}"; then
     GJIT_TUNE=0 timeout "${LAUNCH_S:-60}" $PY bench/launch_overhead.py --device cuda \

@@ -122,6 +122,9 @@ CASES = [
     # rows past gjit.config.persistent_max: looped kernels, two passes over the row
     Case("softmax_vocab", _fn(lambda x: torch.softmax(x, -1), (N, 32000)), (16,), "reduction", (4096,)),
     Case("layer_norm_wide", _fn(lambda x: F.layer_norm(x, (8192,)), (N, 8192)), (64,), "reduction", (2**14,)),
+    # rows of 1025-8192: looped by default, persistent under GJIT_PERSISTENT_MAX=8192 (gpu_checks.sh)
+    Case("softmax_2k", _fn(lambda x: torch.softmax(x, -1), (N, 2048)), (16,), "reduction", (2**16,)),
+    Case("rms_norm_4k", _fn(_rms_norm, (N, 4096), (4096,)), (16,), "reduction", (2**15,)),
     Case("cross_entropy", _cross_entropy, (16,), "reduction", (4096,)),
     Case("sum_last", _fn(lambda x: x.sum(-1), (N, 512)), (256,), "reduction", (2**19,)),
     Case("sum_first", _fn(lambda x: x.sum(0), (512, N)), (256,), "reduction", (2**19,)),
