@@ -205,6 +205,65 @@ def test_the_flatten_on_every_calls_path_is_the_general_one(case):
     assert len(leaves) == len(general) and all(a is b for a, b in zip(leaves, general))
 
 
+Pair = collections.namedtuple("Pair", "keys values")
+
+
+class Tagged(list):
+    """A list subclass with an attribute of its own."""
+
+
+class Fields(dict):
+    pass
+
+
+class Steps(collections.OrderedDict):
+    pass
+
+
+class Containers:
+    """A cache-like object whose state holds list, tuple and dict subclasses with tensors in them."""
+
+    def __init__(self):
+        self.pairs = [Pair(torch.randn(2), torch.randn(2)), Pair(torch.randn(1), 3)]
+        self.tagged = Tagged([torch.randn(3), 4])
+        self.tagged.note, self.tagged.scale = "x", torch.randn(1)
+        self.fields = Fields(a=torch.randn(2), b=Pair(1, 2))
+        self.steps = Steps(first=torch.randn(1), second=[torch.randn(1)])
+
+
+def test_list_tuple_and_dict_subclasses_in_a_caches_state_keep_their_items():
+    """Their items (and a list subclass's own attributes) are the state's leaves, and the rebuild
+    gives the same classes holding the same values, also from the context written as JSON (a
+    package). A namedtuple is a sequence, not a constant: its tensors are the call's."""
+    cache = Containers()
+    leaves, context = kv_cache.flatten_cache(cache)
+    tensors = [t for t in pytree.tree_leaves(vars(cache)) if isinstance(t, torch.Tensor)]
+    assert len(leaves) == 12 and {id(t) for t in tensors} <= {id(x) for x in leaves}
+    general: list = []
+    assert context == (type(cache), kv_cache._state(vars(cache), general, [], ""))
+    assert [id(x) for x in general] == [id(x) for x in leaves]
+    for ctx in (context, kv_cache._load_context(kv_cache._dump_context(context))):
+        fresh = [x + 1 if isinstance(x, torch.Tensor) else x for x in leaves]
+        state = kv_cache.build_state(ctx[1], iter(fresh))
+        rebuilt = vars(cache) | state
+        assert type(rebuilt["pairs"][0]) is Pair and rebuilt["pairs"][1].values == 3
+        torch.testing.assert_close(rebuilt["pairs"][0].keys, cache.pairs[0].keys + 1)
+        assert type(rebuilt["tagged"]) is Tagged and len(rebuilt["tagged"]) == 2
+        assert rebuilt["tagged"].note == "x" and rebuilt["tagged"][1] == 4
+        torch.testing.assert_close(rebuilt["tagged"].scale, cache.tagged.scale + 1)
+        assert type(rebuilt["fields"]) is Fields and rebuilt["fields"]["b"] == Pair(1, 2)
+        assert type(rebuilt["steps"]) is Steps and list(rebuilt["steps"]) == ["first", "second"]
+        torch.testing.assert_close(rebuilt["steps"]["second"][0], cache.steps["second"][0] + 1)
+    assert not kv_cache.is_state_object(cache.tagged)  # replaced whole, never adopted by attribute
+
+
+def test_a_defaultdict_in_a_caches_state_is_refused_not_rebuilt_without_its_factory():
+    cache = Containers()
+    cache.counts = collections.defaultdict(int, a=1)
+    with pytest.raises(TypeError, match="defaultdict"):
+        kv_cache.flatten_cache(cache)
+
+
 class Window(enum.Enum):
     SLIDING = 1
     FULL = 2

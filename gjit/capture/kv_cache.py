@@ -169,10 +169,34 @@ def _state(value: Any, leaves: list, names: list | None = None, name: str = "") 
             return (kind, tuple([(k, _state(v, leaves)) for k, v in value.items()]))
         sep = "." if name else ""
         return (kind, tuple([(k, _state(v, leaves, names, f"{name}{sep}{k}")) for k, v in value.items()]))
+    if isinstance(value, (list, tuple, dict)):  # a subclass (a namedtuple): rebuilt as its class
+        return _container(value, leaves, names, name)
     if _plain_object(value):
         state = _values(vars(value), leaves) if names is None else _state(vars(value), leaves, names, name)
         return ("object", kind, state)
     return ("const", value)
+
+
+def _container(value: Any, leaves: list, names: list | None, name: str) -> Any:
+    """The context of a list, tuple or dict subclass (a namedtuple, a dict of named fields): its
+    items as the base's, then its own attributes, if it has any (None where it has no `__dict__`).
+    One whose base's constructor keeps more than items (a defaultdict's factory, a Counter's
+    arithmetic is fine) is refused: its rebuild would not be the same value."""
+    kind = type(value)
+    if isinstance(value, collections.defaultdict) or (isinstance(value, tuple) and not _rebuilds_tuple(kind)):
+        raise TypeError(f"gjit: a cache's state holds a {kind.__qualname__}, which gjit cannot rebuild")
+    tag = "mapping" if isinstance(value, dict) else "sequence"
+    base = dict(value) if tag == "mapping" else list(value)
+    items = _state(base, leaves, names, name)[1]
+    attrs = getattr(value, "__dict__", None)
+    own = None if attrs is None else _state(dict(attrs), leaves, names, name)
+    return (tag, kind, items, own)
+
+
+def _rebuilds_tuple(kind: type) -> bool:
+    """A tuple subclass built back from its items: a namedtuple (`_make`), or one that keeps
+    tuple's own constructor."""
+    return hasattr(kind, "_make") or kind.__new__ is tuple.__new__
 
 
 # types whose values are constants of a context (what `_state` finds for them, sooner)
@@ -216,7 +240,7 @@ def is_state_object(value: Any) -> bool:
     kind = type(value)
     return (
         kind not in (int, list, tuple, dict, collections.OrderedDict)
-        and not isinstance(value, _LEAF_TYPES)
+        and not isinstance(value, (*_LEAF_TYPES, list, tuple, dict))  # a subclass: its items are state
         and _plain_object(value)
     )
 
@@ -231,9 +255,29 @@ def build_state(context: Any, leaves) -> Any:
         obj = context[1].__new__(context[1])
         obj.__dict__.update(build_state(context[2], leaves))
         return obj
+    if tag == "sequence" or tag == "mapping":
+        return _build_container(context, leaves)
     if tag is dict or tag is collections.OrderedDict:
         return tag((k, build_state(v, leaves)) for k, v in context[1])
     return tag(build_state(v, leaves) for v in context[1])
+
+
+def _build_container(context: Any, leaves) -> Any:
+    """A list, tuple or dict subclass from its `_container` context."""
+    tag, kind, items, own = context
+    if tag == "mapping":
+        obj = kind.__new__(kind)
+        base = collections.OrderedDict if isinstance(obj, collections.OrderedDict) else dict
+        base.update(obj, ((k, build_state(v, leaves)) for k, v in items))
+    elif issubclass(kind, tuple):
+        values = [build_state(v, leaves) for v in items]
+        obj = kind._make(values) if hasattr(kind, "_make") else tuple.__new__(kind, values)
+    else:
+        obj = kind.__new__(kind)
+        list.extend(obj, (build_state(v, leaves) for v in items))
+    if own is not None:
+        obj.__dict__.update(build_state(own, leaves))
+    return obj
 
 
 # A context as JSON (torch.export.save of a program that takes a cache): classes by import path,
@@ -256,6 +300,10 @@ def _dump(context: Any) -> Any:
         return ["leaf"]
     if tag == "object":
         return ["object", _path(context[1]), _dump(context[2])]
+    if tag == "sequence" or tag == "mapping":
+        _, kind, items, own = context
+        dumped = [[k, _dump(v)] for k, v in items] if tag == "mapping" else [_dump(v) for v in items]
+        return [tag, _path(kind), dumped, None if own is None else _dump(own)]
     if tag == "const":
         value = context[1]
         if isinstance(value, torch.dtype):
@@ -278,6 +326,12 @@ def _load(data: Any) -> Any:
         return _LEAF
     if tag == "object":
         return ("object", _import(data[1]), _load(data[2]))
+    if tag == "sequence" or tag == "mapping":
+        _, path, items, own = data
+        loaded = (
+            tuple((k, _load(v)) for k, v in items) if tag == "mapping" else tuple(_load(v) for v in items)
+        )
+        return (tag, _import(path), loaded, None if own is None else _load(own))
     if tag == "dtype":
         return ("const", getattr(torch, data[1]))
     if tag == "device":
