@@ -277,6 +277,22 @@ def unmasked(x):
     return x
 
 
+def test_enum_members_and_functions_of_a_caches_state_are_written_into_a_package():
+    """The context as JSON (torch.export.save, a package): an enum member by its class and name,
+    a module-level function by its import path, both the same objects when read back; a local
+    function cannot be imported again and is refused."""
+    cache = Containers()
+    cache.window, cache.mask = Window.SLIDING, masked
+    _, context = kv_cache.flatten_cache(cache)
+    back = kv_cache._load_context(kv_cache._dump_context(context))
+    assert back == context
+    state = dict(back[1][1])
+    assert state["window"] == ("const", Window.SLIDING) and state["mask"] == ("const", masked)
+    cache.mask = lambda x: x
+    with pytest.raises(TypeError, match="function"):
+        kv_cache._dump_context(kv_cache.flatten_cache(cache)[1])
+
+
 @pytest.mark.parametrize("how", ["restore", "rebuild"])
 def test_a_constant_the_step_changes_is_replaced_not_adopted(how):
     """An enum member, a function, an OrderedDict of a cache's state are values, as the flatten

@@ -21,6 +21,7 @@ import importlib
 import json
 import sys
 import threading
+import types
 from typing import Any
 
 import torch
@@ -312,6 +313,10 @@ def _dump(context: Any) -> Any:
             return ["device", str(value)]
         if isinstance(value, type):
             return ["class", _path(value)]
+        if isinstance(value, enum.Enum):  # a member, by its class and name
+            return ["enum", _path(type(value)), value.name]
+        if isinstance(value, types.FunctionType) and "<locals>" not in value.__qualname__:
+            return ["function", _path(value)]
         if value is None or isinstance(value, (bool, int, float, str)):
             return ["const", value]
         raise TypeError(f"cannot write a {type(value).__name__} of a cache's state as JSON")
@@ -336,8 +341,10 @@ def _load(data: Any) -> Any:
         return ("const", getattr(torch, data[1]))
     if tag == "device":
         return ("const", torch.device(data[1]))
-    if tag == "class":
+    if tag == "class" or tag == "function":
         return ("const", _import(data[1]))
+    if tag == "enum":
+        return ("const", getattr(_import(data[1]), data[2]))
     if tag == "const":
         return ("const", data[1])
     kind = {"dict": dict, "OrderedDict": collections.OrderedDict, "list": list, "tuple": tuple}[tag]
