@@ -158,7 +158,7 @@ def records(events: Any, cuda: bool) -> list[tuple[str, str, float]]:
     return out
 
 
-def summarize(recs: list[tuple[str, str, float]], calls: int, slowest: int = 5) -> dict[str, Any]:
+def summarize(recs: list[tuple[str, str, float]], calls: int, slowest: int = 30) -> dict[str, Any]:
     """Per call: kernels, copies, launches, GPU ms (kernels and copies) by class, and the `slowest`
     kernels by time (name, ms per call, launches per call)."""
     by_class = dict.fromkeys(CLASS_NAMES, 0.0)
