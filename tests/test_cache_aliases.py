@@ -257,11 +257,81 @@ def test_list_tuple_and_dict_subclasses_in_a_caches_state_keep_their_items():
     assert not kv_cache.is_state_object(cache.tagged)  # replaced whole, never adopted by attribute
 
 
-def test_a_defaultdict_in_a_caches_state_is_refused_not_rebuilt_without_its_factory():
-    cache = Containers()
-    cache.counts = collections.defaultdict(int, a=1)
-    with pytest.raises(TypeError, match="defaultdict"):
-        kv_cache.flatten_cache(cache)
+@pytest.mark.parametrize("how", ["restore", "rebuild"])
+def test_a_list_subclass_the_step_rebinds_is_the_returned_one_with_its_attributes(how):
+    """A list subclass of a cache's state with an attribute of its own: the caller's cache ends
+    with the returned items and attributes, whichever way it takes them (before, `restore` wrote
+    the items into the caller's list and kept its old attribute)."""
+    kv_cache.register_all()
+    given = dynamic(2, 4, 9)
+    given.tagged = Tagged([torch.randn(2)])
+    given.tagged.scale = torch.randn(1)
+    returned = longer(given)
+    returned.tagged = Tagged([torch.randn(2)])
+    returned.tagged.scale = torch.randn(1)
+    output = transformers.modeling_outputs.CausalLMOutputWithPast(
+        logits=torch.randn(1, 1, 50), past_key_values=returned
+    )
+    leaves, spec = pytree.tree_flatten(output)
+    aliases = cache_aliases.CacheAliases(pairs=[(OUT_PATH, IN_PATH)])
+    call = ((), {"past_key_values": given})
+    if how == "restore":
+        aliases.restore(*call, pytree.tree_unflatten(leaves, spec))
+    else:
+        aliases.rebuild(*call, leaves, spec)
+    assert type(given.tagged) is Tagged and given.tagged[0] is returned.tagged[0]
+    assert given.tagged.scale is returned.tagged.scale
+    assert state(given) == state(returned)
+
+
+class Shaped:
+    """A cache-like object whose state holds values gjit cannot rebuild from their items: a
+    torch.Size (a tuple subclass with a constructor of its own) and a defaultdict (its factory)."""
+
+    def __init__(self):
+        self.keys = torch.randn(2)
+        self.shape = torch.Size([2, 3])
+        self.counts = collections.defaultdict(int, a=1)
+
+
+def test_values_gjit_cannot_rebuild_from_items_stay_constants_of_the_context():
+    """A torch.Size and a defaultdict are constants of the context, as before list, tuple and dict
+    subclasses were looked into: the same objects come back (a defaultdict keeps its factory), and
+    the flatten does not fail (it runs in every compiled call: before, these raised TypeError from
+    the call itself)."""
+    cache = Shaped()
+    leaves, context = kv_cache.flatten_cache(cache)
+    assert leaves == [cache.keys]
+    state = dict(context[1][1])
+    assert state["shape"] == ("const", torch.Size([2, 3])) and state["counts"][1] is cache.counts
+    rebuilt = kv_cache.unflatten_cache(leaves, context)
+    assert rebuilt.shape == torch.Size([2, 3]) and rebuilt.counts["b"] == 0
+    general: list = []
+    assert context == (type(cache), kv_cache._state(vars(cache), general, [], ""))
+
+
+def test_a_compiled_call_whose_cache_holds_a_torch_size_runs_compiled():
+    """The compiled path (the fallback interpreter: what flattens the call is under test): a
+    DynamicCache holding a torch.Size and a defaultdict, as a user's code may leave on it."""
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=50,
+        )
+    ).eval()  # fmt: skip
+    ids = torch.randint(0, 50, (1, 5))
+
+    def cache():
+        made = transformers.DynamicCache(config=model.config)
+        made.shape, made.counts = torch.Size([1, 5]), collections.defaultdict(int)
+        return made
+
+    with torch.no_grad():
+        want = model(input_ids=ids, past_key_values=cache()).logits
+        eager_runs = gjit.stats()["eager_runs"]
+        got = gjit.compile(model)(input_ids=ids, past_key_values=cache()).logits
+    assert gjit.stats()["eager_runs"] == eager_runs, "the call ran eagerly"
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 class Window(enum.Enum):

@@ -145,7 +145,7 @@ def adopt(target: Any, source: Any) -> None:
         old = state.get(name)
         if _same_shape_object(old, value):
             adopt(old, value)
-        elif isinstance(old, list) and isinstance(value, list) and len(old) == len(value):
+        elif type(old) is list and type(value) is list and len(old) == len(value):  # a subclass: replaced
             for i, (o, v) in enumerate(zip(old, value)):
                 if _same_shape_object(o, v):
                     adopt(o, v)
@@ -231,7 +231,7 @@ def adopt_state(target: Any, state: Any, leaves: Iterator) -> None:
     items = state[1]
     for name, context in items:
         old = mine.get(name)
-        if context[0] is list and isinstance(old, list) and len(old) == len(context[1]):
+        if context[0] is list and type(old) is list and len(old) == len(context[1]):
             for i, item in enumerate(context[1]):
                 old[i] = _taken(old[i], item, leaves)
         else:

@@ -181,11 +181,12 @@ def _state(value: Any, leaves: list, names: list | None = None, name: str = "") 
 def _container(value: Any, leaves: list, names: list | None, name: str) -> Any:
     """The context of a list, tuple or dict subclass (a namedtuple, a dict of named fields): its
     items as the base's, then its own attributes, if it has any (None where it has no `__dict__`).
-    One whose base's constructor keeps more than items (a defaultdict's factory, a Counter's
-    arithmetic is fine) is refused: its rebuild would not be the same value."""
+    One whose class keeps more than items (a defaultdict's factory) or builds itself another way (a
+    torch.Size) stays a constant of the context, the object itself: its rebuild from items would not
+    be the same value, and the flatten runs in every call, where raising would fail the call."""
     kind = type(value)
     if isinstance(value, collections.defaultdict) or (isinstance(value, tuple) and not _rebuilds_tuple(kind)):
-        raise TypeError(f"gjit: a cache's state holds a {kind.__qualname__}, which gjit cannot rebuild")
+        return ("const", value)
     tag = "mapping" if isinstance(value, dict) else "sequence"
     base = dict(value) if tag == "mapping" else list(value)
     items = _state(base, leaves, names, name)[1]
