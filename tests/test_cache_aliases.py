@@ -347,6 +347,9 @@ def unmasked(x):
     return x
 
 
+module_lambda = lambda x: x  # noqa: E731 - its __qualname__ is "<lambda>"
+
+
 def test_enum_members_and_functions_of_a_caches_state_are_written_into_a_package():
     """The context as JSON (torch.export.save, a package): an enum member by its class and name,
     a module-level function by its import path, both the same objects when read back; a local
@@ -359,6 +362,9 @@ def test_enum_members_and_functions_of_a_caches_state_are_written_into_a_package
     state = dict(back[1][1])
     assert state["window"] == ("const", Window.SLIDING) and state["mask"] == ("const", masked)
     cache.mask = lambda x: x
+    with pytest.raises(TypeError, match="function"):
+        kv_cache._dump_context(kv_cache.flatten_cache(cache)[1])
+    cache.mask = module_lambda  # at module level, but no import path finds it again
     with pytest.raises(TypeError, match="function"):
         kv_cache._dump_context(kv_cache.flatten_cache(cache)[1])
 

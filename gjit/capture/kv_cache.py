@@ -314,9 +314,11 @@ def _dump(context: Any) -> Any:
             return ["device", str(value)]
         if isinstance(value, type):
             return ["class", _path(value)]
-        if isinstance(value, enum.Enum):  # a member, by its class and name
+        # a member by its class and name, a function by its import path: where one can import
+        # them again (not a local class or function, not a lambda)
+        if isinstance(value, enum.Enum) and "<" not in type(value).__qualname__:
             return ["enum", _path(type(value)), value.name]
-        if isinstance(value, types.FunctionType) and "<locals>" not in value.__qualname__:
+        if isinstance(value, types.FunctionType) and "<" not in value.__qualname__:
             return ["function", _path(value)]
         if value is None or isinstance(value, (bool, int, float, str)):
             return ["const", value]
