@@ -120,6 +120,7 @@ def template(
     epilogue: list[str],
     causal: bool = False,
     full_score: list[str] | None = None,
+    base_2: bool = True,
 ) -> list[str]:
     """The kernel body: `head` (tile order, batch dims), the query tile `q` (its lines end in the
     assignment), the loop over key blocks around the key tile `k`, the score block `s` and the
@@ -127,12 +128,13 @@ def template(
     dot has its options (`dot_options`: q @ k, p @ v); the probabilities enter the second dot as
     `probs_type`, the value tile's dtype.
 
-    The score lines give `s` in base-2 units (the score times log2(e), codegen folds the factor
-    into the score's scale): the softmax takes exp2, one instruction, where exp is a multiply and
-    an exp2. `full_score`, where codegen has it, is the score of a block with nothing to mask:
-    every key in range and, causal, at or before the tile's first query. Those blocks run first,
-    in a loop of their own (flash attention's blocks off the diagonal), and `score`, which masks,
-    only in the blocks after them.
+    With `base_2`, the score lines give `s` in base-2 units (the score times log2(e), codegen folds
+    the factor into the score's scale): the softmax takes exp2, one instruction, where exp is a
+    multiply and an exp2. Without (a score that may hold finfo.min, which overflows in base 2),
+    `s` is the score itself and the softmax takes exp. `full_score`, where codegen has it, is the
+    score of a block with nothing to mask: every key in range and, causal, at or before the
+    tile's first query. Those blocks run first, in a loop of their own (flash attention's blocks
+    off the diagonal), and `score`, which masks, only in the blocks after them.
 
     A row whose scores so far are all -inf (masked) keeps the max at -inf; its exponentials are
     taken against 0 instead (exp(-inf) = 0, never -inf - -inf = NaN), so it adds nothing. A row
@@ -147,6 +149,8 @@ def template(
     # blocks wholly before the tile's first query and before S
     full_end = "tl.minimum(tile_m * BLOCK_M, S) // BLOCK_N * BLOCK_N" if causal else "S // BLOCK_N * BLOCK_N"
 
+    exp, base = ("tl.exp2", " in base 2") if base_2 else ("tl.exp", "")
+
     def step(what: str, score_lines: list[str]) -> list[str]:
         return [
             "    rn = n0 + tl.arange(0, BLOCK_N)",
@@ -155,11 +159,11 @@ def template(
             f"    qk = tl.dot(q, k{dot_options[0]})",
             f"    # the score block [BLOCK_M, BLOCK_N]{what}",
             *(f"    {ln}" for ln in score_lines),
-            "    # online softmax in base 2: rescale what is summed so far when the row max grows",
+            f"    # online softmax{base}: rescale what is summed so far when the row max grows",
             "    m_new = tl.maximum(m_i, tl.max(s, 1))",
             "    m_use = tl.where(m_new == float('-inf'), 0.0, m_new)",
-            "    p = tl.exp2(s - m_use[:, None])",
-            "    alpha = tl.exp2(m_i - m_use)",
+            f"    p = {exp}(s - m_use[:, None])",
+            f"    alpha = {exp}(m_i - m_use)",
             "    l_i = l_i * alpha + tl.sum(p, 1)",
             "    # the value tile [BLOCK_N, BLOCK_E] (prologue)",
             *(f"    {ln}" for ln in value),

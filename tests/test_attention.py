@@ -231,6 +231,29 @@ def test_written_out_causal_mask_with_finfo_min_and_padding():
     check_attention(fn, q, k, v, causal, padding, kernels=1)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("written_out", [True, False], ids=["written_out", "sdpa"])
+def test_rows_masked_to_the_end_with_finfo_min_average_the_values_as_eager(dtype, written_out):
+    """HF's padding mask adds finfo.min, finite: a query row with every key masked that way (a
+    left-padded position) has equal scores, and eager's softmax averages the values. In base 2
+    (the score times log2(e)) float32's and bfloat16's finfo.min overflow to -inf, and the row came
+    out NaN (softmax) or zeros (sdpa); the next layer then reads the NaN as a key of every row."""
+    q, k, v = qkv(1, 2, 6, 6, 16, dtype)
+    mask = torch.zeros(1, 1, 6, 6, dtype=dtype)
+    mask[..., 2, :] = torch.finfo(dtype).min
+    mask[..., 4, 3:] = torch.finfo(dtype).min
+    if written_out:
+        fn = eager_attention
+    else:
+        fn = lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)  # noqa: E731
+    cm, _ = check_attention(fn, q, k, v, mask)
+    out = cm(q, k, v, mask)
+    got = out[:, 2] if written_out else out[:, :, 2]
+    assert got.isfinite().all()
+    if dtype != torch.float16:  # finfo.min swamps every score: the values equally weighted
+        torch.testing.assert_close(got.float(), v.float().mean(2), rtol=2e-2, atol=2e-2)
+
+
 def test_written_out_rows_with_every_key_masked_are_nan_as_softmax():
     q, k, v = qkv(1, 1, 4, 5, 16, torch.float32)
     mask = torch.zeros(1, 1, 4, 5)

@@ -12,6 +12,8 @@ The epilogue is printed with i and e as the output tile's rows and columns.
 
 from __future__ import annotations
 
+import math
+
 import sympy
 import torch
 
@@ -19,10 +21,27 @@ from gjit import ir
 from gjit.codegen.common import KernelSource, hint
 from gjit.codegen.triton.matmul import MatmulWriter
 from gjit.codegen.triton.pointwise import TL_DTYPES
-from gjit.ir import Const, Expr, IndexValue, Op, Score, dot_operands, walk
+from gjit.ir import Const, Expr, IndexValue, Op, Read, Score, dot_operands, walk
 from gjit.kernels.attention import attention_configs, template, tile_order
 
 LOG2E = 1.4426950408889634  # log2(e): the template's softmax is in base 2 (exp2: one instruction)
+# dtypes whose finite values pass float32's largest / log2(e) (finfo(float32).min: HF's masks)
+WIDE_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+FAR = 2.0**100  # a constant past this stands for minus infinity (finfo.min), finite in eager
+
+
+def stays_finite_in_base_2(score: Expr) -> bool:
+    """Whether the score is finite in base 2 wherever it is finite. HF's masks add finfo.min,
+    -3.4e38 in float32 and bfloat16: finite in eager, -inf times log2(e). A row masked to the end
+    that way has equal scores, and eager's softmax averages its values; -inf made it empty (NaN,
+    or zeros). A score that reads a float32 or bfloat16 tensor (a mask, a bias) or holds a
+    constant past 2**100 keeps base e; q . k itself is taken to stay below 2.3e38."""
+    for e in walk(score):
+        if isinstance(e, Read) and e.dtype in WIDE_DTYPES:
+            return False
+        if isinstance(e, Const) and math.isfinite(float(e.value)) and abs(float(e.value)) > FAR:
+            return False
+    return True
 
 
 def in_base_2(score: Expr) -> Expr:
@@ -146,8 +165,10 @@ class AttentionWriter(MatmulWriter):
         key, value = self.zero_masked(key + self.lines, value, key_value, "k_mask", dtype)
         key.append(f"k = {value}")
 
+        base_2 = stays_finite_in_base_2(body.score)
+        units = in_base_2 if base_2 else (lambda score: score)
         score = self.tile("s", "[BLOCK_M, BLOCK_N]", (i, "rm", "L"), (j, f"rn{wide}", "S"))
-        value = self.emit(in_base_2(body.score))
+        value = self.emit(units(body.score))
         # keys past the end take no part; a query row past the end is finite garbage, not stored
         score += [*self.lines, f"s = tl.where({j.name}_s < S, {value}, float('-inf'))"]
         # the blocks before the causal diagonal and the end: the score with neither mask
@@ -155,7 +176,7 @@ class AttentionWriter(MatmulWriter):
         full_score = None
         if inner is not None:
             full_score = self.tile("s", "[BLOCK_M, BLOCK_N]", (i, "rm", "L"), (j, f"rn{wide}", "S"))
-            value = self.emit(in_base_2(inner))
+            value = self.emit(units(inner))
             full_score += [*self.lines, f"s = {value}"]
 
         vals = self.tile("v", "[BLOCK_N, BLOCK_E]", (j, f"rn{wide}", "S"), (e, lanes_e, "EV"))
@@ -172,6 +193,7 @@ class AttentionWriter(MatmulWriter):
             head, query, key, score, vals,
             (ieee if dtype == torch.float32 else "", ieee if value_dtype == torch.float32 else ""),
             TL_DTYPES[value_dtype], self.matmul.empty_rows, epilogue, self.matmul.causal, full_score,
+            base_2,
         )  # fmt: skip
         programs = sympy.Mul(*batch, (length + blocks.m - 1) // blocks.m)  # sympy floor: integer math
         dims = f"[{', '.join(map(str, batch))}{', ' if batch else ''}{length} x {dim}]"
@@ -179,7 +201,8 @@ class AttentionWriter(MatmulWriter):
             f"attention template (kernels/attention.py): queries {dims} against {keys} keys "
             f"(value head dim {dim_v}), {blocks.m} queries per program ({blocks.warps} warps), keys in steps "
             f"of {blocks.n}, "
-            f"online softmax in float32, tl.dot on {ir.dtype_str(dtype)} tiles"
+            f"online softmax in float32 {'in base 2' if base_2 else '(base e: a wide mask or bias)'}, "
+            f"tl.dot on {ir.dtype_str(dtype)} tiles"
             + (" (IEEE float32, no TF32)" if dtype == torch.float32 else ""),
             "a row with every score masked gives "
             + (
