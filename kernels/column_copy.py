@@ -19,7 +19,7 @@ import triton.language as tl
 def gjit_column_copy(src, dst, numel, N: tl.constexpr, PITCH: tl.constexpr, BLOCK: tl.constexpr,
                  WIDE: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
-    if WIDE:  # numel >= 2**31: int64 offsets
+    if WIDE:  # the padded tensor's rows * PITCH >= 2**31 (its offsets, not only the output's)
         pid = pid.to(tl.int64)
     offsets = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel

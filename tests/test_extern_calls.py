@@ -69,11 +69,29 @@ def test_the_copy_out_takes_each_rows_first_columns_bit_for_bit(dtype, rows, n, 
 
 
 def test_the_copy_out_with_int64_offsets_computes_the_same():
-    """The branch for outputs of 2**31 elements or more, run on a small one."""
+    """The branch for padded products of 2**31 elements or more, run on a small one."""
     padded = torch.randn(7, 72, dtype=torch.float16)
     out = torch.empty(7, 65, dtype=torch.float16)
     copy_kernel()[(1,)](padded, out, out.numel(), N=65, PITCH=72, BLOCK=padded_mm.COPY_BLOCK, WIDE=True)
     assert torch.equal(out, padded[:, :65])
+
+
+def test_the_copy_out_takes_int64_offsets_where_the_padded_product_passes_2_31_elements():
+    """The loads reach row * pitch, past the output's numel: GPT-2's 50257 columns on 42725 rows
+    are under 2**31 elements, their padded product over it (int32 offsets would wrap)."""
+    launches = []
+
+    class Recorder:  # stands in for the kernel: a meta tensor has no memory to copy
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs)
+
+    rows, n = 42725, 50257
+    pitch = wrapper.padded_columns(n, torch.float16)
+    assert rows * n < 2**31 <= rows * pitch
+    padded_mm.first_columns(torch.empty(rows, pitch, dtype=torch.float16, device="meta"), n, Recorder())
+    assert launches[0]["WIDE"]
+    padded_mm.first_columns(torch.empty(1000, pitch, dtype=torch.float16, device="meta"), n, Recorder())
+    assert not launches[1]["WIDE"]
 
 
 def test_what_is_padded():

@@ -69,5 +69,6 @@ def first_columns(padded: torch.Tensor, n: int, copy: Any) -> torch.Tensor:
     if numel == 0:
         return out
     grid = (triton.cdiv(numel, COPY_BLOCK),)
-    copy[grid](padded, out, numel, N=n, PITCH=pitch, BLOCK=COPY_BLOCK, WIDE=numel >= 2**31, num_warps=4)
+    wide = rows * pitch >= 2**31  # the loads reach row * pitch, past the output's numel
+    copy[grid](padded, out, numel, N=n, PITCH=pitch, BLOCK=COPY_BLOCK, WIDE=wide, num_warps=4)
     return out
