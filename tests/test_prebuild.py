@@ -17,6 +17,7 @@ import triton
 
 import gjit
 from gjit import tuning, wrapper
+from gjit.choice.library import call_key
 from gjit.runtime import graph as graph_module
 from gjit.runtime import package, padded_mm, prebuild, triton_binaries
 from helpers import first_graph_call, kernel_launches, through_tritons_launcher
@@ -171,6 +172,16 @@ def test_a_launch_waits_for_its_own_build_only_then_binds_the_kernel():
     start = time.perf_counter()
     namespace["b"][(1,)]()
     assert time.perf_counter() - start >= 0.15 and isinstance(namespace["b"], Kernel)
+
+
+def test_a_kernel_awaiting_its_build_is_described_as_the_kernel():
+    """A padded product's `copy=` is the Awaiting at its first call and the kernel after: the
+    choice's library side keys extern calls by their arguments (a kernel by its repr), and timed
+    two such products of one shape as two calls."""
+    kernel = Kernel()
+    awaiting = prebuild.Awaiting(kernel, [], {}, "k")
+    op, args = torch.ops.aten.mm.default, (torch.empty(2, 3), torch.empty(3, 4))
+    assert call_key(op, args, {"copy": awaiting}) == call_key(op, args, {"copy": kernel})
 
 
 def test_a_failed_build_is_logged_and_the_launch_builds_it(caplog, monkeypatch):

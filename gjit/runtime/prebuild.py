@@ -253,6 +253,9 @@ class Awaiting:
     def __init__(self, kernel: Any, futures: list, namespace: dict[str, Any], name: str):
         self.kernel, self.futures, self.namespace, self.name = kernel, futures, namespace, name
 
+    def __repr__(self) -> str:  # the kernel it stands for (an extern call's key: gjit/choice/library.py)
+        return repr(self.kernel)
+
     def __getitem__(self, grid: Any) -> Callable:
         _wait(self.futures, self.name)
         if self.namespace.get(self.name) is self:
