@@ -212,7 +212,6 @@ def test_attention_configurations_are_measured_too(measured):
     assert "not tuned" not in line and "does not build" not in line, line
 
 
-
 def test_what_is_timed_is_the_launch_alone(measured, monkeypatch):
     """A measured call evaluates no size expression: on a GPU the host's sympy work inside the
     timed call (0.1-0.4 ms) was counted as the kernel's time, and short templates lost to ATen
@@ -246,6 +245,7 @@ def test_what_is_timed_is_the_launch_alone(measured, monkeypatch):
     assert_same(out, fn(q, k, v))
     assert len(calls) == configs + 1 and not times
     assert substitutions == [0] * (configs + 1), substitutions
+
 
 def test_measuring_runs_leave_an_input_written_in_place_as_one_call_does(measured):
     """Tuning runs the program on the call's own inputs (no copies of the weights): the index
