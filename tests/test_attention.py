@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import gjit
+import model_zoo
 from helpers import assert_same, check_against_float64, run_compiled, upcast
 
 pytestmark = [pytest.mark.cpu]
@@ -252,6 +253,22 @@ def test_rows_masked_to_the_end_with_finfo_min_average_the_values_as_eager(dtype
     assert got.isfinite().all()
     if dtype != torch.float16:  # finfo.min swamps every score: the values equally weighted
         torch.testing.assert_close(got.float(), v.float().mean(2), rtol=2e-2, atol=2e-2)
+
+
+def test_a_left_padded_batch_through_hf_eager_attention_matches_eager():
+    """Llama's eager attention (float32) on a batch whose second prompt is left-padded: the padded
+    query rows have every key masked with finfo.min. Their NaN (base 2) reached every logit of the
+    sequence through the next layer's keys."""
+    pytest.importorskip("transformers")
+    model, (ids,) = model_zoo.llama("eager")
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+        got, cm = run_compiled(model, input_ids=ids, attention_mask=mask)
+    kernels = cm.entries[0].program.graph.kernels
+    assert sum(k.name.startswith("gjit_attn_") for k in kernels) == 2
+    torch.testing.assert_close(got.logits, want, rtol=1e-4, atol=1e-4)
 
 
 def test_written_out_rows_with_every_key_masked_are_nan_as_softmax():
