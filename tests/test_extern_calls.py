@@ -4,6 +4,7 @@ and an attention extern's boolean mask is handed over as an additive one. Both a
 tests add the CPU to their devices and run the calls through the interpreter against eager."""
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -66,6 +67,29 @@ def test_the_copy_out_takes_each_rows_first_columns_bit_for_bit(dtype, rows, n, 
     out = padded_mm.first_columns(padded, n, copy_kernel())
     assert out.is_contiguous() and out.shape == (rows, n)
     assert torch.equal(out.view(torch.int16), padded[:, :n].contiguous().view(torch.int16))
+
+
+def test_a_copy_kernel_that_does_not_build_leaves_the_copy_to_aten(monkeypatch, caplog):
+    """Never a failed call for an optimization: the first failure is logged once, and that call and
+    every later one copy with ATen, the same values."""
+    monkeypatch.setattr(padded_mm, "_FAILED", [])
+    launches = []
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(grid)
+                raise RuntimeError("PassManager::run failed\n(details)")
+
+            return launch
+
+    padded = torch.randn(6, 264).to(torch.float16)
+    with caplog.at_level(logging.WARNING, logger="gjit.output_code"):
+        for _ in range(2):
+            out = padded_mm.first_columns(padded, 257, Broken())
+            assert torch.equal(out, padded[:, :257])
+    assert len(launches) == 1 and padded_mm._FAILED == ["RuntimeError: PassManager::run failed"]
+    assert sum("copy kernel failed" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_the_copy_out_with_int64_offsets_computes_the_same():

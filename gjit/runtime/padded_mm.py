@@ -24,7 +24,11 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from gjit import logs
 from gjit.wrapper import padded_columns
+
+log = logs.logger("output_code")
+_FAILED: list[str] = []  # why the copy kernel could not run here, once: ATen copies from then on
 
 LEAST_ROWS = 128  # fewer output rows: ATen's own call
 COPY_BLOCK = 1024  # output elements per program of the copy out (Inductor's XBLOCK for a copy)
@@ -68,7 +72,14 @@ def first_columns(padded: torch.Tensor, n: int, copy: Any) -> torch.Tensor:
     numel = out.numel()
     if numel == 0:
         return out
+    if _FAILED:
+        return out.copy_(padded[:, :n])
     grid = (triton.cdiv(numel, COPY_BLOCK),)
     wide = rows * pitch >= 2**31  # the loads reach row * pitch, past the output's numel
-    copy[grid](padded, out, numel, N=n, PITCH=pitch, BLOCK=COPY_BLOCK, WIDE=wide, num_warps=4)
+    try:
+        copy[grid](padded, out, numel, N=n, PITCH=pitch, BLOCK=COPY_BLOCK, WIDE=wide, num_warps=4)
+    except Exception as e:  # it does not build here (another Triton): ATen's copy, the same values
+        _FAILED.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        log.warning("gjit: the padded products' copy kernel failed (%s); ATen copies them", _FAILED[0])
+        return out.copy_(padded[:, :n])
     return out
