@@ -62,9 +62,9 @@ def in_base_2(score: Expr) -> Expr:
             return Op(f32, "neg", (in_base_2(score.args[0]),))
         if score.name in ("mul", "truediv"):
             a, b = score.args
-            if b.dtype == f32 and not any(isinstance(x, Score) for x in walk(b)) and score.name == "mul":
+            if score.name == "mul" and b.dtype == f32 and not any(isinstance(x, Score) for x in walk(b)):
                 return Op(f32, "mul", (a, in_base_2(b)))  # the scale: folded once, out of the loop
-            if a.dtype == f32:
+            if a.dtype == f32:  # a / b or a * b: the numerator, or the factor that holds the score
                 return Op(f32, score.name, (in_base_2(a), b))
     return Op(f32, "mul", (score, Const(f32, LOG2E)))
 
