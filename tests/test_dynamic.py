@@ -4,6 +4,7 @@ automatic dynamic, mark_dynamic ranges, the recompile limit, data-dependent size
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -727,3 +728,19 @@ def test_an_interrupted_exports_modes_are_taken_off_torchs_stacks():
     restore_mode_stacks(before)
     assert mode_stacks() == before
     assert torch.ones(2).sum().item() == 2
+
+
+def test_the_export_watchdog_skips_a_sample_whose_stack_changed_under_it(monkeypatch):
+    """Another thread's stack is read while it runs: a frame's f_back may already be something
+    else (a `cell` was seen in CI) and the walk raised, which ended the watchdog thread and with it
+    the export's budget. Such a sample is skipped; the walk stops at anything not a frame."""
+    from gjit.capture import export_budget
+
+    assert export_budget._stack(object()) == ([], False)
+    slow = export_budget._SlowOps(threading.get_ident())
+
+    def torn(frame):
+        raise AttributeError("'cell' object has no attribute 'f_code'")
+
+    monkeypatch.setattr(export_budget, "_stack", torn)
+    assert slow.sample() == (0.0, False)

@@ -61,7 +61,9 @@ def _stack(frame: FrameType | None) -> tuple[list[int], bool]:
     not kept: a frame the watchdog holds keeps the trace's tensors alive past their time, and
     export then finds a fake tensor among its constants."""
     ops, symbolic, depth = [], False, 0
-    while frame is not None:
+    # another thread's stack changes while it is read: a frame's f_back can be popped and its
+    # memory reused (a `cell` was seen there in CI); the walk stops at anything not a frame
+    while isinstance(frame, FrameType):
         if depth < INNERMOST and frame.f_globals.get("__name__", "").startswith(SYMBOLIC_MODULES):
             symbolic = True
         if frame.f_code.co_name == "__torch_dispatch__":
@@ -81,7 +83,10 @@ class _SlowOps:
 
     def sample(self) -> tuple[float, bool]:
         """(seconds of slow ops so far, whether the thread is in a slow op's symbolic code now)."""
-        ops, symbolic = _stack(sys._current_frames().get(self.thread_id))
+        try:
+            ops, symbolic = _stack(sys._current_frames().get(self.thread_id))
+        except Exception:  # noqa: BLE001 - the stack changed under the walk: this sample is skipped
+            return self.finished + sum(t for t in self.ops.values() if t > SLOW_OP), False
         now = time.monotonic()
         # a sample the GIL delayed (a long C call) bills at most a few polls to the op it finds
         step, self.last = min(now - self.last, 4 * POLL), now
