@@ -101,6 +101,21 @@ def state(cache) -> tuple:
     return [id(x) if isinstance(x, torch.Tensor) else x for x in leaves], context
 
 
+def returned_into(given, returned, how: str) -> None:
+    """A decode step's output holding `returned` handed back to the caller whose cache is `given`,
+    as a compiled call does: `restore` (from the built output) or `rebuild` (from its leaves)."""
+    output = transformers.modeling_outputs.CausalLMOutputWithPast(
+        logits=torch.randn(1, 1, 50), past_key_values=returned
+    )
+    leaves, spec = pytree.tree_flatten(output)
+    aliases = cache_aliases.CacheAliases(pairs=[(OUT_PATH, IN_PATH)])
+    call = ((), {"past_key_values": given})
+    if how == "restore":
+        aliases.restore(*call, pytree.tree_unflatten(leaves, spec))
+    else:
+        aliases.rebuild(*call, leaves, spec)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_rebuild_leaves_what_restore_leaves(case):
     kv_cache.register_all()
@@ -269,16 +284,7 @@ def test_a_list_subclass_the_step_rebinds_is_the_returned_one_with_its_attribute
     returned = longer(given)
     returned.tagged = Tagged([torch.randn(2)])
     returned.tagged.scale = torch.randn(1)
-    output = transformers.modeling_outputs.CausalLMOutputWithPast(
-        logits=torch.randn(1, 1, 50), past_key_values=returned
-    )
-    leaves, spec = pytree.tree_flatten(output)
-    aliases = cache_aliases.CacheAliases(pairs=[(OUT_PATH, IN_PATH)])
-    call = ((), {"past_key_values": given})
-    if how == "restore":
-        aliases.restore(*call, pytree.tree_unflatten(leaves, spec))
-    else:
-        aliases.rebuild(*call, leaves, spec)
+    returned_into(given, returned, how)
     assert type(given.tagged) is Tagged and given.tagged[0] is returned.tagged[0]
     assert given.tagged.scale is returned.tagged.scale
     assert state(given) == state(returned)
@@ -384,16 +390,7 @@ def test_a_constant_the_step_changes_is_replaced_not_adopted(how):
     returned = longer(given)
     returned.window, returned.layers[0].mask = Window.FULL, unmasked
     returned.layers[1].seen = collections.OrderedDict(a="y", b="z")
-    output = transformers.modeling_outputs.CausalLMOutputWithPast(
-        logits=torch.randn(1, 1, 50), past_key_values=returned
-    )
-    leaves, spec = pytree.tree_flatten(output)
-    aliases = cache_aliases.CacheAliases(pairs=[(OUT_PATH, IN_PATH)])
-    call = ((), {"past_key_values": given})
-    if how == "restore":
-        aliases.restore(*call, pytree.tree_unflatten(leaves, spec))
-    else:
-        aliases.rebuild(*call, leaves, spec)
+    returned_into(given, returned, how)
     assert (Window.SLIDING.name, Window.SLIDING.value) == ("SLIDING", 1), "an enum member was overwritten"
     assert given.window is Window.FULL and given.layers[0].mask is unmasked
     assert given.layers[1].seen == collections.OrderedDict(a="y", b="z")
