@@ -51,6 +51,12 @@ def logger(name: str) -> logging.Logger:
     return logging.getLogger(f"gjit.{name}")
 
 
+def error_line(e: BaseException) -> str:
+    """An exception in one line for a log: its type and its message's first line."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def parse(spec: str) -> dict[str, int]:
     """'recompiles,+dynamic,-fusion' -> {artifact: level}. Unknown names raise with the list."""
     levels: dict[str, int] = {}

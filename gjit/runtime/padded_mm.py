@@ -79,7 +79,7 @@ def first_columns(padded: torch.Tensor, n: int, copy: Any) -> torch.Tensor:
     try:
         copy[grid](padded, out, numel, N=n, PITCH=pitch, BLOCK=COPY_BLOCK, WIDE=wide, num_warps=4)
     except Exception as e:  # it does not build here (another Triton): ATen's copy, the same values
-        _FAILED.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        _FAILED.append(logs.error_line(e))
         log.warning("gjit: the padded products' copy kernel failed (%s); ATen copies them", _FAILED[0])
         return out.copy_(padded[:, :n])
     return out

@@ -175,7 +175,7 @@ def record_launches(
         with mode:
             dry_run(fakes, sizes)
     except Exception as e:  # an op fake tensors cannot run: the launches after it build at launch
-        return launches, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        return launches, logs.error_line(e)
     return launches, ""
 
 
