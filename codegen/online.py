@@ -7,9 +7,9 @@ only a per-row value of the first level in a form that can be carried along inst
       max), rescaling the sum when its max grows (online softmax); at the end every lane's sum
       is rescaled to the row's max.
   variance: sum((a - mu)**2) for mu = sum(a) / n, the row's mean. Each lane keeps Welford's
-      count, mean and M2 (of its values minus its first one, halved so that no difference
-      overflows); sum over lanes of M2 + count * (mean - mu)**2 is the row's sum, so mu is only
-      needed after the pass.
+      mean and M2 (of its values minus its first one, halved so that no difference
+      overflows) and knows its count; sum over lanes of M2 + count * (mean - mu)**2 is the
+      row's sum, so mu is only needed after the pass.
 
 Either way the row is read once less (softmax and layer_norm: two passes instead of three).
 The match is on the region's IR, so a softmax or variance written out by hand folds too.
@@ -23,8 +23,6 @@ import sympy
 
 from gjit import ir
 from gjit.ir import Expr, IndexValue, Op, Read, ReduceNode, statically_known_equal
-
-WELFORD = ("count", "first", "mean", "m2")  # a variance's accumulators per lane, in both printers
 
 
 @dataclasses.dataclass(frozen=True)

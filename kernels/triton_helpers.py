@@ -67,20 +67,26 @@ HELPERS = {
     "    scaled = tl.where(peak == row_peak, total, total * tl.exp(peak - row_peak))\n"
     "    row = tl.sum(scaled, 1)[:, None]\n"
     "    return tl.where(row_peak == float('-inf'), float('nan'), row)\n",
-    # Welford's running count, mean and M2 per lane of (x - the lane's first element) / 2: the
-    # mean stays small where the row's is large (a float32 mean of 1e4 is only good to 1e-3), and
-    # halving keeps the difference of two finite values finite (eager's squares may reach inf)
-    "welford_add": "@triton.jit\ndef _welford_add(count, first, mean, m2, x, active):\n"
-    "    first = tl.where(active & (count == 0), x, first)\n"
-    "    count = count + tl.where(active, 1.0, 0.0)\n"
-    "    d = x * 0.5 - first * 0.5\n"
+    # Welford's running mean and M2 per lane of (x - the lane's first element) / 2: the mean
+    # stays small where the row's is large (a float32 mean of 1e4 is only good to 1e-3), and
+    # halving keeps the difference of two finite values finite (eager's squares may reach inf).
+    # In chunk c of a row every active lane holds its (c + 1)-th element (a lane past the row's
+    # end stays past it): no count a lane, one reciprocal a chunk, not a division an element.
+    # `half_first` is the lane's first element halved; a lane inactive in chunk 0 never is active
+    "welford_add": "@triton.jit\ndef _welford_add(half_first, mean, m2, x, active, chunk):\n"
+    "    half_x = x * 0.5\n"
+    "    half_first = tl.where(chunk == 0, half_x, half_first)\n"
+    "    d = half_x - half_first\n"
     "    delta = tl.where(active, d - mean, 0.0)\n"
-    "    mean = mean + delta / tl.maximum(count, 1.0)\n"
+    "    mean = mean + delta * (1.0 / tl.cast(chunk + 1, mean.dtype))\n"
     "    m2 = m2 + delta * tl.where(active, d - mean, 0.0)\n"
-    "    return count, first, mean, m2\n",
-    # the row's sum of (x - row_mean)**2 from its lanes' (count, first, mean, M2)
-    "welford_final": "@triton.jit\ndef _welford_final(count, first, mean, m2, row_mean):\n"
-    "    dev = (first * 0.5 - row_mean * 0.5) + mean\n"
+    "    return half_first, mean, m2\n",
+    # the row's sum of (x - row_mean)**2 from its lanes' (first / 2, mean, M2); a lane's count is
+    # how many of its positions j, j + RBLOCK, ... are in a row of `length` (0: it holds nothing)
+    "welford_final": "@triton.jit\n"
+    "def _welford_final(half_first, mean, m2, row_mean, length, RBLOCK: tl.constexpr):\n"
+    "    count = ((length + RBLOCK - 1 - tl.arange(0, RBLOCK)[None, :]) // RBLOCK).to(mean.dtype)\n"
+    "    dev = (half_first - row_mean * 0.5) + mean\n"
     "    return 4.0 * tl.sum(tl.where(count > 0, m2 + count * dev * dev, 0.0), 1)[:, None]\n",
     "argmin": "@triton.jit\ndef _argmin(v1, i1, v2, i2):\n"
     "    nan1 = v1 != v1\n    nan2 = v2 != v2\n"

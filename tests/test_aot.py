@@ -2,6 +2,7 @@
 
 import multiprocessing
 import os
+import re
 
 import pytest
 import torch
@@ -29,6 +30,25 @@ def test_reductions_report_shared_memory_and_no_spills(tmp_path):
 
     report = gjit.aot(f, torch.randn(16, 300), out_dir=str(tmp_path))
     assert report.kernels and all(not k.spills and k.registers > 0 for k in report.kernels)
+
+
+def test_looped_welford_divides_once_a_chunk_not_once_an_element(tmp_path):
+    """A layer norm over rows longer than a persistent block: its first pass keeps Welford's mean
+    per lane, whose update divides by the lane's count, the same for every active lane of a chunk
+    (kernels/triton_helpers.py): one division a chunk, where one an element (8 a thread here) made
+    the pass ALU-bound on sm_90."""
+    with gjit.config.scope(reduction="looped"):
+        report = gjit.aot(
+            lambda x, w, b: torch.nn.functional.layer_norm(x, (8192,), w, b),
+            *(torch.randn(s) for s in ((64, 8192), (8192,), (8192,))),
+            out_dir=str(tmp_path),
+            workers=1,
+        )
+    (kernel,) = report.kernels
+    ptx = open(kernel.ptx_path).read()
+    assert ptx.count("ld.global.v4") >= 2 and not kernel.spills  # 8 elements a thread, two 128-bit loads
+    divisions = len(re.findall(r"\b(?:div|rcp)\.\w+\.f32", ptx))
+    assert divisions <= 2, divisions  # the chunk's reciprocal and the variance's division by n
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

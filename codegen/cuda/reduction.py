@@ -25,6 +25,7 @@ from gjit.codegen.cuda.pointwise import C_TYPES, THREADS, CudaEmitter, literal, 
 from gjit.codegen.plan import ReductionPlan
 from gjit.ir import Read, ReduceNode
 
+WELFORD = ("count", "first", "mean", "m2")  # a variance's accumulators per thread (cuda_prelude.py)
 FUNCTORS = {"sum": "GjitSum", "prod": "GjitProd", "max": "GjitMax", "min": "GjitMin"}
 
 
@@ -118,7 +119,7 @@ class CudaReductionWriter(ReductionPlan, CudaEmitter):
             acc = self.bodies[node.name].dtype
             if node.name in self.online:
                 zero, n = literal(0, acc), node.name
-                names = ("acc",) if self.online[n].kind == "softmax" else online.WELFORD
+                names = ("acc",) if self.online[n].kind == "softmax" else WELFORD
                 self.lines.append(f"{C_TYPES[acc]} {', '.join(f'{a}_{n} = {zero}' for a in names)};")
                 continue
             init = identity(node.reduce_type, acc)
@@ -135,7 +136,7 @@ class CudaReductionWriter(ReductionPlan, CudaEmitter):
                     peak = f"acc_{fold.shift.name}"
                     self.lines.append(f"acc_{n} = gjit_online_sum_exp(acc_{n}, {peak}, {value});")
                 else:
-                    accs = ", ".join(f"{acc}_{n}" for acc in online.WELFORD)
+                    accs = ", ".join(f"{acc}_{n}" for acc in WELFORD)
                     self.lines.append(f"gjit_welford_add({accs}, {value});")
                 continue
             value = self.emit(self.bodies[node.name])
@@ -158,7 +159,7 @@ class CudaReductionWriter(ReductionPlan, CudaEmitter):
                 if fold.kind == "softmax":
                     reduced = f"gjit_online_sum_exp_final({a}, acc_{fold.shift.name}, {shift})"
                 else:
-                    accs = ", ".join(f"{acc}_{n}" for acc in online.WELFORD)
+                    accs = ", ".join(f"{acc}_{n}" for acc in WELFORD)
                     reduced = f"gjit_welford_final({accs}, {shift})"
             elif node.reduce_type in ("argmax", "argmin"):
                 is_max = str(node.reduce_type == "argmax").lower()

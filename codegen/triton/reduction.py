@@ -26,6 +26,10 @@ from gjit.fusion.regions import Region
 from gjit.ir import ReduceNode
 from gjit.kernels.triton_helpers import HELPERS
 
+# a variance's accumulators per lane (kernels/triton_helpers.py, welford_add): no count, which
+# follows from the lane's position and the row's length
+WELFORD = ("half_first", "mean", "m2")
+
 
 def _identity(reduce_type: str, dtype: torch.dtype) -> str:
     if reduce_type == "sum":
@@ -182,7 +186,7 @@ class ReductionWriter(ReductionPlan, KernelWriter):
         if self.online[node.name].kind == "softmax":
             self.lines.append(f"acc_{node.name} = {zeros}")
         else:
-            self.lines += [f"{acc}_{node.name} = {zeros}" for acc in online.WELFORD]
+            self.lines += [f"{acc}_{node.name} = {zeros}" for acc in WELFORD]
 
     def online_step(self, node: ReduceNode) -> None:
         fold, n = self.online[node.name], node.name
@@ -193,8 +197,8 @@ class ReductionWriter(ReductionPlan, KernelWriter):
         else:
             value = self.emit(fold.value)
             self.helpers.add("welford_add")
-            accs = ", ".join(f"{acc}_{n}" for acc in online.WELFORD)
-            self.lines.append(f"{accs} = _welford_add({accs}, {value}, xrmask)")
+            accs = ", ".join(f"{acc}_{n}" for acc in WELFORD)
+            self.lines.append(f"{accs} = _welford_add({accs}, {value}, xrmask, roffset // RBLOCK)")
 
     def online_final(self, node: ReduceNode) -> None:
         fold, n = self.online[node.name], node.name
@@ -204,7 +208,7 @@ class ReductionWriter(ReductionPlan, KernelWriter):
             final = f"_online_sum_exp_final(acc_{n}, acc_{fold.shift.name}, {shift})"
         else:
             self.helpers.add("welford_final")
-            final = f"_welford_final({', '.join(f'{acc}_{n}' for acc in online.WELFORD)}, {shift})"
+            final = f"_welford_final({', '.join(f'{acc}_{n}' for acc in WELFORD)}, {shift}, rnumel, RBLOCK)"
         self.finish(node, self.tmp(("final", n), final))
 
     # -- stores ------------------------------------------------------------------------------------------
