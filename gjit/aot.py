@@ -4,7 +4,9 @@
     print(report)                                # registers, spills, shared memory, vector loads
 
 Triton compiles each kernel for the target through its whole NVIDIA pipeline (ptxas ships
-with Triton), and NVRTC each CUDA C kernel of the cupy backend; the resource usage comes from
+with Triton), specialized as Triton's launcher on the card would specialize it for this call (its
+sizes divisible by 16 or equal to 1, its pointers aligned or not: `first_launches`), and NVRTC
+each CUDA C kernel of the cupy backend; the resource usage comes from
 the cubin itself, read with the `cuobjdump` that ships with Triton. A kernel with local memory
 or stack use spills registers.
 """
@@ -82,9 +84,12 @@ def resource_usage(cubin_path: str) -> dict[str, int]:
     return {"registers": reg, "stack": stack, "shared": shared, "local": local}
 
 
-def build(kernel: Any, path: str, arch: int, out_dir: str, file_name: str | None = None) -> KernelBinary:
-    """PTX and cubin of one kernel: Triton's pipeline, or NVRTC for a CUDA C kernel. They are
-    written as `file_name` (default the kernel's name) .ptx and .cubin in `out_dir`."""
+def build(
+    kernel: Any, path: str, arch: int, out_dir: str, file_name: str | None = None, launch: dict | None = None
+) -> KernelBinary:
+    """PTX and cubin of one kernel: Triton's pipeline (specialized for `launch`'s arguments where
+    given: compile_only.compile_kernel), or NVRTC for a CUDA C kernel. They are written as
+    `file_name` (default the kernel's name) .ptx and .cubin in `out_dir`."""
     if kernel.backend == "cuda":  # CuPy's NVRTC binding, needed for this backend only
         from gjit.codegen.toolchain import nvrtc
 
@@ -97,7 +102,7 @@ def build(kernel: Any, path: str, arch: int, out_dir: str, file_name: str | None
         usage = {"registers": ptxas["registers"], "stack": ptxas["stack"], "shared": ptxas["shared"]}
         usage["local"] = local
     else:
-        binary = compile_kernel(kernel, path, arch=arch)
+        binary = compile_kernel(kernel, path, arch=arch, launch=launch)
         ptx, cubin = binary.asm["ptx"], binary.asm["cubin"]
         usage = None
     os.makedirs(out_dir, exist_ok=True)
@@ -137,28 +142,66 @@ def aot(
     cm = model if isinstance(model, CompiledFunction) else CompiledFunction(model)
     if cm.target is None:  # what runs on that card where nothing is measured (gjit/choice/)
         cm.target = number
-    entry, _ = cm.entry_for(args, kwargs)  # CaptureError (a RuntimeError) when capture fails
+    entry, sizes = cm.entry_for(args, kwargs)  # CaptureError (a RuntimeError) when capture fails
     out_dir = out_dir or os.path.join(config.cache_dir, "aot", arch)
+    launches = first_launches(cm, entry, args, kwargs, sizes)
     jobs = []
     graphs = [entry.program.graph]
     while graphs:
         graph = graphs.pop(0)
-        jobs += [(k, graph.kernel_paths[k.name]) for k in graph.kernels if k.code_of is None]
+        own = [k for k in graph.kernels if k.code_of is None]
+        jobs += [(k, graph.kernel_paths[k.name], launches.get(k.name)) for k in own]
         graphs += list(graph.subgraphs.values())
     workers = config.compile_workers if workers is None else workers
     return AotReport(arch, build_all(jobs, number, out_dir, workers))
 
 
-def build_all(jobs: list[tuple[Any, str]], arch: int, out_dir: str, workers: int) -> list[KernelBinary]:
-    """Every (kernel, source path) built for sm_<arch>, in order: in `workers` processes at once
-    (each kernel's Triton pipeline and ptxas run in its own process: `build_pool`), or in this
-    process when there is one worker or one kernel."""
+def first_launches(cm: Any, entry: Any, args: tuple, kwargs: dict, sizes: tuple) -> dict[str, dict[str, Any]]:
+    """Each kernel's arguments (name -> value; a tensor as its dtype and address) in its first
+    launch of this call, from a run of the wrapper on fake tensors (gjit/runtime/prebuild.py), so
+    that it is built as Triton's launcher would specialize it on the card: a size argument of 16
+    or 1 lets Triton vectorize or drop what the same kernel built for any size could not. A kernel
+    shares its code's launch (`code_of`). Kernels the fake run does not reach (a torch.cond
+    branch's, those after an op fake tensors cannot run) are not in it."""
+    from torch.utils import _pytree as pytree
+
+    from gjit.runtime.prebuild import record_launches
+
+    graph = entry.program.graph
+    args, kwargs = cm._normalize(args, kwargs)
+    flat, _ = pytree.tree_flatten((args, kwargs))
+    try:
+        call = graph.call_fn(interpret=False)
+        names = [k.name for k in graph.kernels if k.backend != "cuda"]
+        others = [k.name for k in graph.kernels if k.backend == "cuda"]
+        recorded, _ = record_launches(
+            call, names, others, list(graph.subgraphs), entry.program.captured.graph_inputs(flat), sizes
+        )
+    except Exception as e:  # noqa: BLE001 - built as for any size, as before
+        log.info("gjit.aot: kernels built for any size: the fake run failed: %s", logs.error_line(e))
+        return {}
+    code = {k.name: k.code_of or k.name for k in graph.kernels}
+    params = {k.name: [p for p in k.signature if p not in k.blocks] for k in graph.kernels}
+    launches: dict[str, dict[str, Any]] = {}
+    for launch in recorded:
+        owner = code.get(launch.name, launch.name)
+        if owner not in launches and owner in params and len(params[owner]) == len(launch.args):
+            launches[owner] = dict(zip(params[owner], launch.args))
+    return launches
+
+
+def build_all(
+    jobs: list[tuple[Any, str, dict[str, Any] | None]], arch: int, out_dir: str, workers: int
+) -> list[KernelBinary]:
+    """Every (kernel, source path, one launch's arguments or None) built for sm_<arch>, in order:
+    in `workers` processes at once (each kernel's Triton pipeline and ptxas run in its own
+    process: `build_pool`), or in this process when there is one worker or one kernel."""
     seen: collections.Counter[str] = collections.Counter()
     builds = []  # two torch.cond branches may hold kernels of one name: one file each
-    for kernel, path in jobs:
+    for kernel, path, launch in jobs:
         seen[kernel.name] += 1
         suffix = f"_{seen[kernel.name]}" if seen[kernel.name] > 1 else ""
-        builds.append((kernel, path, arch, out_dir, kernel.name + suffix))
+        builds.append((kernel, path, arch, out_dir, kernel.name + suffix, launch))
     workers = max(1, min(workers, len(builds)))
     pool = build_pool(workers) if workers > 1 else None
     if pool is None:

@@ -32,6 +32,20 @@ def test_reductions_report_shared_memory_and_no_spills(tmp_path):
     assert report.kernels and all(not k.spills and k.registers > 0 for k in report.kernels)
 
 
+@pytest.mark.parametrize("cols", [4096, 4100])
+def test_kernels_are_specialized_as_the_cards_launcher_would_for_the_call(tmp_path, cols):
+    """A row length that is a kernel argument (a dynamic dim) is specialized as Triton's launcher
+    does on a card for this call: a multiple of 16 gives 128-bit loads, any other length scalar
+    ones (aot's figures are those of the kernel that would run)."""
+    cm = gjit.compile(lambda x: torch.softmax(x, -1), dynamic=True)
+    report = gjit.aot(cm, torch.randn(64, cols), out_dir=str(tmp_path), workers=1)
+    (kernel,) = report.kernels
+    if cols % 16 == 0:
+        assert kernel.vector_loads >= 1 and kernel.scalar_loads == 0, kernel
+    else:
+        assert kernel.scalar_loads >= 1, kernel
+
+
 def test_looped_welford_divides_once_a_chunk_not_once_an_element(tmp_path):
     """A layer norm over rows longer than a persistent block: its first pass keeps Welford's mean
     per lane, whose update divides by the lane's count, the same for every active lane of a chunk

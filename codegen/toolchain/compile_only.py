@@ -3,7 +3,8 @@
 `triton.compile` with `GPUTarget("cuda", 90, 32)` runs the whole NVIDIA pipeline (TTIR,
 TTGIR, LLVM IR, PTX, and a cubin through the ptxas that ships with Triton), so a kernel
 that compiles here is real sm_90 code. Pointer arguments and `xnumel` are marked 16-divisible,
-as Triton's launcher specializes them on a GPU when the sizes allow.
+as Triton's launcher specializes them on a GPU when the sizes allow; given the arguments of one
+launch, a kernel is specialized as Triton's launcher would for that launch (gjit.aot).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import multiprocessing
 import threading
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -29,19 +31,28 @@ def compile_kernel(
     aligned: bool = True,
     ones: tuple[str, ...] = (),
     divisible: tuple[str, ...] = (),
+    launch: dict[str, Any] | None = None,
 ):
     """Compile `kernel` (its source file at `path`) for sm_<arch>; returns Triton's CompiledKernel.
     As Triton's launcher specializes integer arguments on a GPU: `ones` are passed as the constant
-    1, `divisible` (sizes) are known multiples of 16."""
+    1, `divisible` (sizes) are known multiples of 16. `launch`: the value of each argument in one
+    launch (a pointer as anything with `data_ptr()`); then the kernel is specialized exactly as
+    Triton's launcher would for that launch (ints equal to 1 constant, multiples of 16 divisible,
+    16-byte aligned pointers), and `aligned`, `ones` and `divisible` are not used."""
     fn = getattr(import_file(path), kernel.name)
     params = [p for p in kernel.signature if p not in kernel.blocks]
+    if launch is not None:
+        ones, divisible = _specialized(launch)
     attrs = {}
-    if aligned:
-        for k, p in enumerate(params):
-            if p in ones:  # a constant: no attribute
-                continue
-            if kernel.signature[p].startswith("*") or p in ("xnumel", "rnumel", "ynumel", *divisible):
-                attrs[(k,)] = [["tt.divisibility", 16]]
+    for k, p in enumerate(params):
+        if p in ones:  # a constant: no attribute
+            continue
+        if launch is not None:
+            known = p in divisible
+        else:
+            known = aligned and (kernel.signature[p].startswith("*") or p in (*NUMELS, *divisible))
+        if known:
+            attrs[(k,)] = [["tt.divisibility", 16]]
     signature = dict(kernel.signature) | {p: "constexpr" for p in ones}
     source = triton.compiler.ASTSource(
         fn=fn, signature=signature, constexprs=dict(kernel.blocks) | {p: 1 for p in ones}, attrs=attrs
@@ -51,6 +62,20 @@ def compile_kernel(
         options["num_stages"] = kernel.num_stages
     options = options or None
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+NUMELS = ("xnumel", "rnumel", "ynumel")  # marked divisible where no launch says otherwise
+
+
+def _specialized(launch: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(ones, divisible) of one launch's arguments, by Triton's launcher's rules."""
+    ones = tuple(p for p, v in launch.items() if type(v) is int and v == 1)
+    divisible = tuple(
+        p
+        for p, v in launch.items()
+        if (type(v) is int and v != 1 and v % 16 == 0) or (hasattr(v, "data_ptr") and v.data_ptr() % 16 == 0)
+    )
+    return ones, divisible
 
 
 _warm_up: threading.Thread | None = None
