@@ -59,6 +59,13 @@ if fits "${COPY_S:-45}"; then
 fi
 pack
 
+step "matmul structures against cuBLAS: pointer loads, TMA, TMA on a persistent grid (bench/matmul_probe.py)"
+if fits "${PROBE_S:-90}"; then
+    timeout "${PROBE_S:-90}" $PY bench/matmul_probe.py 2>"$LOGS/matmul_probe.err" | tee "$LOGS/matmul_probe.md"
+    tail -3 "$LOGS/matmul_probe.err"
+fi
+pack
+
 if [ "$MODE" = kernels ]; then  # rows of 1025-8192: looped (the default) against persistent
     step "rows of 2048-8192: looped (GJIT_PERSISTENT_MAX=1024, the default) against persistent (8192)"
     for pmax in 1024 8192; do
