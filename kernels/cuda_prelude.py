@@ -215,12 +215,15 @@ struct GjitLogAddExp {
 };
 
 // Online softmax: per thread, the sum of exp(x - peak) for its running max `peak`, rescaled
-// when the max grows; a thread that has seen only -inf (or nothing) holds 0.
+// when the max grows; a thread that has seen only -inf (or nothing) holds 0. One exp an element,
+// as in kernels/triton_helpers.py: the rescale when x grew the max, else x's own term.
 template <typename T>
 __device__ __forceinline__ T gjit_online_sum_exp(T total, T peak, T x) {
     const T new_peak = gjit_max_nan(peak, x);
-    const T scale = peak == new_peak ? T(1) : gjit_exp(peak - new_peak);
-    const T term = new_peak == (T)(-GJIT_INF) ? T(0) : gjit_exp(x - new_peak);
+    const bool grew = x > peak;
+    const T e = gjit_exp((x < peak ? x : peak) - new_peak);
+    const T scale = grew ? e : T(1);
+    const T term = grew ? T(1) + (x - new_peak) : (new_peak == (T)(-GJIT_INF) ? T(0) : e);
     return total * scale + term;
 }
 

@@ -55,11 +55,16 @@ HELPERS = {
     "    better = (v1 > v2) | (nan1 & (nan2 == 0))\n    same = (v1 == v2) | (nan1 & nan2)\n"
     "    take = better | (same & (i1 < i2))\n    return tl.where(take, v1, v2), tl.where(take, i1, i2)\n",
     # online softmax (codegen/online.py): per lane, the sum of exp(x - peak) for its running max
-    # `peak`, rescaled when the max grows; a lane that has seen only -inf (or nothing) holds 0
+    # `peak`, rescaled when the max grows; a lane that has seen only -inf (or nothing) holds 0.
+    # One exp an element: of the smaller of peak and x less the new max, which is the rescale
+    # when x grew the max (x's own term then is exp(x - x): 1, or NaN for x = inf) and x's term
+    # when it did not; the same values as computing both exps
     "online_sum_exp": "@triton.jit\ndef _online_sum_exp(total, peak, x):\n"
     "    new_peak = tl.maximum(peak, x, tl.PropagateNan.ALL)\n"
-    "    scale = tl.where(peak == new_peak, 1.0, tl.exp(peak - new_peak))\n"
-    "    term = tl.where(new_peak == float('-inf'), 0.0, tl.exp(x - new_peak))\n"
+    "    grew = x > peak\n"
+    "    e = tl.exp(tl.minimum(peak, x) - new_peak)\n"
+    "    scale = tl.where(grew, e, 1.0)\n"
+    "    term = tl.where(grew, 1.0 + (x - new_peak), tl.where(new_peak == float('-inf'), 0.0, e))\n"
     "    return total * scale + term\n",
     # the row's sum, every lane rescaled to the row's max; a row of only -inf sums to NaN, as
     # exp(x - max) does in eager

@@ -65,6 +65,22 @@ def test_looped_welford_divides_once_a_chunk_not_once_an_element(tmp_path):
     assert divisions <= 2, divisions  # the chunk's reciprocal and the variance's division by n
 
 
+def test_online_softmax_takes_one_exp_an_element_in_its_first_pass(tmp_path):
+    """A looped softmax's first pass keeps each lane's running max and sum of exps (online
+    softmax): one exp an element there (kernels/triton_helpers.py: the rescale when the max grows
+    and the element's own term are the same exp), one an element for the output and one a lane to
+    rescale the lanes' sums. Exps run on the SFU, an eighth of the FMA units' rate on sm_90."""
+    with gjit.config.scope(reduction="looped"):
+        report = gjit.aot(
+            lambda x: torch.softmax(x, -1), torch.randn(64, 8192), out_dir=str(tmp_path), workers=1
+        )
+    (kernel,) = report.kernels
+    ptx = open(kernel.ptx_path).read()
+    per_thread = 8  # RBLOCK 2048 over 8 warps
+    assert ptx.count("ld.global.v4") >= 2 and not kernel.spills
+    assert ptx.count("ex2.approx") <= 3 * per_thread, ptx.count("ex2.approx")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_matmul_templates_use_tensor_cores_and_do_not_spill(tmp_path, dtype):
     """The matmul template (kernels/matmul.py) with an epilogue and an attention-style prologue:
