@@ -595,3 +595,21 @@ def test_split_reductions_of_one_input_keep_their_own_identities(name, dynamic):
     fn = gjit.compile(MIXED[name], dynamic=dynamic)
     for x in (-torch.rand(17001) - 1, torch.rand(17001) + 0.5):
         check(fn, x)
+
+
+@pytest.mark.parametrize("mode", ["persistent", "looped"])
+def test_a_per_row_read_loads_once_a_row(mode):
+    """A read inside a row's elements that does not vary along the row (an embedding's token id,
+    a gathered row's index) loads [XBLOCK, 1] under the rows' mask: once a row, and the row it
+    gathers stays contiguous along the reduced dim. Rows of the last block masked off, a row's id
+    reused by another row, and a padded id (0) all as eager."""
+    emb, w = torch.randn(50, 40), torch.randn(40)
+    ids = torch.randint(0, 50, (7, 5))
+    ids[0, 0] = ids[3, 2]
+    with gjit.config.scope(reduction=mode, rblock=16 if mode == "looped" else 0):
+        cm = check(lambda i, e, g: F.layer_norm(e[i] * 2 + 1, (40,), g), ids, emb, w, kernels=1)
+        (kernel,) = gjit.explain(cm, ids, emb, w).kernels
+    loads = [ln for ln in kernel.source.splitlines() if "tl.load(" in ln]
+    per_row = [ln for ln in loads if ln.rstrip().endswith(", xmask)")]
+    # the id, by the row's index alone (a looped kernel's each pass loads it)
+    assert len(per_row) == (1 if mode == "persistent" else 2) and all("c2" not in ln for ln in per_row), loads

@@ -292,7 +292,8 @@ class KernelWriter(RegionPlan):
         text = self.index(offset, names)
         used = offset.free_symbols & set(self.vars)
         if used and self.whole_tile(used):
-            load = f"tl.load({arg} + ({text}), {self.mask})"
+            mask = self.load_mask(used)
+            return self.tmp(("load", arg, text, mask), f"tl.load({arg} + ({text}), {mask})")
         elif used:  # one side of a 2-D tile: broadcast to the tile
             load = f"tl.load({arg} + ({text}) + {self.block_zeros}, {self.mask})"
         elif self.mask in self.base_masks and not names:
@@ -389,6 +390,11 @@ class KernelWriter(RegionPlan):
         """Does a store's offset vary across the whole block (else it is broadcast)?"""
         used = offset_expr.free_symbols & set(self.vars)
         return bool(used) and self.whole_tile(used)
+
+    def load_mask(self, used: set) -> str:
+        """The mask of a load whose offset uses the kernel variables `used` (the block's own here;
+        a reduction narrows it to the rows for a load of one value a row)."""
+        return self.mask
 
     def whole_tile(self, used: set) -> bool:
         """Do kernel variables `used` span the block: a 2-D tile's both sides, any 1-D block's?"""

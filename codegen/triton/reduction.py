@@ -74,6 +74,16 @@ class ReductionWriter(ReductionPlan, KernelWriter):
         self.lines.append("for roffset in range(0, rnumel, RBLOCK):")
         self.lines += [f"    {ln}" for ln in body]
 
+    def load_mask(self, used: set) -> str:
+        """A load of one value a row (its offset uses no reduced variable) under the block's own
+        mask loads [XBLOCK, 1] under the rows' mask: once a row, not once a lane, and an index it
+        feeds (an embedding's row) stays the same along the row, so that gather is contiguous and
+        vectorizes. Not under a narrower mask (a `Masked` body's), which may vary along the row, nor
+        where rows are empty (rnumel 0: such a read has no element to read)."""
+        if self.mask == "xrmask" and "xrmask" in self.base_masks and not used & self.rvars:
+            return "xmask"
+        return self.mask
+
     def index_line(self, name: str, expr: str) -> str:
         return f"{name} = {expr}"
 
