@@ -37,16 +37,15 @@ def test_probe_tma_variants_build_for_sm_90_with_tensor_memory_copies():
     sys.path.insert(0, BENCH)
     import matmul_probe
 
-    signature = {p: "*fp16" for p in ("x", "w", "bias", "out")} | {p: "i32" for p in "MNK"}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(signature))}
-    for fn, extra in ((matmul_probe.linear_tma, {}), (matmul_probe.linear_tma_persistent, {"PROGRAMS": 132})):
-        constexprs = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, **extra}
-        source = triton.compiler.ASTSource(
-            fn=fn,
-            signature=signature | {c: "constexpr" for c in constexprs},
-            constexprs=constexprs,
-            attrs=attrs,
-        )
+    operands = {p: "*fp16" for p in ("x", "w", "bias", "out")} | {p: "i32" for p in "MNK"}
+    blocks = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}
+    for fn, extra in (
+        (matmul_probe.linear_tma, {}),
+        (matmul_probe.linear_tma_persistent, {"programs": "i32"}),
+    ):
+        signature = operands | {c: "constexpr" for c in blocks} | extra
+        attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(operands))}
+        source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=blocks, attrs=attrs)
         kernel = triton.compile(
             source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 4}
         )
