@@ -150,7 +150,9 @@ def aot(
     while graphs:
         graph = graphs.pop(0)
         own = [k for k in graph.kernels if k.code_of is None]
-        jobs += [(k, graph.kernel_paths[k.name], launches.get(k.name)) for k in own]
+        # the launches are the outer graph's: a branch's kernel may bear the name of one of them
+        mine = launches if graph is entry.program.graph else {}
+        jobs += [(k, graph.kernel_paths[k.name], mine.get(k.name)) for k in own]
         graphs += list(graph.subgraphs.values())
     workers = config.compile_workers if workers is None else workers
     return AotReport(arch, build_all(jobs, number, out_dir, workers))

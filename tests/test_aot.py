@@ -167,6 +167,21 @@ def test_cond_branches_with_kernels_of_one_name_get_a_file_each(tmp_path):
     assert all(os.path.getsize(p) > 0 for p in cubins)
 
 
+def test_a_cond_branch_kernel_is_not_specialized_for_the_launch_of_its_namesake(tmp_path):
+    """Review find: kernel names count per graph, so a torch.cond branch's multiply bears the name
+    of the outer graph's, whose fake-run launch (one element) made the branch's size the constant 1
+    in its build; a branch, which the fake run does not reach, is built for any size."""
+
+    def f(x, w):
+        return w * 2, torch.cond(x.sum() > 0, lambda t: t * 2, lambda t: t * 3, (x,))
+
+    report = gjit.aot(f, torch.randn(40), torch.randn(1), out_dir=str(tmp_path), workers=1)
+    outer, _, *branches = report.kernels
+    assert len(branches) == 2 and all(k.name == outer.name for k in branches), report
+    sizes = {k.ptx_path: open(k.ptx_path).read().count(".param .u32") for k in report.kernels}
+    assert sizes[outer.ptx_path] == 0 and all(sizes[k.ptx_path] == 1 for k in branches), sizes
+
+
 def _aot_in_daemon(out_dir, queue):
     try:
         f = lambda a: (torch.softmax(a, -1), (a * 2).sum(0))  # noqa: E731 - two kernels
