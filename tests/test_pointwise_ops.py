@@ -1034,6 +1034,7 @@ def test_eager_semantics_fixes_compile_for_sm90():
             x.signbit(),
             x.frac(),
             torch.atan2(x, x),
+            d.abs().sqrt(),
         )
 
     args = (

@@ -203,6 +203,14 @@ def test_welford_only_for_the_row_mean_and_without_overflow():
         check(lambda t: t.var(-1), big)  # (eager's layer_norm of it is NaN: not compared)
 
 
+def test_float64_std_and_norm_build():
+    """Review find: sqrt was Triton's sqrt_rn, which takes float32 only: a float64 std or norm did
+    not build (tests/test_pointwise_ops.py builds a float64 sqrt for sm_90)."""
+    x = torch.rand(5, 7, dtype=torch.float64)
+    with gjit.config.scope(reduction="looped", rblock=4):
+        check(lambda t: (t.std(-1), torch.linalg.vector_norm(t, dim=-1), t.sqrt()), x)
+
+
 ARG = {
     "argmax_last": lambda x: x.argmax(-1),
     "argmin_middle": lambda x: x.argmin(1),

@@ -112,7 +112,8 @@ TritonOverrides: dict[str, Callable[..., str]] = {
     "log2": lambda a, t: f"tl.log2({a})",
     "log10": lambda a, t: f"libdevice.log10({a})",
     "log1p": lambda a, t: f"libdevice.log1p({a})",
-    "sqrt": lambda a, t: f"tl.sqrt_rn({a})",
+    # sqrt_rn takes float32 only; Triton's sqrt of a float64 is already IEEE (sqrt.rn.f64)
+    "sqrt": lambda a, t: f"tl.sqrt_rn({a})" if t != torch.float64 else f"tl.sqrt({a})",
     "rsqrt": lambda a, t: f"libdevice.rsqrt({a})",
     "sin": lambda a, t: f"tl.sin({a})",
     "cos": lambda a, t: f"tl.cos({a})",
