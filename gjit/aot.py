@@ -6,9 +6,8 @@
 Triton compiles each kernel for the target through its whole NVIDIA pipeline (ptxas ships
 with Triton), specialized as Triton's launcher on the card would specialize it for this call (its
 sizes divisible by 16 or equal to 1, its pointers aligned or not: `first_launches`), and NVRTC
-each CUDA C kernel of the cupy backend; the resource usage comes from
-the cubin itself, read with the `cuobjdump` that ships with Triton. A kernel with local memory
-or stack use spills registers.
+each CUDA C kernel of the cupy backend; the resource usage comes from the cubin itself, read with
+the `cuobjdump` that ships with Triton. A kernel with local memory or stack use spills registers.
 """
 
 from __future__ import annotations

@@ -292,9 +292,10 @@ class KernelWriter(RegionPlan):
         offset = self.subst(self.layout(r.name).offset_of(r.index))
         text = self.index(offset, names)
         used = offset.free_symbols & set(self.vars)
+        mask = self.mask
         if used and self.whole_tile(used):
             mask = self.load_mask(used)
-            return self.tmp(("load", arg, text, mask), f"tl.load({arg} + ({text}), {mask})")
+            load = f"tl.load({arg} + ({text}), {mask})"
         elif used:  # one side of a 2-D tile: broadcast to the tile
             load = f"tl.load({arg} + ({text}) + {self.block_zeros}, {self.mask})"
         elif self.mask in self.base_masks and not names:
@@ -303,7 +304,7 @@ class KernelWriter(RegionPlan):
             load = f"tl.load({arg} + ({text}) + tl.zeros({self.mask}.shape, tl.int32), {self.mask})"
         else:
             load = f"tl.load({arg} + ({text}) + {self.block_zeros}, {self.mask})"
-        return self.tmp(("load", arg, text, self.mask), load)
+        return self.tmp(("load", arg, text, mask), load)
 
     def indirect(self, r: Read | ir.WriteAt, what: str = "") -> dict[sympy.Symbol, str]:
         """Emit the data an indirect read (or write) indexes with; in debug mode, assert it is in
