@@ -2,6 +2,7 @@
 random data including negative, large-magnitude and NaN inputs, odd sizes and low precision."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -621,3 +622,28 @@ def test_a_per_row_read_loads_once_a_row(mode):
     per_row = [ln for ln in loads if ln.rstrip().endswith(", xmask)")]
     # the id, by the row's index alone (a looped kernel's each pass loads it)
     assert len(per_row) == (1 if mode == "persistent" else 2) and all("c2" not in ln for ln in per_row), loads
+
+
+@pytest.mark.parametrize("mode", ["persistent", "looped"])
+def test_a_gather_whose_index_varies_along_the_row_stays_under_the_lanes_mask(mode):
+    """Review find (8f93f67): a gather's offset without a reduced variable (x[row, idx[row, j]],
+    x[row, arange]) is not one value a row: its index varies along the row, and a lane past the
+    row's end holds a masked load's undefined index (or an arange's index past the row). Loaded
+    under the rows' mask alone it read that address (another row, or past the buffer: an illegal
+    address on the card). The gather stays under xrmask; a per-row index (an embedding's id)
+    still narrows to the rows' mask."""
+    x, idx = torch.randn(6, 9), torch.randint(0, 9, (6, 5))
+    ids, emb = torch.randint(0, 30, (6,)), torch.randn(30, 9)
+    programs = {
+        "index": (lambda t, i: torch.gather(t, 1, i).sum(-1), (x, idx)),
+        "arange": (lambda t: torch.gather(t, 1, (torch.arange(7) + 2).expand(6, 7)).softmax(-1), (x,)),
+        "per_row": (lambda i, e: F.layer_norm(e[i], (9,)), (ids, emb)),
+    }
+    with gjit.config.scope(reduction=mode, rblock=4 if mode == "looped" else 0):
+        for name, (fn, args) in programs.items():
+            cm = check(fn, *args)
+            loads = [ln.strip() for k in gjit.explain(cm, *args).kernels for ln in k.source.splitlines()]
+            loads = [ln for ln in loads if "tl.load(" in ln]
+            gathers = [ln for ln in loads if re.search(r"tl\.load\(in_ptr\d \+ \([^)]*tmp", ln)]
+            assert gathers and all(ln.endswith(", xrmask)") for ln in gathers), loads
+            assert any(ln.endswith(", xmask)") for ln in loads) == (name == "per_row"), loads

@@ -294,7 +294,7 @@ class KernelWriter(RegionPlan):
         used = offset.free_symbols & set(self.vars)
         mask = self.mask
         if used and self.whole_tile(used):
-            mask = self.load_mask(used)
+            mask = self.load_mask(used, r)
             load = f"tl.load({arg} + ({text}), {mask})"
         elif used:  # one side of a 2-D tile: broadcast to the tile
             load = f"tl.load({arg} + ({text}) + {self.block_zeros}, {self.mask})"
@@ -393,9 +393,9 @@ class KernelWriter(RegionPlan):
         used = offset_expr.free_symbols & set(self.vars)
         return bool(used) and self.whole_tile(used)
 
-    def load_mask(self, used: set) -> str:
-        """The mask of a load whose offset uses the kernel variables `used` (the block's own here;
-        a reduction narrows it to the rows for a load of one value a row)."""
+    def load_mask(self, used: set, r: Read) -> str:
+        """The mask of read `r`, whose offset uses the kernel variables `used` (the block's own
+        here; a reduction narrows it to the rows for a load of one value a row)."""
         return self.mask
 
     def whole_tile(self, used: set) -> bool:

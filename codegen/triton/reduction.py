@@ -74,13 +74,17 @@ class ReductionWriter(ReductionPlan, KernelWriter):
         self.lines.append("for roffset in range(0, rnumel, RBLOCK):")
         self.lines += [f"    {ln}" for ln in body]
 
-    def load_mask(self, used: set) -> str:
+    def load_mask(self, used: set, r: ir.Read) -> str:
         """A load of one value a row (its offset uses no reduced variable) under the block's own
         mask loads [XBLOCK, 1] under the rows' mask: once a row, not once a lane, and an index it
         feeds (an embedding's row) stays the same along the row, so that gather is contiguous and
         vectorizes. Not under a narrower mask (a `Masked` body's), which may vary along the row, nor
-        where rows are empty (rnumel 0: such a read has no element to read)."""
-        if self.mask == "xrmask" and "xrmask" in self.base_masks and not used & self.rvars:
+        where rows are empty (rnumel 0: such a read has no element to read), nor for a gather whose
+        index varies along the row (torch.gather's index tensor, an arange): its offset is then a
+        full block, and a lane past the row's end holds a masked load's undefined index, or one
+        past the row (gathered from another row's or outside the buffer), read unmasked."""
+        per_row = not used & self.rvars and not any(ir.free_symbols(v) & self.rvars for _, v, _ in r.indirect)
+        if self.mask == "xrmask" and "xrmask" in self.base_masks and per_row:
             return "xmask"
         return self.mask
 
