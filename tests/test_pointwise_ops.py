@@ -608,6 +608,15 @@ def test_comparisons_convert_operands_to_their_common_dtype():
     check(lambda u: (u > 300, u == -56, u > -1), u, kernels=1)
 
 
+def test_integer_arithmetic_wraps_as_in_eager():
+    """int32 and int16 products and sums past their range wrap (two's complement), as eager's and a
+    card's do; Triton's interpreter checked each add and multiply and raised instead."""
+    big = torch.full((37,), 2**30, dtype=torch.int32) + torch.arange(37, dtype=torch.int32)
+    small = torch.randint(-5, 5, (37,), dtype=torch.int32)
+    check(lambda x, y: (x * 3 + y, x + x - y, -x * 4), big, small, kernels=1)
+    check(lambda x: x * 300 + 7, torch.arange(-200, 200, 7, dtype=torch.int16), kernels=1)
+
+
 def test_type_promotion():
     def fn(i64, i32, f16, f32_0d, b):
         return (
