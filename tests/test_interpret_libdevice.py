@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import gjit
 from gjit.codegen.triton.pointwise import TritonOverrides
@@ -220,3 +221,37 @@ def test_comparison_of_a_scalar_is_boolean():
     a, b = torch.randn(6), torch.tensor(0.5)
     out, _ = run_compiled(lambda a, b: (torch.logical_or(a, b), (a > 0) & (b > 0)), a, b)
     assert torch.equal(out[0], torch.logical_or(a, b)) and torch.equal(out[1], (a > 0) & (b > 0))
+
+
+def _language_attributes() -> dict:
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    modules = [tl, tl.core, tl.math, tl.core.tensor, libdevice]
+    # not what each read makes anew (a class's __dict__, its bound classmethods)
+    return {(id(m), n): getattr(m, n) for m in modules for n in dir(m) if getattr(m, n) is getattr(m, n)}
+
+
+def test_an_interpreted_launch_puts_back_every_patch_of_triton_language(monkeypatch):
+    """A launch holds what its programs' device functions (tl.sum, tl.zeros, gjit's helpers) patch until
+    it ends, where each call patched and restored for itself: after it, `triton.language` (tl,
+    tl.core, tl.math, the tensor class, libdevice's stubs) is as Triton has it, or a later GPU
+    compile in the process would take the interpreter's functions; also when a launch fails."""
+    before = _language_attributes()
+    x, wide = torch.randn(5, 37), torch.randn(3, 1500)  # rows past a block: gjit's looped helpers
+
+    def fn(x, wide):
+        return torch.softmax(torch.tanh(x), -1), x.sum(0), F.layer_norm(wide, (1500,)), wide.softmax(-1)
+
+    out, _ = run_compiled(fn, x, wide)
+    for got, want in zip(out, fn(x, wide)):
+        torch.testing.assert_close(got, want)
+    assert interpret._RUNNING == [] and getattr(interpret._launches, "current", None) is None
+    changed = [key for key, value in _language_attributes().items() if before.get(key, value) is not value]
+    assert changed == [] and set(_language_attributes()) == set(before)
+
+    monkeypatch.delitem(interpret.LIBDEVICE, "tanh")  # the launch fails after its tl.sum
+    with pytest.raises(Exception, match="__nv_tanhf"):
+        run_compiled(lambda x: torch.tanh(x.sum(-1)), x, expect_eager=None)
+    assert interpret._RUNNING == [] and getattr(interpret._launches, "current", None) is None
+    assert all(before.get(key, value) is value for key, value in _language_attributes().items())

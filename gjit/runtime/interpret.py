@@ -110,13 +110,15 @@ def create_extern_elementwise(self, lib_name, lib_path, symbol, arg_list, ret_ty
 
 def _patch_lang_with_libdevice(patch_lang: Callable) -> Callable:
     """Wrap the interpreter's `_patch_lang(fn)`: besides `tl`, bind the `libdevice` stubs that
-    `fn` sees to CUDA libdevice's externs, run by the interpreter's builder (restored after)."""
+    `fn` sees to CUDA libdevice's externs, run by the interpreter's builder (restored after).
+    A kernel launch's scope (`_Launch`) also holds the patches of the device functions its
+    programs call until the launch ends."""
     import triton.language
     from triton.language.extra import libdevice as stubs
     from triton.language.extra.cuda import libdevice as cuda_libdevice
     from triton.runtime import interpreter
 
-    def patch(fn):
+    def scoped(fn):
         scope = patch_lang(fn)
         # a scalar argument as a loop bound (`range(0, rnumel, RBLOCK)`): Triton before 3.7 holds
         # it as a 1-element array, which NumPy 2.4 no longer converts with int(); newer Tritons
@@ -130,16 +132,62 @@ def _patch_lang_with_libdevice(patch_lang: Callable) -> Callable:
                     interpreter._patch_attr(stubs, name, member, interpreter.interpreter_builder, scope)
         return scope
 
+    def patch(fn):
+        launch = getattr(_launches, "current", None)
+        if launch is None:  # a kernel launch (GridExecutor restores it when the grid has run)
+            return _Launch(fn, scoped(fn))
+        # a device function its programs call (Triton's InterpretedFunction: gjit's helpers),
+        # which never restores: the launch does
+        launch.hold(fn)
+        return _Launch.HELD
+
     patch.gjit_libdevice = True
+    patch.scoped = scoped
     return patch
+
+
+_launches = threading.local()  # .current: the kernel launch in progress in this thread, if any
+_RUNNING: list[_Launch] = []  # every thread's launches in progress, oldest first (a forked child undoes them)
+
+
+class _Launch:
+    """The patches of one interpreted kernel launch: the kernel's own, then those of the device
+    functions its programs call (tl.sum, tl.zeros, ...: Triton's standard library, interpreted),
+    each module's made once a launch and kept until the launch ends, where each call of such a
+    function patched and restored `tl.core` (hundreds of attributes) for itself: most of an
+    interpreted reduction's time."""
+
+    HELD = types.SimpleNamespace(restore=lambda: None)  # a device function's: the launch restores
+
+    def __init__(self, fn: Callable, scope: Any):
+        self.scope, self.held, self.modules = scope, [], {id(fn.__globals__)}
+        _launches.current = self
+        _RUNNING.append(self)
+
+    def hold(self, fn: Callable) -> None:
+        """Patch what device function `fn` sees, unless a function of its module did this launch."""
+        from triton.runtime import interpreter
+
+        if id(fn.__globals__) not in self.modules:
+            self.modules.add(id(fn.__globals__))
+            self.held.append(interpreter._patch_lang.scoped(fn))
+
+    def restore(self) -> None:
+        while self.held:
+            self.held.pop().restore()
+        self.scope.restore()
+        _launches.current = None
+        if self in _RUNNING:
+            _RUNNING.remove(self)
 
 
 _STDLIB: dict[str, tuple] = {}
 
 
 class _ScopedDeviceFunction:
-    """An interpreted device function that undoes its patches of `tl` when it returns
-    (Triton's own InterpretedFunction leaves them in place, which breaks later GPU compiles)."""
+    """An interpreted device function that undoes its patches of `tl` when its kernel launch ends,
+    or when it returns if called outside one (Triton's own InterpretedFunction leaves them in
+    place, which breaks later GPU compiles)."""
 
     def __init__(self, fn: Callable):
         from triton.runtime.interpreter import InterpretedFunction
@@ -148,9 +196,9 @@ class _ScopedDeviceFunction:
         self.interpreted = InterpretedFunction(fn)
 
     def __call__(self, *args, **kwargs):
-        from triton.runtime.interpreter import _patch_lang
+        from triton.runtime import interpreter
 
-        scope = _patch_lang(self.fn)
+        scope = interpreter._patch_lang(self.fn)  # held by the launch in progress, if any
         try:
             return self.interpreted.rewrite()(*args, **kwargs)
         finally:
@@ -171,6 +219,8 @@ def _after_fork_in_child() -> None:
     """A fork has no interpreted run in progress (the thread that ran one is not in it), so `tl`'s
     helpers are Triton's own again: a build worker forked meanwhile compiles them for a GPU."""
     global _INTERPRETER, _depth
+    while _RUNNING:  # `tl` as Triton has it, for the child's GPU builds
+        _RUNNING[-1].restore()
     if _depth:
         _put_back_stdlib()
     _INTERPRETER, _depth = threading.RLock(), 0
