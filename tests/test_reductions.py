@@ -625,6 +625,27 @@ def test_a_per_row_read_loads_once_a_row(mode):
 
 
 @pytest.mark.parametrize("mode", ["persistent", "looped"])
+def test_an_id_gathered_by_a_per_row_id_loads_once_a_row_too(mode):
+    """BERT's token types, `types[positions[j]]`, then their embedding's row: an indirect load at
+    an offset of no kernel variable, whose index is one value a row, loads [XBLOCK, 1] under the
+    rows' mask like the id it is indexed by (the embedding + layer norm kernel built for sm_90:
+    10 scalar loads a thread to 3); ids out of order, repeated, and rows of the last block masked
+    off, as eager."""
+    table, types, positions = torch.randn(3, 24), torch.randint(0, 3, (40,)), torch.randperm(40)[:11]
+    positions[4] = positions[9]
+
+    def fn(p, t, e):
+        return F.layer_norm(e[torch.gather(t[None], 1, p[None])[0]] + 1, (24,))
+
+    with gjit.config.scope(reduction=mode, rblock=8 if mode == "looped" else 0):
+        cm = check(fn, positions, types, table, kernels=1)
+        (kernel,) = gjit.explain(cm, positions, types, table).kernels
+    loads = [ln.strip() for ln in kernel.source.splitlines() if "tl.load(" in ln]
+    by_index = [ln for ln in loads if re.search(r"tl\.load\(in_ptr\d \+ \(tmp\d+\) ", ln)]
+    assert by_index and all(ln.endswith("tl.zeros(xmask.shape, tl.int32), xmask)") for ln in by_index), loads
+
+
+@pytest.mark.parametrize("mode", ["persistent", "looped"])
 def test_a_gather_whose_index_varies_along_the_row_stays_under_the_lanes_mask(mode):
     """Review find (8f93f67): a gather's offset without a reduced variable (x[row, idx[row, j]],
     x[row, arange]) is not one value a row: its index varies along the row, and a lane past the

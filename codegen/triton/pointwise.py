@@ -301,7 +301,8 @@ class KernelWriter(RegionPlan):
         elif self.mask in self.base_masks and not names:
             load = f"tl.load({arg} + ({text}))"
         elif names:  # indices loaded at a var-free offset may be scalars: broadcast to the mask
-            load = f"tl.load({arg} + ({text}) + tl.zeros({self.mask}.shape, tl.int32), {self.mask})"
+            mask = self.load_mask(used, r)  # the row's, if the indices are one a row
+            load = f"tl.load({arg} + ({text}) + tl.zeros({mask}.shape, tl.int32), {mask})"
         else:
             load = f"tl.load({arg} + ({text}) + {self.block_zeros}, {self.mask})"
         return self.tmp(("load", arg, text, mask), load)
