@@ -5,9 +5,11 @@ values past float32's range)."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import re
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -232,6 +234,30 @@ def _language_attributes() -> dict:
     return {(id(m), n): getattr(m, n) for m in modules for n in dir(m) if getattr(m, n) is getattr(m, n)}
 
 
+@contextlib.contextmanager
+def _language_put_back() -> Iterator[None]:
+    """What Triton's interpreter patches in `triton.language` as it was, after the block, and no
+    interpreted launch in progress."""
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    core = tl.core
+    patched = [tl, core, tl.math, libdevice, core.tensor, core.dtype, core.condition]
+    patched.append(core.tensor_descriptor_base)
+    saved = [(m, dict(vars(m))) for m in patched]
+    try:
+        yield
+    finally:
+        interpret._launches.current = None
+        interpret._RUNNING.clear()
+        for m, attributes in saved:
+            for name, value in list(vars(m).items()):
+                if name not in attributes and isinstance(m, type):
+                    delattr(m, name)
+                elif name in attributes and attributes[name] is not value:
+                    setattr(m, name, attributes[name])
+
+
 def test_an_interpreted_launch_puts_back_every_patch_of_triton_language(monkeypatch):
     """A launch holds what its programs' device functions (tl.sum, tl.zeros, gjit's helpers) patch until
     it ends, where each call patched and restored for itself: after it, `triton.language` (tl,
@@ -255,3 +281,41 @@ def test_an_interpreted_launch_puts_back_every_patch_of_triton_language(monkeypa
         run_compiled(lambda x: torch.tanh(x.sum(-1)), x, expect_eager=None)
     assert interpret._RUNNING == [] and getattr(interpret._launches, "current", None) is None
     assert all(before.get(key, value) is value for key, value in _language_attributes().items())
+
+
+HELPER_AND_KERNEL = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def twice_plus_one(x):
+    return x * 2 + 1
+
+
+@triton.jit
+def kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    lanes = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + lanes, lanes < n, other=0.0)
+    tl.store(out_ptr + lanes, twice_plus_one(tl.sum(x, 0) + x), lanes < n)
+"""
+
+
+def test_a_device_function_called_outside_a_launch_leaves_no_launch_in_progress(tmp_path):
+    """Review of 555fd87: a @triton.jit helper called outside any launch (Triton's InterpretedFunction,
+    which never puts back its patches) was taken for a kernel launch that never ended: every later
+    launch in the thread held its patches for it, and none was put back."""
+    path = tmp_path / "helper_and_kernel.py"
+    path.write_text(HELPER_AND_KERNEL)
+    module = interpret.load_module(str(path), interpret=True)
+    x, out = torch.randn(5), torch.empty(5)
+    with _language_put_back():  # `tl` as Triton has it for the tests after this one
+        with interpret.stdlib_interpreted():
+            module.twice_plus_one(3)  # patches `tl` as Triton does (and leaves them)
+        assert interpret._RUNNING == [] and getattr(interpret._launches, "current", None) is None
+        before = _language_attributes()
+        with interpret.stdlib_interpreted():
+            module.kernel[(1,)](x, out, 5, BLOCK=8)
+        torch.testing.assert_close(out, (x.sum() + x) * 2 + 1)
+        assert interpret._RUNNING == [] and getattr(interpret._launches, "current", None) is None
+        assert all(before.get(key, value) is value for key, value in _language_attributes().items())

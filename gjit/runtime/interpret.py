@@ -17,6 +17,7 @@ import ctypes.util
 import dataclasses
 import functools
 import os
+import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
@@ -134,12 +135,19 @@ def _patch_lang_with_libdevice(patch_lang: Callable) -> Callable:
 
     def patch(fn):
         launch = getattr(_launches, "current", None)
-        if launch is None:  # a kernel launch (GridExecutor restores it when the grid has run)
-            return _Launch(fn, scoped(fn))
-        # a device function its programs call (Triton's InterpretedFunction: gjit's helpers),
-        # which never restores: the launch does
-        launch.hold(fn)
-        return _Launch.HELD
+        if launch is not None:
+            # a device function its programs call (Triton's InterpretedFunction: gjit's helpers),
+            # which never restores: the launch does
+            launch.hold(fn)
+            return _Launch.HELD
+        caller = sys._getframe(1).f_code  # one that restores the scope it gets?
+        restoring = (interpreter.GridExecutor, _ScopedDeviceFunction)
+        if any(caller is restores.__call__.__code__ for restores in restoring):
+            return _Launch(fn, scoped(fn))  # a kernel launch, or tl.sum outside one: restored when it ends
+        # anything else outside a launch, such as Triton's InterpretedFunction (a helper called
+        # from Python), which never restores: no launch, or it would never end and hold (and never
+        # restore) the patches of every later launch in the thread
+        return scoped(fn)
 
     patch.gjit_libdevice = True
     patch.scoped = scoped
