@@ -17,7 +17,6 @@ import ctypes.util
 import dataclasses
 import functools
 import os
-import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
@@ -135,19 +134,12 @@ def _patch_lang_with_libdevice(patch_lang: Callable) -> Callable:
 
     def patch(fn):
         launch = getattr(_launches, "current", None)
-        if launch is not None:
-            # a device function its programs call (Triton's InterpretedFunction: gjit's helpers),
-            # which never restores: the launch does
-            launch.hold(fn)
-            return _Launch.HELD
-        caller = sys._getframe(1).f_code  # one that restores the scope it gets?
-        restoring = (interpreter.GridExecutor, _ScopedDeviceFunction)
-        if any(caller is restores.__call__.__code__ for restores in restoring):
-            return _Launch(fn, scoped(fn))  # a kernel launch, or tl.sum outside one: restored when it ends
-        # anything else outside a launch, such as Triton's InterpretedFunction (a helper called
-        # from Python), which never restores: no launch, or it would never end and hold (and never
-        # restore) the patches of every later launch in the thread
-        return scoped(fn)
+        if launch is None:  # outside a launch: the caller restores it (Triton's InterpretedFunction,
+            return scoped(fn)  # a helper called from Python, never did)
+        # the kernel, or a device function its programs call (Triton's InterpretedFunction: gjit's
+        # helpers, which never restores; tl.sum): the launch restores it when it ends
+        launch.hold(fn)
+        return _Launch.HELD
 
     patch.gjit_libdevice = True
     patch.scoped = scoped
@@ -159,21 +151,22 @@ _RUNNING: list[_Launch] = []  # every thread's launches in progress, oldest firs
 
 
 class _Launch:
-    """The patches of one interpreted kernel launch: the kernel's own, then those of the device
-    functions its programs call (tl.sum, tl.zeros, ...: Triton's standard library, interpreted),
-    each module's made once a launch and kept until the launch ends, where each call of such a
-    function patched and restored `tl.core` (hundreds of attributes) for itself: most of an
-    interpreted reduction's time."""
+    """The patches of one interpreted kernel launch (`GridExecutor.__call__`, `_launching`): the
+    kernel's own, then those of the device functions its programs call (tl.sum, tl.zeros, ...:
+    Triton's standard library, interpreted; gjit's helpers), each module's made once a launch and
+    put back, last first, when the launch ends, where each call of such a function patched and
+    restored `tl.core` (hundreds of attributes) for itself: most of an interpreted reduction's
+    time."""
 
-    HELD = types.SimpleNamespace(restore=lambda: None)  # a device function's: the launch restores
+    HELD = types.SimpleNamespace(restore=lambda: None)  # what a patch inside a launch hands back
 
-    def __init__(self, fn: Callable, scope: Any):
-        self.scope, self.held, self.modules = scope, [], {id(fn.__globals__)}
+    def __init__(self):
+        self.held, self.modules = [], set()
         _launches.current = self
         _RUNNING.append(self)
 
     def hold(self, fn: Callable) -> None:
-        """Patch what device function `fn` sees, unless a function of its module did this launch."""
+        """Patch what `fn` sees, unless a function of its module did this launch."""
         from triton.runtime import interpreter
 
         if id(fn.__globals__) not in self.modules:
@@ -183,10 +176,25 @@ class _Launch:
     def restore(self) -> None:
         while self.held:
             self.held.pop().restore()
-        self.scope.restore()
         _launches.current = None
         if self in _RUNNING:
             _RUNNING.remove(self)
+
+
+def _launching(call: Callable) -> Callable:
+    """`GridExecutor.__call__` (a kernel launch: every program of its grid) as one `_Launch`."""
+
+    def launch(self, *args, **kwargs):
+        if getattr(_launches, "current", None) is not None:  # a launch inside one: not a kernel's
+            return call(self, *args, **kwargs)
+        held = _Launch()
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            held.restore()
+
+    launch.gjit_launch = True
+    return launch
 
 
 _STDLIB: dict[str, tuple] = {}
@@ -375,6 +383,8 @@ def _install() -> None:
             setattr(interpreter.InterpreterBuilder, name, _boolean_result(compare))
     if not getattr(interpreter._patch_lang, "gjit_libdevice", False):
         interpreter._patch_lang = _patch_lang_with_libdevice(interpreter._patch_lang)
+    if not getattr(interpreter.GridExecutor.__call__, "gjit_launch", False):
+        interpreter.GridExecutor.__call__ = _launching(interpreter.GridExecutor.__call__)
 
 
 def load_module(path: str, extra: dict[str, Any] | None = None, interpret: bool = False) -> types.ModuleType:
