@@ -111,8 +111,8 @@ def create_extern_elementwise(self, lib_name, lib_path, symbol, arg_list, ret_ty
 def _patch_lang_with_libdevice(patch_lang: Callable) -> Callable:
     """Wrap the interpreter's `_patch_lang(fn)`: besides `tl`, bind the `libdevice` stubs that
     `fn` sees to CUDA libdevice's externs, run by the interpreter's builder (restored after).
-    A kernel launch's scope (`_Launch`) also holds the patches of the device functions its
-    programs call until the launch ends."""
+    Inside a kernel launch (`_Launch`) the launch holds the patch, the kernel's and its device
+    functions', until it ends."""
     import triton.language
     from triton.language.extra import libdevice as stubs
     from triton.language.extra.cuda import libdevice as cuda_libdevice
