@@ -8,10 +8,10 @@ view's sizes with sympy. A Swin-T at 224x224 exports in 1.2 s with static shapes
 dynamic image sizes.
 
 `export_budget(seconds)` wraps such an export. A watchdog thread samples the exporting thread's
-Python stack every POLL seconds: the op being dispatched is the innermost `__torch_dispatch__`
-frame, and the sample is symbolic when one of the innermost frames is sympy's or torch's shape
-code. An op whose own symbolic samples add up to more than SLOW_OP seconds is the reasoning gone
-nonlinear; once such ops have taken `seconds` in all, the watchdog raises ExportTooSlow in the
+Python stack every POLL seconds from GRACE seconds in: the op being dispatched is the innermost
+`__torch_dispatch__` frame, and the sample is symbolic when one of the innermost frames is sympy's
+or torch's shape code. An op whose own symbolic samples add up to more than SLOW_OP seconds is the
+reasoning gone nonlinear; once such ops have taken `seconds` in all, the watchdog raises ExportTooSlow in the
 exporting thread, and only while it is inside such an op's symbolic code, so the exception lands
 in sympy or torch's shape code (almost always: it arrives at the thread's next check for one),
 not in torch's code that restores process-wide state. Capture then exports again
@@ -45,6 +45,11 @@ log = logging.getLogger("gjit.capture")
 SLOW_OP = 0.5
 POLL = 0.05
 RETRY = 1.0  # seconds before raising again in an op the first raise did not leave
+# seconds before the first sample: an export done by then (nearly every one) is never sampled.
+# CPython 3.11's sys._current_frames() can crash the process (a segfault in CI, in the
+# watchdog's sample, while a test exported); the fewer samples, the fewer chances. An op slow
+# from the start is billed from then: the budget fires at most this much later
+GRACE = 1.0
 # where symbolic size reasoning runs: sympy, torch's shape environment and its sympy functions
 SYMBOLIC_MODULES = ("sympy.", "torch.fx.experimental.symbolic_shapes", "torch.fx.experimental.sym_node",
                     "torch.utils._sympy.")  # fmt: skip
@@ -122,6 +127,9 @@ def export_budget(seconds: float) -> Iterator[None]:
     fired: list[float] = []  # when the watchdog raised
 
     def watch() -> None:
+        if done.wait(GRACE):
+            return
+        slow.last = time.monotonic()
         while not done.wait(POLL):
             total, in_slow_op = slow.sample()
             if total > seconds and in_slow_op and (not fired or time.monotonic() - fired[-1] >= RETRY):
