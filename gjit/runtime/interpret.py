@@ -177,16 +177,13 @@ class _Launch:
         while self.held:
             self.held.pop().restore()
         _launches.current = None
-        if self in _RUNNING:
-            _RUNNING.remove(self)
+        _RUNNING.remove(self)
 
 
 def _launching(call: Callable) -> Callable:
     """`GridExecutor.__call__` (a kernel launch: every program of its grid) as one `_Launch`."""
 
     def launch(self, *args, **kwargs):
-        if getattr(_launches, "current", None) is not None:  # a launch inside one: not a kernel's
-            return call(self, *args, **kwargs)
         held = _Launch()
         try:
             return call(self, *args, **kwargs)
