@@ -4,6 +4,7 @@ automatic dynamic, mark_dynamic ranges, the recompile limit, data-dependent size
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 
@@ -613,7 +614,7 @@ def _(x, dim=1):
 def test_an_export_past_its_budget_exports_the_batch_dims_only(caplog):
     from gjit.capture.export_budget import mode_stacks
 
-    stacks = mode_stacks()
+    stacks, alarm = mode_stacks(), signal.getsignal(signal.SIGALRM)
     cm = gjit.compile(lambda x: slow_when_dynamic(x.sin()) + 1)
     start = time.monotonic()
     with gjit.config.scope(dynamic_export_budget=1.0), caplog.at_level(logging.WARNING, "gjit.capture"):
@@ -629,6 +630,8 @@ def test_an_export_past_its_budget_exports_the_batch_dims_only(caplog):
     assert len(cm.entries) == 2
     assert [[d.split(" = ")[0] for d in e.guards.dynamic_dims] for e in cm.entries] == [["x.size(0)"]] * 2
     assert mode_stacks() == stacks  # nothing left on torch's mode stacks
+    # the process's SIGALRM handler back, and no timer left running
+    assert signal.getsignal(signal.SIGALRM) is alarm and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
 
 def test_an_export_slow_in_its_batch_dim_too_is_static_from_then_on(caplog):
@@ -730,17 +733,36 @@ def test_an_interrupted_exports_modes_are_taken_off_torchs_stacks():
     assert torch.ones(2).sum().item() == 2
 
 
-def test_the_export_watchdog_skips_a_sample_whose_stack_changed_under_it(monkeypatch):
-    """Another thread's stack is read while it runs: a frame's f_back may already be something
-    else (a `cell` was seen in CI) and the walk raised, which ended the watchdog thread and with it
-    the export's budget. Such a sample is skipped; the walk stops at anything not a frame."""
+def test_an_export_budget_times_with_the_main_threads_own_signal_and_puts_it_back(caplog):
+    """The budget reads the exporting thread's own stack from a SIGALRM handler (a thread that
+    walks another's frames can crash CPython 3.11). The handler and the timer are the process's
+    again after an export, and where the process has its own, or the export runs in another
+    thread, there is no budget: said once, nothing of the process's touched."""
     from gjit.capture import export_budget
 
-    assert export_budget._stack(object()) == ([], False)
-    slow = export_budget._SlowOps(threading.get_ident())
+    alarm = signal.getsignal(signal.SIGALRM)
+    with export_budget.export_budget(1.0):
+        assert signal.getsignal(signal.SIGALRM) is not alarm
+        assert signal.getitimer(signal.ITIMER_REAL)[1] == export_budget.POLL
+    assert signal.getsignal(signal.SIGALRM) is alarm and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
-    def torn(frame):
-        raise AttributeError("'cell' object has no attribute 'f_code'")
+    def own(signum, frame):
+        raise AssertionError("the process's own handler ran")
 
-    monkeypatch.setattr(export_budget, "_stack", torn)
-    assert slow.sample() == (0.0, False)
+    export_budget._told.clear()
+    with caplog.at_level(logging.INFO, "gjit.capture"):
+        signal.signal(signal.SIGALRM, own)
+        try:
+            for _ in range(2):
+                with export_budget.export_budget(1.0):
+                    assert signal.getsignal(signal.SIGALRM) is own
+                    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+        finally:
+            signal.signal(signal.SIGALRM, alarm)
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(export_budget.no_timer()))
+        thread.start()
+        thread.join()
+    assert seen and "main thread" in seen[0]
+    told = [r.getMessage() for r in caplog.records if "no time budget" in r.getMessage()]
+    assert len(told) == 1 and "SIGALRM handler of its own" in told[0], told

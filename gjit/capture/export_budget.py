@@ -7,19 +7,26 @@ windows through views whose sizes are nested floor divisions and modulos, and to
 view's sizes with sympy. A Swin-T at 224x224 exports in 1.2 s with static shapes and in 247 s with
 dynamic image sizes.
 
-`export_budget(seconds)` wraps such an export. A watchdog thread samples the exporting thread's
-Python stack every POLL seconds from GRACE seconds in: the op being dispatched is the innermost
+`export_budget(seconds)` wraps such an export. A timer signal (SIGALRM) interrupts the exporting
+thread every POLL seconds from GRACE seconds in, and its handler, which Python runs in that thread
+between two bytecodes, reads the thread's own stack: the op being dispatched is the innermost
 `__torch_dispatch__` frame, and the sample is symbolic when one of the innermost frames is sympy's
 or torch's shape code. An op whose own symbolic samples add up to more than SLOW_OP seconds is the
-reasoning gone nonlinear; once such ops have taken `seconds` in all, the watchdog raises ExportTooSlow in the
-exporting thread, and only while it is inside such an op's symbolic code, so the exception lands
-in sympy or torch's shape code (almost always: it arrives at the thread's next check for one),
-not in torch's code that restores process-wide state. Capture then exports again
-with fewer dynamic dims. Fast ops never count, nor does an op's time in the ops it decomposes into
-(nn.LSTM's one lstm op traces thousands), so a model that exports slowly because it has many ops
-is never interrupted. A raise that lands in a __del__ is swallowed by Python: the watchdog raises
-again after RETRY seconds while the op is still slow. Nothing runs in the exporting thread itself
-(a TorchFunctionMode would: Dynamo traces modes, and torch.cond's branches go through Dynamo).
+reasoning gone nonlinear; once such ops have taken `seconds` in all, the handler raises
+ExportTooSlow, and only while the thread is inside such an op's symbolic code, so the exception
+lands in sympy or torch's shape code, not in torch's code that restores process-wide state.
+Capture then exports again with fewer dynamic dims. Fast ops never count, nor does an op's time in
+the ops it decomposes into (nn.LSTM's one lstm op traces thousands), so a model that exports
+slowly because it has many ops is never interrupted. A raise that lands in a __del__ is swallowed
+by Python: the handler raises again after RETRY seconds while the op is still slow.
+
+The stack is the thread's own: a thread that walks another thread's frames can crash the process
+on CPython 3.11 (the frames are popped under the walk; it crashed a CI test worker, as it crashes
+profilers that sample that way). Python runs signal handlers in the main thread only, and the
+timer is the process's: an export in another thread, or while the process has a SIGALRM handler
+or timer of its own, has no budget (logged once). Nothing else runs in the exporting thread (a
+TorchFunctionMode would: Dynamo traces modes, and torch.cond's branches go through Dynamo; Dynamo
+is told to skip the handler).
 
 ExportTooSlow is a BaseException, as KeyboardInterrupt is: torch's `except Exception` fallbacks
 must not swallow it. Torch's context managers unwind as for any exception; `restore_mode_stacks`
@@ -29,9 +36,8 @@ is a safety net for a mode whose __exit__ the exception interrupted.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
-import sys
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -45,15 +51,14 @@ log = logging.getLogger("gjit.capture")
 SLOW_OP = 0.5
 POLL = 0.05
 RETRY = 1.0  # seconds before raising again in an op the first raise did not leave
-# seconds before the first sample: an export done by then (nearly every one) is never sampled.
-# CPython 3.11's sys._current_frames() can crash the process (a segfault in CI, in the
-# watchdog's sample, while a test exported); the fewer samples, the fewer chances. An op slow
-# from the start is billed from then: the budget fires at most this much later
+# seconds before the first sample: an export done by then (nearly every one) never sees a signal.
+# An op slow from the start is billed from then: the budget fires at most this much later
 GRACE = 1.0
 # where symbolic size reasoning runs: sympy, torch's shape environment and its sympy functions
 SYMBOLIC_MODULES = ("sympy.", "torch.fx.experimental.symbolic_shapes", "torch.fx.experimental.sym_node",
                     "torch.utils._sympy.")  # fmt: skip
 INNERMOST = 4  # frames at the top of the stack that decide whether a sample is symbolic
+_told: set[str] = set()  # why an export had no budget, logged once each
 
 
 class ExportTooSlow(BaseException):
@@ -61,14 +66,12 @@ class ExportTooSlow(BaseException):
 
 
 def _stack(frame: FrameType | None) -> tuple[list[int], bool]:
-    """The ops in dispatch on a stack (the ids of their `__torch_dispatch__` frames, innermost
-    first), and whether the stack's innermost frames are symbolic size reasoning. Frames are
-    not kept: a frame the watchdog holds keeps the trace's tensors alive past their time, and
-    export then finds a fake tensor among its constants."""
+    """The ops in dispatch on the stack that ends in `frame` (the ids of their
+    `__torch_dispatch__` frames, innermost first), and whether the stack's innermost frames are
+    symbolic size reasoning. Frames are not kept: a frame kept keeps the trace's tensors alive past
+    their time, and export then finds a fake tensor among its constants."""
     ops, symbolic, depth = [], False, 0
-    # another thread's stack changes while it is read: a frame's f_back can be popped and its
-    # memory reused (a `cell` was seen there in CI); the walk stops at anything not a frame
-    while isinstance(frame, FrameType):
+    while frame is not None:
         if depth < INNERMOST and frame.f_globals.get("__name__", "").startswith(SYMBOLIC_MODULES):
             symbolic = True
         if frame.f_code.co_name == "__torch_dispatch__":
@@ -78,23 +81,20 @@ def _stack(frame: FrameType | None) -> tuple[list[int], bool]:
 
 
 class _SlowOps:
-    """Seconds the sampled thread has spent in symbolic code of its own in slow ops."""
+    """Seconds the exporting thread has spent in symbolic code of its own in slow ops."""
 
-    def __init__(self, thread_id: int) -> None:
-        self.thread_id = thread_id
+    def __init__(self) -> None:
         self.last = time.monotonic()
         self.ops: dict[int, float] = {}  # ops in dispatch (frame ids) -> their own symbolic seconds
         self.finished = 0.0  # seconds of slow ops that have returned
 
-    def sample(self) -> tuple[float, bool]:
-        """(seconds of slow ops so far, whether the thread is in a slow op's symbolic code now)."""
-        try:
-            ops, symbolic = _stack(sys._current_frames().get(self.thread_id))
-        except Exception:  # noqa: BLE001 - the stack changed under the walk: this sample is skipped
-            return self.finished + sum(t for t in self.ops.values() if t > SLOW_OP), False
+    def sample(self, frame: FrameType | None) -> tuple[float, bool]:
+        """(seconds of slow ops so far, whether the thread is in a slow op's symbolic code now),
+        from the thread's stack at `frame`."""
+        ops, symbolic = _stack(frame)
         now = time.monotonic()
-        # a sample the GIL delayed (a long C call) bills at most a few polls to the op it finds
-        step, self.last = min(now - self.last, 4 * POLL), now
+        # a sample a long C call delayed bills at most a few polls to the op it finds
+        step, self.last = min(max(now - self.last, 0.0), 4 * POLL), now
         live = set(ops)
         for op in [op for op in self.ops if op not in live]:  # returned since the last sample
             spent = self.ops.pop(op)
@@ -106,11 +106,17 @@ class _SlowOps:
         return total, symbolic and innermost is not None and self.ops[innermost] > SLOW_OP
 
 
-def _raise_in(thread_id: int, exc: type[BaseException] | None) -> None:
-    """Schedule `exc` in that thread at its next bytecode (None: cancel one not raised yet)."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None
-    )
+def no_timer() -> str | None:
+    """Why this thread cannot time an export with SIGALRM, or None when it can."""
+    if not hasattr(signal, "setitimer"):
+        return "the platform has no interval timer"
+    if threading.current_thread() is not threading.main_thread():
+        return "Python runs signal handlers in the main thread only, and this export is in another"
+    if signal.getsignal(signal.SIGALRM) not in (signal.SIG_DFL, signal.SIG_IGN):
+        return "the process has a SIGALRM handler of its own"
+    if signal.getitimer(signal.ITIMER_REAL) != (0.0, 0.0):
+        return "the process has a timer (ITIMER_REAL) of its own"
+    return None
 
 
 @contextlib.contextmanager
@@ -120,48 +126,51 @@ def export_budget(seconds: float) -> Iterator[None]:
     if seconds <= 0:
         yield
         return
-    target = threading.get_ident()
-    slow = _SlowOps(target)
-    done = threading.Event()
+    why = no_timer()
+    if why is not None:
+        if why not in _told:
+            _told.add(why)
+            log.info("exports with dynamic dims have no time budget here: %s", why)
+        yield
+        return
+    slow = _SlowOps()
+    fired: list[float] = []  # when the handler raised
 
-    fired: list[float] = []  # when the watchdog raised
+    def on_alarm(signum: int, frame: FrameType | None) -> None:
+        total, in_slow_op = slow.sample(frame)
+        if total > seconds and in_slow_op and (not fired or time.monotonic() - fired[-1] >= RETRY):
+            fired.append(time.monotonic())
+            raise ExportTooSlow
 
-    def watch() -> None:
-        if done.wait(GRACE):
-            return
-        slow.last = time.monotonic()
-        while not done.wait(POLL):
-            total, in_slow_op = slow.sample()
-            if total > seconds and in_slow_op and (not fired or time.monotonic() - fired[-1] >= RETRY):
-                _raise_in(target, ExportTooSlow)
-                fired.append(time.monotonic())
-
-    def stop() -> None:
-        """Stop the watchdog, then cancel a raise it made that has not landed yet; one that
-        lands meanwhile is dropped (the export finished, or is already being interrupted)."""
-        while True:
-            try:
-                done.set()
-                watcher.join()
-                _raise_in(target, None)
-                return
-            except ExportTooSlow:
-                continue
-
-    watcher = threading.Thread(target=watch, name="gjit-export-budget", daemon=True)
     stacks = mode_stacks()
-    watcher.start()
+    previous = signal.signal(signal.SIGALRM, torch._dynamo.disable(on_alarm))
+    signal.siginterrupt(signal.SIGALRM, False)  # a system call the signal interrupts resumes
+    slow.last = time.monotonic() + GRACE
+    signal.setitimer(signal.ITIMER_REAL, GRACE, POLL)
     try:
         yield
     except BaseException as e:
-        stop()
+        _stop(previous)
         if fired or isinstance(e, ExportTooSlow):  # another exception may carry it (a __del__'s)
             restore_mode_stacks(stacks)
         if fired and isinstance(e, Exception):  # a KeyboardInterrupt stays one
             raise ExportTooSlow from e  # the budget ran out; what it interrupted failed otherwise
         raise
     else:
-        stop()
+        _stop(previous)
+
+
+def _stop(previous: signal.Handlers) -> None:
+    """The timer off, then the handler the process had back. A raise the handler makes meanwhile
+    is dropped (the export finished, or is already being interrupted); none is made outside
+    symbolic code, where this runs."""
+    while True:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+            return
+        except ExportTooSlow:
+            continue
 
 
 def mode_stacks() -> tuple[int, int, dict]:
