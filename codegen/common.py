@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from typing import Any
 
 import sympy
 import torch
@@ -32,6 +33,9 @@ INFIX = {
     "bitwise_or": "|",
     "bitwise_xor": "^",
 }
+
+
+DEBUG_DECORATOR = "@triton.jit(debug=True)"
 
 
 @dataclasses.dataclass
@@ -78,6 +82,22 @@ class KernelSource:
     @property
     def cache_key(self) -> str:
         return hashlib.sha256(self.source.encode()).hexdigest()[:16]
+
+    @property
+    def debug(self) -> bool:
+        """Built with Triton's debug=True, for its bounds asserts (gjit.config.debug)."""
+        return DEBUG_DECORATOR in self.source
+
+    def launch_options(self) -> dict[str, Any]:
+        """Triton's options for a launch or a build: the warps and stages a template asks for, and
+        for a debug kernel no integer overflow checks, which debug=True turns on (an int32 add or
+        multiply that wraps, as eager's wraps, would fail a device assert)."""
+        options: dict[str, Any] = {"num_warps": self.num_warps}
+        if self.num_stages is not None:
+            options["num_stages"] = self.num_stages
+        if self.debug:
+            options["sanitize_overflow"] = False
+        return options
 
 
 def source_line(node: torch.fx.Node) -> str | None:

@@ -255,9 +255,7 @@ def launcher(kernel: KernelSource, launch: Launch, fn: Any) -> Callable[[], None
     output tensors are the launch's own each time: the kept inputs never change."""
     values = launch.values | dict(zip(kernel.size_args, launch.sizes))
     xnumel = int(sympy.sympify(kernel.numel).subs(values))
-    options = dict(kernel.blocks, num_warps=kernel.num_warps)
-    if kernel.num_stages is not None:
-        options["num_stages"] = kernel.num_stages
+    options = dict(kernel.blocks, **kernel.launch_options())
     grid = (math.ceil(xnumel / kernel.blocks.get("XBLOCK", 1)),)
     numels = [xnumel]
     if kernel.ynumel is not None:  # a 2-D tile's programs, in one grid dim

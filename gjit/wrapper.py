@@ -374,10 +374,10 @@ class WrapperWriter:
             grid = f"((xnumel + {xblock} - 1) // {xblock},)"
         else:
             grid = "(xnumel,)" if xblock == "1" else f"((xnumel + {int(xblock) - 1}) // {xblock},)"
-        if kernel.num_warps != 4:
-            blocks["num_warps"] = str(kernel.num_warps)
-        if kernel.num_stages is not None:
-            blocks["num_stages"] = str(kernel.num_stages)
+        options = kernel.launch_options()
+        if options["num_warps"] == 4:  # Triton's default
+            del options["num_warps"]
+        blocks.update((k, str(v)) for k, v in options.items())
         launch = ", ".join(f"{k}={v}" for k, v in blocks.items())
         self.lines.append("if xnumel > 0 and ynumel > 0:" if kernel.ynumel is not None else "if xnumel > 0:")
         self.lines.append(f"    {kernel.name}[{grid}]({', '.join(args + sizes)}, {launch})")

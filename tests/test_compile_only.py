@@ -113,6 +113,23 @@ def test_a_size_argument_equal_to_1_compiles_for_sm90():
         assert compile_kernel(kernel, path, ones=sizes).asm["cubin"], kernel.name
 
 
+def test_a_debug_kernel_keeps_its_bounds_asserts_and_wraps_integers_as_eager():
+    """gjit.config.debug builds kernels that gather with debug=True, for their bounds asserts.
+    Triton's debug mode also checks every int32 add and multiply for overflow, and a product that
+    wraps, as eager's does, would fail that assert on the card: a debug kernel is launched and
+    built without the overflow checks (gjit.config.debug's bounds asserts kept)."""
+    big = torch.full((37,), 2**30, dtype=torch.int32) + torch.arange(37, dtype=torch.int32)
+    ids = torch.randint(0, 37, (37,))
+    with gjit.config.scope(debug=True):
+        cm = check(lambda x, i: x[i] * 3 + x, big, ids, kernels=1)
+    ((kernel, path),) = kernels_of(cm, big, ids)
+    assert kernel.debug and kernel.launch_options()["sanitize_overflow"] is False
+    assert "sanitize_overflow=False" in cm.entries[-1].program.graph.wrapper_source
+    ttir = compile_kernel(kernel, path).asm["ttir"]
+    assert "index out of bounds" in ttir
+    assert "overflow detected" not in ttir
+
+
 def _loop_ops(kernel, path, divisible):
     """Op counts in the body of the kernel's (first) loop, in Triton's GPU IR for sm_90."""
     ttgir = compile_kernel(kernel, path, divisible=divisible).asm["ttgir"]

@@ -57,10 +57,8 @@ def compile_kernel(
     source = triton.compiler.ASTSource(
         fn=fn, signature=signature, constexprs=dict(kernel.blocks) | {p: 1 for p in ones}, attrs=attrs
     )
-    options = {"num_warps": kernel.num_warps} if kernel.num_warps != 4 else {}
-    if kernel.num_stages is not None:
-        options["num_stages"] = kernel.num_stages
-    options = options or None
+    # as a launch builds it: its options, and debug=True (its asserts) where its decorator asks
+    options = kernel.launch_options() | ({"debug": True} if kernel.debug else {})
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 

@@ -16,7 +16,7 @@ import sympy
 import torch
 
 from gjit import ir
-from gjit.codegen.common import INFIX, KernelSource, constant, hint, next_power_of_2
+from gjit.codegen.common import DEBUG_DECORATOR, INFIX, KernelSource, constant, hint, next_power_of_2
 from gjit.codegen.indexing import tile_exprs
 from gjit.codegen.plan import RegionPlan
 from gjit.codegen.printer import TritonPrinter
@@ -214,7 +214,7 @@ class KernelWriter(RegionPlan):
 
     @property
     def decorator(self) -> str:
-        return "@triton.jit(debug=True)" if self.debug_asserts else "@triton.jit"
+        return DEBUG_DECORATOR if self.debug_asserts else "@triton.jit"
 
     # -- expressions ----------------------------------------------------------------------------
 

@@ -137,9 +137,7 @@ class EarlyBuilds:
             if not kind.startswith("*") or kind[1:] not in _DTYPES:
                 return None
             args.append(prebuild.Pointer(_DTYPES[kind[1:]], self.offset(name)))
-        kwargs: dict[str, Any] = dict(kernel.blocks, num_warps=kernel.num_warps)
-        if kernel.num_stages is not None:
-            kwargs["num_stages"] = kernel.num_stages
+        kwargs: dict[str, Any] = dict(kernel.blocks, **kernel.launch_options())
         return prebuild.Launch(kernel.name, (1,), args + sizes, kwargs)
 
     def size(self, expr: Any) -> int | None:
