@@ -35,6 +35,7 @@ from gjit.fusion.rows import fold_rows
 from gjit.fusion.statistics import absorb_row_statistics
 from gjit.guards.builder import input_symbols
 from gjit.ir import LoopGraph
+from gjit.lowering.attention_library import written_out_as_sdpa
 from gjit.lowering.attention_pattern import match_attention
 from gjit.lowering.graph import lower_graph
 from gjit.lowering.registry import EXTERN_REASONS, LOWERINGS, size_reason
@@ -97,9 +98,11 @@ class CompiledProgram:
         stored = self.graph.templates
         choices = [stored] if stored is not None else [EVERY_TEMPLATE, NO_TEMPLATES]
         settings = [(d, t) for t in choices for d in (current, not current)]
+        gm = self.captured.full_graph_module
+        library_attention(gm)  # as the compile did (a served graph is the decomposed one)
         for deterministic, templates in settings:
             with _deterministic_algorithms(deterministic):
-                loop_graph, steps = schedule_graph(self.captured.full_graph_module, templates, _untimed)
+                loop_graph, steps = schedule_graph(gm, templates, _untimed)
             regions = [s for s in steps if isinstance(s, Region)]
             for index, region in enumerate(regions):
                 region.name = kernel_name(region, index)  # as codegen named it
@@ -218,6 +221,8 @@ def compile_program(
     gm = captured.graph_module
     symbols = input_symbols(captured.user_vals)  # after decomposition's replacements
     passes = Passes(options, timings)
+    # sdpa: on a GPU, written-out attention whose score is only scaled -> ATen's SDPA call
+    passes("sdpa", library_attention, gm)
     why = unmeasurable(gm, symbols, options, example)
     if options.matmul == "auto" and options.matmul_template and why is not None:  # the library,
         # but where the table of kernels/template_wins.py has the region
@@ -351,6 +356,17 @@ def initial_templates(options: CompileOptions) -> TemplateChoice:
 
 def on_gpu(gm: torch.fx.GraphModule) -> bool:
     return graph_device(gm.graph.nodes).type == "cuda"
+
+
+def attention_as_sdpa(gm: torch.fx.GraphModule) -> bool:
+    """Whether written-out attention whose score is only scaled runs as ATen's SDPA call: on a GPU,
+    where its fused kernels keep the score matrix on chip (gjit/lowering/attention_library.py)."""
+    return on_gpu(gm)
+
+
+def library_attention(gm: torch.fx.GraphModule) -> None:
+    if attention_as_sdpa(gm):
+        written_out_as_sdpa(gm)
 
 
 def unmeasurable(

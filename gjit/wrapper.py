@@ -23,6 +23,7 @@ from gjit.codegen.common import KernelSource
 from gjit.codegen.printer import pyexpr
 from gjit.fusion.regions import Region, Step
 from gjit.fusion.schedule import step_reads
+from gjit.lowering.attention_library import ANY_LAYOUT
 from gjit.lowering.registry import meta_layout, to_sympy
 
 # Two externs the wrapper calls otherwise on a GPU; the functions are gjit/runtime/padded_mm.py's and
@@ -266,6 +267,9 @@ class WrapperWriter:
             args.append(f"copy={COLUMN_COPY}")
         self.lines.append(f"{node.name} = {callee}({', '.join(args)})")
         self.defined.add(node.name)
+        if node.meta.get(ANY_LAYOUT):  # whichever kernel ATen ran: its output in the value's strides
+            stride = ", ".join(self.sym(x) for x in node.meta["val"].stride())
+            self.lines.append(f"{node.name} = gjit_traced_layout({node.name}, None, ({stride},))")
 
     def boolean_mask(self, node: torch.fx.Node) -> bool:
         """An attention extern with a boolean mask, called with the mask made additive

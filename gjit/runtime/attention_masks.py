@@ -28,13 +28,13 @@ def additive(mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     return scores, ~mask.any(-1, keepdim=True)
 
 
-def traced_layout(out: torch.Tensor, dead: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
-    """The attention output with the rows of queries that keep no key zeroed, in `stride` (the
-    layout export traced): copied where its memory order differs, restrided where only the strides
-    of dims of size 1 do."""
+def traced_layout(out: torch.Tensor, dead: torch.Tensor | None, stride: tuple[int, ...]) -> torch.Tensor:
+    """The attention output with the rows of queries that keep no key zeroed (`dead`; None: none),
+    in `stride` (the layout export traced, or gjit/lowering/attention_library.py gave it): copied
+    where its memory order differs, restrided where only the strides of dims of size 1 do."""
     if tuple(out.stride()) != tuple(stride):
         if all(n == 1 or a == b for n, a, b in zip(out.shape, out.stride(), stride)):
             out = out.as_strided(out.shape, stride)
         else:
             out = torch.empty_strided(out.shape, stride, dtype=out.dtype, device=out.device).copy_(out)
-    return out.masked_fill_(dead, 0)
+    return out if dead is None else out.masked_fill_(dead, 0)

@@ -1,0 +1,288 @@
+"""Written-out attention as ATen's scaled_dot_product_attention, on a GPU, where its score is the
+product of queries and keys only scaled (a vision transformer's `(q @ k.T * scale).softmax(-1) @ v`):
+
+    scores = bmm(Q, K^T)                   Q: [N, L, D], K^T: [N, D, S] (N: batch x heads)
+    x      = scores * c                    mul / div by numbers, float casts, a view to [..., L, S]
+    probs  = softmax(x, -1)                its input and output cast between float dtypes or not
+    out    = bmm(probs, V)                 probs through views back to [N, L, S]; V: [N, S, Ev]
+ -> out    = sdpa(Q[None], K[None], V[None], scale=c)[0]
+
+On a GPU the library's side of the choice for such an attention was then two products and a softmax
+kernel that writes and reads the score matrix; ATen's fused kernels (FlashAttention, cuDNN) keep it
+on chip, and torch.compile makes the same replacement. gjit's attention template takes an SDPA call as
+it takes the written-out form, so the template's side keeps its kernel. The unsqueezed batch dim
+makes the inputs 4-D, as the fused kernels need them. What differs from eager is rounding: eager rounds
+the 16-bit scores and their scaling to 16 bits, the fused kernels keep them in float32; there is no
+mask, so no row is left without a key.
+
+A score masked or biased (a tensor added, masked_fill, where) keeps its written-out form (lowering's
+attention_pattern.py makes it one attention node for the template; the library's side is its two
+products and softmax kernel): a row every key of which is masked gives NaN, or with a finite fill the
+mean of the values, in eager, and not in every fused kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import numbers
+
+import torch
+from torch._subclasses.fake_tensor import maybe_get_fake_mode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+log = logging.getLogger("gjit.lowering")
+aten = torch.ops.aten
+
+SCALES = (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar)
+CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+# the element order of a view is its input's: a view from [..., L, S] to [N, L, S] or back, an expand
+# to its own sizes, a copy
+SAME_ELEMENTS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+                 aten.clone.default, aten.alias.default)  # fmt: skip
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+SIZE = aten.sym_size.int
+ASSERT = aten._assert_tensor_metadata.default  # export's check of a cast's result: goes with it
+METADATA = (SIZE, aten.sym_stride.int, aten.sym_numel.default, ASSERT)  # a node's sizes, not its data
+
+
+# an SDPA call whose output the wrapper puts in its value's strides, whatever kernel ATen picks
+ANY_LAYOUT = "gjit_attention_any_layout"
+
+
+def _attention_value(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The SDPA call's value: [1, N, L, Ev], contiguous, as the product it replaces was [N, L, Ev],
+    so the values export traced for the nodes that read it hold. Not traced through the op: its
+    backend choice would add guards to the shape environment (the head dims equal, a layout) that
+    no input checks. ATen's fused kernels on a GPU return [1, L, N, Ev] in memory (FlashAttention,
+    cuDNN, the memory-efficient kernel): the wrapper copies such an output into these strides
+    (ANY_LAYOUT), a copy of the output the program's next kernels could read in place (a later
+    step: the values of those nodes traced again)."""
+    _, n, length, _ = q.shape
+    return q.new_empty((1, n, length, v.shape[-1]))
+
+
+@dataclasses.dataclass
+class WrittenOut:
+    """One match: the products, the scale, and the nodes the SDPA call replaces."""
+
+    scores: torch.fx.Node  # bmm(Q, K^T)
+    out: torch.fx.Node  # bmm(probs, V)
+    scale: float
+    replaced: list[torch.fx.Node]  # from the output's side back to the scores
+    # each size read of a replaced node -> (an earlier node with that size, its dim)
+    sizes: dict[torch.fx.Node, tuple[torch.fx.Node, int]] = dataclasses.field(default_factory=dict)
+    asserts: list[torch.fx.Node] = dataclasses.field(default_factory=list)  # of replaced nodes
+
+
+def _val(node: torch.fx.Node) -> torch.Tensor | None:
+    val = node.meta.get("val")
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _only_user(node: torch.fx.Node, user: torch.fx.Node) -> bool:
+    """`user` is the one node that reads `node`'s data (others may read its sizes)."""
+    return [u for u in node.users if u.target not in METADATA] == [user]
+
+
+def _same_sizes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dim() == b.dim() and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
+
+
+def _rows_and_keys(node: torch.fx.Node, rows_keys: tuple) -> bool:
+    """`node`'s last two dims are (L, S), and its leading dims flatten to the products' batch."""
+    val = _val(node)
+    if val is None or val.dim() < 3:
+        return False
+    return all(statically_known_true(x == y) for x, y in zip(val.shape[-2:], rows_keys))
+
+
+def _through(node: torch.fx.Node, kinds: tuple, user: torch.fx.Node, visited: list) -> torch.fx.Node:
+    """Back from `node` (read only by `user`) through nodes of `kinds` read only by what follows."""
+    while node.op == "call_function" and node.target in kinds and _only_user(node, user):
+        if node.target is aten.expand.default:
+            sizes = _val(node), _val(node.args[0])
+            if None in sizes or not _same_sizes(*sizes):
+                break  # a broadcast: not the same elements
+        visited.append(node)
+        user, node = node, node.args[0]
+    return node
+
+
+def _float_cast(node: torch.fx.Node) -> bool:
+    """A cast between float dtypes only (no layout, device or memory format change)."""
+    if node.target is torch.ops.prims.convert_element_type.default:
+        return node.args[1] in FLOATS
+    kwargs, source = node.kwargs, _val(node.args[0])
+    return (
+        len(node.args) == 1
+        and kwargs.get("dtype") in FLOATS
+        and kwargs.get("layout", torch.strided) == torch.strided
+        and source is not None
+        and torch.device(kwargs.get("device", source.device)) == source.device
+        and kwargs.get("memory_format", torch.preserve_format) == torch.preserve_format
+        and set(kwargs) <= {"dtype", "layout", "device", "memory_format"}
+    )
+
+
+def match(out: torch.fx.Node) -> WrittenOut | None:
+    """The written-out attention `out` ends, or None."""
+    if out.target is not aten.bmm.default:
+        return None
+    probs, values = out.args
+    val = _val(out)
+    if val is None or val.dtype not in FLOATS or _val(probs) is None:
+        return None
+    replaced: list[torch.fx.Node] = []
+    rows_keys = tuple(_val(probs).shape[-2:])
+    node, user = probs, out
+    while True:  # views back to the softmax's rows, casts between float dtypes
+        before = _through(node, SAME_ELEMENTS, user, replaced)
+        if before is not node:
+            user = replaced[-1]
+        node = before
+        if (
+            node.op == "call_function"
+            and node.target in CASTS
+            and _float_cast(node)
+            and _only_user(node, user)
+        ):
+            replaced.append(node)
+            user, node = node, node.args[0]
+            continue
+        break
+    softmax = node
+    if softmax.target is not aten._softmax.default or not _only_user(softmax, user):
+        return None
+    x, dim = softmax.args[:2]
+    if not _rows_and_keys(softmax, rows_keys) or dim not in (-1, _val(softmax).dim() - 1):
+        return None
+    replaced.append(softmax)
+    scale, node, user = 1.0, x, softmax
+    while True:  # the score's scalings and casts back to the view of the product
+        if node.op != "call_function" or not _only_user(node, user):
+            return None
+        if node.target in CASTS and _float_cast(node):
+            pass
+        elif node.target in SCALES and len(node.args) == 2 and not node.kwargs:
+            lhs, rhs = node.args
+            number = rhs if isinstance(lhs, torch.fx.Node) else lhs
+            if not isinstance(number, numbers.Real) or isinstance(number, bool) or not math.isfinite(number):
+                return None
+            if node.target in (aten.div.Tensor, aten.div.Scalar):
+                if not isinstance(lhs, torch.fx.Node) or number == 0:
+                    return None  # a number divided by the score is not a scale
+                number = 1.0 / number
+            scale *= float(number)
+        else:
+            break
+        replaced.append(node)
+        user, node = node, next(a for a in node.args if isinstance(a, torch.fx.Node))
+    scores = _through(node, SAME_ELEMENTS, user, replaced)
+    if scores.target is not aten.bmm.default or not _only_user(scores, replaced[-1] if replaced else user):
+        return None
+    if scores is not node and not _rows_and_keys(node, rows_keys):
+        return None
+    queries, keys = scores.args
+    tensors = [_val(n) for n in (queries, keys, values)]
+    if (
+        any(t is None for t in tensors)
+        or len({t.dtype for t in tensors}) != 1
+        or tensors[0].dtype not in FLOATS
+    ):
+        return None
+    if not _rows_and_keys(scores, rows_keys) or scale == 0:
+        return None
+    replaced.append(scores)
+    m = WrittenOut(scores, out, scale, replaced)
+    return m if _size_sources(m) else None
+
+
+def _size_sources(m: WrittenOut) -> bool:
+    """For each read of a replaced node's size (export reads the sizes of what a view reshapes, and
+    a later view may read them too), a node before the scores with that size; False when one has
+    none (or a replaced node's strides are read)."""
+    gone = set(m.replaced)
+    earlier: list[torch.fx.Node] = []
+    for node in m.scores.graph.nodes:
+        if node is m.scores:
+            break
+        if node not in gone and _val(node) is not None:
+            earlier.append(node)
+    for node in m.replaced:
+        for user in node.users:
+            if user.target not in METADATA:
+                continue
+            if user.target is ASSERT:
+                m.asserts.append(user)
+                continue
+            if user.target is not SIZE:
+                return False
+            size = _val(node).shape[user.args[1]]
+            source = next(((n, d) for n in reversed(earlier) for d, s in enumerate(_val(n).shape)
+                           if statically_known_true(s == size)), None)  # fmt: skip
+            if source is None:
+                return False
+            m.sizes[user] = source
+    return True
+
+
+def _call(graph: torch.fx.Graph, op, args: tuple, kwargs: dict, like: torch.fx.Node) -> torch.fx.Node:
+    """A new node computing `op`, its value traced on the graph's fake tensors (an SDPA call's: see
+    `_attention_value`), `like`'s source line."""
+    node = graph.call_function(op, args, kwargs)
+    fake = [_val(a) if isinstance(a, torch.fx.Node) else a for a in args]
+    mode = maybe_get_fake_mode(_val(like))
+    with mode if mode is not None else torch._subclasses.FakeTensorMode():
+        if op is aten.scaled_dot_product_attention.default:
+            node.meta["val"] = _attention_value(*fake)
+            node.meta[ANY_LAYOUT] = True
+        else:
+            node.meta["val"] = op(*fake, **kwargs)
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if key in like.meta:
+            node.meta[key] = like.meta[key]
+    return node
+
+
+def rewrite(gm: torch.fx.GraphModule, m: WrittenOut) -> None:
+    graph = gm.graph
+    queries, keys_t = m.scores.args
+    values = m.out.args[1]
+    with graph.inserting_before(m.out):
+        q = _call(graph, aten.unsqueeze.default, (queries, 0), {}, m.out)
+        k = _call(graph, aten.permute.default, (keys_t, [0, 2, 1]), {}, m.out)
+        k = _call(graph, aten.unsqueeze.default, (k, 0), {}, m.out)
+        v = _call(graph, aten.unsqueeze.default, (values, 0), {}, m.out)
+        sdpa = _call(graph, aten.scaled_dot_product_attention.default, (q, k, v), {"scale": m.scale}, m.out)
+        out = _call(graph, aten.squeeze.dim, (sdpa, 0), {}, m.out)
+    m.out.replace_all_uses_with(out)
+    graph.erase_node(m.out)
+    for node in m.asserts:
+        graph.erase_node(node)
+    for user, (source, dim) in m.sizes.items():
+        user.args = (source, dim)
+    for node in m.replaced:  # from the softmax's readers back to the scores
+        graph.erase_node(node)
+
+
+def written_out_as_sdpa(gm: torch.fx.GraphModule) -> int:
+    """Each written-out attention of `gm` whose score is only scaled as one SDPA call (in place);
+    how many. The caller runs it on graphs for a GPU."""
+    done, gone = 0, set()
+    for node in [n for n in gm.graph.nodes if n.target is aten.bmm.default]:
+        if node in gone:  # the scores of an attention replaced already
+            continue
+        m = match(node)
+        if m is None:
+            continue
+        log.info("attention %s: %s as ATen's scaled_dot_product_attention (scale %g)",
+                 node.name, ", ".join(n.name for n in reversed(m.replaced)), m.scale)  # fmt: skip
+        rewrite(gm, m)
+        gone.update(m.replaced)
+        done += 1
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done

@@ -1,0 +1,188 @@
+"""Written-out attention whose score is only scaled runs as ATen's scaled_dot_product_attention on a
+GPU (gjit/lowering/attention_library.py): the pass on exported graphs, and the compile with it."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gjit
+import gjit.driver
+from gjit.lowering.attention_library import written_out_as_sdpa
+from helpers import assert_same, check_against_float64, run_compiled, upcast
+
+pytestmark = [pytest.mark.cpu]
+aten = torch.ops.aten
+
+
+def vit(q, k, v):
+    """timm's ViT without its fused attention: a scale, a softmax, no mask."""
+    return ((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)).softmax(-1) @ v
+
+
+def hf_eager(q, k, v):
+    """transformers' eager_attention_forward without a mask: the softmax in float32, then cast."""
+    scores = torch.matmul(q, k.transpose(2, 3)) * 0.125
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v).transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+
+def per_head_3d(q, k, v):
+    """nn.MultiheadAttention's way: batch and heads in one dim, torch.bmm, a division."""
+    return torch.bmm(torch.softmax(torch.bmm(q, k.transpose(1, 2)) / math.sqrt(16.0), dim=-1), v)
+
+
+def grouped(q, k, v):
+    """Two query heads per key/value head, repeated as transformers' repeat_kv does."""
+    b, h, s, d = k.shape
+    k, v = (x[:, :, None].expand(b, h, 2, s, d).reshape(b, 2 * h, s, d) for x in (k, v))
+    return torch.matmul(torch.matmul(q, k.mT).mul(0.3).softmax(-1), v)
+
+
+def transposed_heads(q, k, v):
+    """Heads transposed out of [B, S, H, D] and back."""
+    b, s, h, d = q.shape
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return torch.matmul(torch.matmul(q, k.mT).div(2.0).softmax(-1), v).transpose(1, 2).reshape(b, s, h * d)
+
+
+MATCHED = {
+    "vit": (vit, (2, 3, 17, 16), 1.0),  # the queries scaled before the product: the score is not
+    "hf_eager": (hf_eager, (2, 4, 9, 32), 0.125),
+    "per_head_3d": (per_head_3d, (6, 11, 8), 0.25),
+    "grouped": (grouped, None, 0.3),
+    "transposed_heads": (transposed_heads, (2, 9, 3, 16), 0.5),
+}
+
+
+def inputs(case, dtype):
+    fn, shape, _ = MATCHED[case]
+    torch.manual_seed(0)
+    if shape is None:  # grouped: 4 query heads, 2 key/value heads
+        return torch.randn(1, 4, 7, 16, dtype=dtype), *(torch.randn(1, 2, 7, 16, dtype=dtype) for _ in "kv")
+    return tuple(torch.randn(*shape, dtype=dtype) for _ in "qkv")
+
+
+def exported(fn, args):
+    class Module(torch.nn.Module):
+        def forward(self, *a):
+            return fn(*a)
+
+    dims = tuple({0: torch.export.Dim.AUTO} for _ in args)
+    return torch.export.export(Module(), args, dynamic_shapes=(dims,)).run_decompositions().graph_module
+
+
+def targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(MATCHED))
+def test_a_score_only_scaled_becomes_one_sdpa_call(case, dtype):
+    fn, _, scale = MATCHED[case]
+    args = inputs(case, dtype)
+    gm = exported(fn, args)
+    expected = gm(*args)[0]
+    assert written_out_as_sdpa(gm) == 1
+    ops = targets(gm)
+    assert aten.bmm.default not in ops and aten._softmax.default not in ops, gm.graph
+    (sdpa,) = [n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default]
+    assert sdpa.kwargs["scale"] == pytest.approx(scale)
+    got = gm(*args)[0]
+    assert_same(got, expected, fn(*upcast(args)))
+    assert written_out_as_sdpa(gm) == 0  # nothing left to replace
+
+
+def masked(q, k, v, m):
+    return torch.matmul((torch.matmul(q, k.mT) * 0.25 + m).softmax(-1), v)
+
+
+def filled(q, k, v, m):
+    return torch.matmul(torch.matmul(q, k.mT).masked_fill(m, float("-inf")).softmax(-1), v)
+
+
+def probabilities_returned(q, k, v, m):
+    probs = torch.matmul(q, k.mT).softmax(-1)
+    return torch.matmul(probs, v), probs
+
+
+def scores_read_twice(q, k, v, m):
+    s = torch.matmul(q, k.mT)
+    return torch.matmul(s.softmax(-1), v) + s.sum(-1, keepdim=True)
+
+
+def scaled_by_a_tensor(q, k, v, m):
+    return torch.matmul((torch.matmul(q, k.mT) * m.float()).softmax(-1), v)
+
+
+def other_dim(q, k, v, m):
+    return torch.matmul(torch.matmul(q, k.mT).softmax(-2), v)
+
+
+def number_over_scores(q, k, v, m):
+    return torch.matmul((1.0 / torch.matmul(q, k.mT)).softmax(-1), v)
+
+
+@pytest.mark.parametrize(
+    "fn", [masked, filled, probabilities_returned, scores_read_twice, scaled_by_a_tensor, other_dim,
+           number_over_scores], ids=lambda f: f.__name__,
+)  # fmt: skip
+def test_a_score_masked_or_read_elsewhere_keeps_its_written_out_form(fn):
+    """A mask or bias (eager gives NaN, or the values' mean, in a row every key of which is masked;
+    fused kernels need not), the probabilities or scores read again, a score scaled by a tensor or
+    divided into a number, a softmax over the queries: left as they are."""
+    q, k, v = (torch.randn(2, 2, 6, 8) for _ in "qkv")
+    m = torch.rand(2, 1, 6, 6) > 0.3 if fn is filled else torch.randn(2, 1, 6, 6)
+    gm = exported(fn, (q, k, v, m))
+    before = targets(gm)
+    assert written_out_as_sdpa(gm) == 0
+    assert targets(gm) == before
+
+
+@pytest.fixture
+def as_on_a_gpu(monkeypatch):
+    """The compile's choice of the SDPA call, as on a GPU, for the kernels on this CPU."""
+    monkeypatch.setattr(gjit.driver, "attention_as_sdpa", lambda gm: True)
+
+
+def test_the_library_runs_atens_sdpa_for_it(as_on_a_gpu):
+    """Where the library runs products (mode default, nothing measured), the attention is one
+    SDPA extern: no score matrix, no softmax kernel; the output as eager's within its rounding."""
+    args = inputs("hf_eager", torch.bfloat16)
+    with gjit.config.scope(matmul="auto"):
+        cm, report = check_against_float64(hf_eager, *args)
+    externs = [e.op for e in report.externs]
+    assert externs == ["aten.scaled_dot_product_attention.default"], report
+    assert not any("softmax" in k.name for k in report.kernels), report
+
+
+def test_the_template_takes_the_sdpa_call_as_it_took_the_written_out_form(as_on_a_gpu):
+    args = inputs("transposed_heads", torch.float16)
+    cm, report = check_against_float64(transposed_heads, *args)
+    assert [k.name.startswith("gjit_attn_") for k in report.kernels] == [True], report
+    assert not report.externs, report
+
+
+def test_an_entry_from_the_disk_cache_is_analyzed_as_compiled(as_on_a_gpu, tmp_path):
+    """explain on an entry served from the disk cache lowers the stored graph again: the SDPA
+    call replaces the written-out form there too, so its kernels are the entry's."""
+    args = inputs("grouped", torch.float32)
+    with gjit.config.scope(cache=True, cache_dir=str(tmp_path), matmul="auto"):
+        first, _ = check_against_float64(grouped, *args)
+        second = gjit.compile(grouped)
+        out, _ = run_compiled(second, *args)
+        assert gjit.stats().get("disk_cache_hits") == 1, gjit.stats()
+        report = gjit.explain(second, *args)
+    assert_same(out, grouped(*args), grouped(*upcast(args)))
+    assert [e.op for e in report.externs] == ["aten.scaled_dot_product_attention.default"], report
+    assert [k.name for k in report.kernels] == [k.name for k in gjit.explain(first, *args).kernels]
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_written_out_attention_runs_atens_sdpa():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(4, 12, 197, 64, device="cuda", dtype=torch.float16) for _ in "qkv")
+    with gjit.config.scope(matmul="auto"):
+        cm, report = check_against_float64(vit, q, k, v)
+    assert [e.op for e in report.externs] == ["aten.scaled_dot_product_attention.default"], report
