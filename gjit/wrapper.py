@@ -265,11 +265,12 @@ class WrapperWriter:
         callee = self.callee(node)
         if callee in PADDED_PRODUCTS.values():  # its copy out: a kernel the graph loads and prebuilds
             args.append(f"copy={COLUMN_COPY}")
-        self.lines.append(f"{node.name} = {callee}({', '.join(args)})")
-        self.defined.add(node.name)
-        if node.meta.get(ANY_LAYOUT):  # whichever kernel ATen ran: its output in the value's strides
+        if node.meta.get(ANY_LAYOUT):  # gjit/runtime/attention_masks.py's written_out
             stride = ", ".join(self.sym(x) for x in node.meta["val"].stride())
-            self.lines.append(f"{node.name} = gjit_traced_layout({node.name}, None, ({stride},))")
+            self.lines.append(f"{node.name} = gjit_written_out({callee}, ({stride},), {', '.join(args)})")
+        else:
+            self.lines.append(f"{node.name} = {callee}({', '.join(args)})")
+        self.defined.add(node.name)
 
     def boolean_mask(self, node: torch.fx.Node) -> bool:
         """An attention extern with a boolean mask, called with the mask made additive

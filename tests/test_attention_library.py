@@ -164,6 +164,22 @@ def test_the_template_takes_the_sdpa_call_as_it_took_the_written_out_form(as_on_
     assert not report.externs, report
 
 
+def test_no_keys_or_no_queries_give_zeros_as_eagers_products(as_on_a_gpu):
+    """The call runs ATen's kernel only where there are queries and keys (a fused kernel may refuse
+    an empty batch or key dim): zeros otherwise, as eager's product over no keys gives."""
+
+    def attention(q, k, v):
+        return torch.matmul(torch.matmul(q, k.mT).mul(0.25).softmax(-1), v)
+
+    for queries, keys in ((4, 0), (0, 5)):
+        q, k, v = torch.randn(2, 3, queries, 16), torch.randn(2, 3, keys, 16), torch.randn(2, 3, keys, 16)
+        with gjit.config.scope(matmul="auto"):
+            cm, report = check_against_float64(attention, q, k, v)
+        assert [e.op for e in report.externs] == ["aten.scaled_dot_product_attention.default"], report
+        assert "gjit_written_out(" in cm.entries[-1].program.graph.wrapper_source
+        assert (cm(q, k, v) == 0).all()
+
+
 def test_an_entry_from_the_disk_cache_is_analyzed_as_compiled(as_on_a_gpu, tmp_path):
     """explain on an entry served from the disk cache lowers the stored graph again: the SDPA
     call replaces the written-out form there too, so its kernels are the entry's."""

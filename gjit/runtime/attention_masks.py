@@ -1,4 +1,5 @@
-"""A boolean attention mask handed to ATen's scaled_dot_product_attention as an additive one.
+"""ATen's scaled_dot_product_attention as the wrapper calls it: a boolean attention mask handed to it
+as an additive one (below), and the call that stands for an attention written out (`written_out`).
 
 torch.export hands transformers' padding mask to SDPA as a bool tensor expanded from [B, 1, L, 1]
 or [1, 1, L, 1] (zero strides on the key dim). For such a mask ATen runs its math path: float32
@@ -19,6 +20,9 @@ BERT wrong outputs there), so the output is copied into the traced strides where
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 
@@ -38,3 +42,16 @@ def traced_layout(out: torch.Tensor, dead: torch.Tensor | None, stride: tuple[in
         else:
             out = torch.empty_strided(out.shape, stride, dtype=out.dtype, device=out.device).copy_(out)
     return out if dead is None else out.masked_fill_(dead, 0)
+
+
+def written_out(sdpa: Callable, stride: tuple[int, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                **kwargs: Any) -> torch.Tensor:  # fmt: skip
+    """`sdpa` (ATen's scaled_dot_product_attention) for an attention written out in the program
+    (gjit/lowering/attention_library.py), its output in `stride` (the value the compile gave it;
+    ATen's fused kernels on a GPU return another layout). With no queries or no keys: zeros, as
+    eager's products over them give (the fused kernels refuse some empty sizes)."""
+    if q.numel() == 0 or k.shape[-2] == 0:
+        out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    else:
+        out = sdpa(q, k, v, **kwargs)
+    return traced_layout(out, None, stride)

@@ -222,6 +222,7 @@ class CompiledGraph:
             "gjit_padded_addmm": padded_mm.addmm,
             "gjit_additive_mask": attention_masks.additive,  # an attention extern's boolean mask
             "gjit_traced_layout": attention_masks.traced_layout,
+            "gjit_written_out": attention_masks.written_out,  # gjit/lowering/attention_library.py's
             "gjit_reinterpret": reinterpret_tensor,  # a view from its traced layout
             "gjit_as_strided": as_strided,  # the same, bounds checked (GJIT_DEBUG)
             "math": math,
