@@ -124,14 +124,24 @@ def number_over_scores(q, k, v, m):
     return torch.matmul((1.0 / torch.matmul(q, k.mT)).softmax(-1), v)
 
 
+def negative_scale(q, k, v, m):
+    return torch.matmul(torch.matmul(q, k.mT).mul(-0.5).softmax(-1), v)
+
+
+def the_same_probabilities_twice(q, k, v, m):
+    p = torch.matmul(q, k.mT).mul(0.5).softmax(-1)
+    return torch.matmul(p, p)
+
+
 @pytest.mark.parametrize(
     "fn", [masked, filled, probabilities_returned, scores_read_twice, scaled_by_a_tensor, other_dim,
-           number_over_scores], ids=lambda f: f.__name__,
+           number_over_scores, negative_scale, the_same_probabilities_twice], ids=lambda f: f.__name__,
 )  # fmt: skip
 def test_a_score_masked_or_read_elsewhere_keeps_its_written_out_form(fn):
     """A mask or bias (eager gives NaN, or the values' mean, in a row every key of which is masked;
-    fused kernels need not), the probabilities or scores read again, a score scaled by a tensor or
-    divided into a number, a softmax over the queries: left as they are."""
+    fused kernels need not), the probabilities or scores read again (also as the values of their
+    own product), a score scaled by a tensor, by a negative number (FlashAttention takes a row's
+    max before it scales) or divided into a number, a softmax over the queries: left as they are."""
     q, k, v = (torch.randn(2, 2, 6, 8) for _ in "qkv")
     m = torch.rand(2, 1, 6, 6) > 0.3 if fn is filled else torch.randn(2, 1, 6, 6)
     gm = exported(fn, (q, k, v, m))
@@ -202,3 +212,66 @@ def test_on_a_gpu_written_out_attention_runs_atens_sdpa():
     with gjit.config.scope(matmul="auto"):
         cm, report = check_against_float64(vit, q, k, v)
     assert [e.op for e in report.externs] == ["aten.scaled_dot_product_attention.default"], report
+
+
+def test_a_program_whose_output_is_the_attention_saves_as_a_package(as_on_a_gpu, tmp_path):
+    """The product's node becomes the squeeze of the SDPA call under its own name: the program's
+    signature, which names it an output, still holds, and a cold entry saves and loads."""
+    args = inputs("per_head_3d", torch.float32)
+    with gjit.config.scope(matmul="auto"):
+        cm, _ = check_against_float64(per_head_3d, *args)
+        gjit.save(cm, str(tmp_path / "attention.gjit"))
+        loaded = gjit.load(str(tmp_path / "attention.gjit"), per_head_3d)
+        out, _ = run_compiled(loaded, *args)
+        report = gjit.explain(loaded, *args)
+    assert_same(out, per_head_3d(*args), per_head_3d(*upcast(args)))
+    assert [e.op for e in report.externs] == ["aten.scaled_dot_product_attention.default"], report
+
+
+@pytest.fixture
+def flash_layout():
+    """ATen's SDPA on this CPU returning FlashAttention's layout on a GPU ([B, L, H, E] in memory)."""
+    math_sdpa = torch.ops.aten._scaled_dot_product_attention_math.default
+    lib = torch.library.Library("aten", "IMPL")
+
+    def flash_like(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+        out = math_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale)[0]
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+    lib.impl("scaled_dot_product_attention", flash_like, "CPU")
+    try:
+        yield
+    finally:
+        lib._destroy()
+
+
+def test_a_fused_kernels_layout_is_copied_into_the_calls_value(as_on_a_gpu, flash_layout):
+    """The program's next kernels read the call's value as contiguous: the wrapper copies the
+    fused kernels' layout into it, and GJIT_CHECK's eager replay does the same."""
+
+    def viewed(q, k, v):
+        return (torch.matmul(torch.matmul(q, k.mT).mul(0.25).softmax(-1), v)).flatten(2) + 1
+
+    args = tuple(torch.randn(2, 4, 9, 32) for _ in "qkv")
+    assert not torch.ops.aten.scaled_dot_product_attention.default(*args).is_contiguous()
+    with gjit.config.scope(matmul="auto"):
+        check_against_float64(viewed, *args)
+    with gjit.config.scope(matmul="template", check=True):
+        check_against_float64(viewed, *args)
+
+
+def test_past_65535_heads_the_call_runs_in_parts():
+    """A fused kernel launches a grid dim per head, at most 65535 of them: N = batch x heads past it
+    runs in parts (the written-out form it replaces had no such limit)."""
+    from gjit.runtime.attention_masks import MAX_HEADS, written_out
+
+    q, k, v = (torch.randn(1, MAX_HEADS + 7, 3, 8) for _ in "qkv")
+    calls = []
+
+    def sdpa(q, k, v, **kwargs):
+        calls.append(q.shape[1])
+        return torch.ops.aten.scaled_dot_product_attention.default(q, k, v, **kwargs)
+
+    out = written_out(sdpa, q.stride(), q, k, v, scale=0.5)
+    assert calls == [MAX_HEADS, 7]
+    assert torch.allclose(out, torch.ops.aten.scaled_dot_product_attention.default(q, k, v, scale=0.5))

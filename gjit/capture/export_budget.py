@@ -135,19 +135,27 @@ def export_budget(seconds: float) -> Iterator[None]:
         return
     slow = _SlowOps()
     fired: list[float] = []  # when the handler raised
+    busy: list[bool] = []  # a handler running: Python may call it again inside itself
 
     def on_alarm(signum: int, frame: FrameType | None) -> None:
-        total, in_slow_op = slow.sample(frame)
+        if busy:
+            return
+        busy.append(True)
+        try:
+            total, in_slow_op = slow.sample(frame)
+        finally:
+            busy.clear()
         if total > seconds and in_slow_op and (not fired or time.monotonic() - fired[-1] >= RETRY):
             fired.append(time.monotonic())
             raise ExportTooSlow
 
     stacks = mode_stacks()
-    previous = signal.signal(signal.SIGALRM, torch._dynamo.disable(on_alarm))
-    signal.siginterrupt(signal.SIGALRM, False)  # a system call the signal interrupts resumes
-    slow.last = time.monotonic() + GRACE
-    signal.setitimer(signal.ITIMER_REAL, GRACE, POLL)
+    previous = signal.getsignal(signal.SIGALRM)
     try:
+        signal.signal(signal.SIGALRM, torch._dynamo.disable(on_alarm))
+        signal.siginterrupt(signal.SIGALRM, False)  # a system call the signal interrupts resumes
+        slow.last = time.monotonic() + GRACE
+        signal.setitimer(signal.ITIMER_REAL, GRACE, POLL)
         yield
     except BaseException as e:
         _stop(previous)

@@ -18,6 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from gjit import logs
+from gjit.lowering.attention_library import ANY_LAYOUT
 
 log = logs.logger("check")
 
@@ -73,6 +74,8 @@ class RegionChecker:
                     # an in-place op (index_put_): replayed on copies, never on the kernels' buffers
                     args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
                 result = target(*args, **kwargs) if target is not operator.getitem else args[0][args[1]]
+                if node.meta.get(ANY_LAYOUT):  # its value is contiguous whatever kernel ATen ran
+                    result = result.contiguous()
             memo[node.name] = result
             return result
 

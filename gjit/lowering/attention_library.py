@@ -29,6 +29,7 @@ import math
 import numbers
 
 import torch
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import maybe_get_fake_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
@@ -82,8 +83,12 @@ def _val(node: torch.fx.Node) -> torch.Tensor | None:
 
 
 def _only_user(node: torch.fx.Node, user: torch.fx.Node) -> bool:
-    """`user` is the one node that reads `node`'s data (others may read its sizes)."""
-    return [u for u in node.users if u.target not in METADATA] == [user]
+    """`user` is the one node that reads `node`'s data, and reads it once (others may read its
+    sizes)."""
+    if [u for u in node.users if u.target not in METADATA] != [user]:
+        return False
+    reads = [a for a in pytree.tree_leaves((user.args, user.kwargs)) if a is node]
+    return len(reads) == 1
 
 
 def _same_sizes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -192,9 +197,12 @@ def match(out: torch.fx.Node) -> WrittenOut | None:
         or tensors[0].dtype not in FLOATS
     ):
         return None
-    if not _rows_and_keys(scores, rows_keys) or scale == 0:
+    # a scale below 0 reverses the softmax's order: FlashAttention takes a row's max before scaling
+    if not _rows_and_keys(scores, rows_keys) or not scale > 0:
         return None
     replaced.append(scores)
+    if {queries, keys, values} & set(replaced):
+        return None  # an operand is what the call replaces (probabilities as values: bmm(p, p))
     m = WrittenOut(scores, out, scale, replaced)
     return m if _size_sources(m) else None
 
@@ -256,9 +264,9 @@ def rewrite(gm: torch.fx.GraphModule, m: WrittenOut) -> None:
         k = _call(graph, aten.unsqueeze.default, (k, 0), {}, m.out)
         v = _call(graph, aten.unsqueeze.default, (values, 0), {}, m.out)
         sdpa = _call(graph, aten.scaled_dot_product_attention.default, (q, k, v), {"scale": m.scale}, m.out)
-        out = _call(graph, aten.squeeze.dim, (sdpa, 0), {}, m.out)
-    m.out.replace_all_uses_with(out)
-    graph.erase_node(m.out)
+    # the product's node becomes the squeeze of the call, under its name (the program's signature
+    # may name it an output) and with its value ([N, L, Ev], contiguous, as the call's)
+    m.out.target, m.out.args, m.out.kwargs = aten.squeeze.dim, (sdpa, 0), {}
     for node in m.asserts:
         graph.erase_node(node)
     for user, (source, dim) in m.sizes.items():

@@ -44,14 +44,21 @@ def traced_layout(out: torch.Tensor, dead: torch.Tensor | None, stride: tuple[in
     return out if dead is None else out.masked_fill_(dead, 0)
 
 
+MAX_HEADS = 65535  # a CUDA grid's y and z dims
+
+
 def written_out(sdpa: Callable, stride: tuple[int, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 **kwargs: Any) -> torch.Tensor:  # fmt: skip
     """`sdpa` (ATen's scaled_dot_product_attention) for an attention written out in the program
     (gjit/lowering/attention_library.py), its output in `stride` (the value the compile gave it;
     ATen's fused kernels on a GPU return another layout). With no queries or no keys: zeros, as
-    eager's products over them give (the fused kernels refuse some empty sizes)."""
+    eager's products over them give (the fused kernels refuse some empty sizes); over MAX_HEADS
+    heads (batch x heads of the program's attention), in parts."""
     if q.numel() == 0 or k.shape[-2] == 0:
         out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    elif q.shape[1] > MAX_HEADS:  # the fused kernels launch a grid dim per head, at most 65535
+        parts = range(0, q.shape[1], MAX_HEADS)
+        out = torch.cat([sdpa(*(t[:, i : i + MAX_HEADS] for t in (q, k, v)), **kwargs) for i in parts], 1)
     else:
         out = sdpa(q, k, v, **kwargs)
     return traced_layout(out, None, stride)
