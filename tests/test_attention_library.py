@@ -94,8 +94,22 @@ def test_a_score_only_scaled_becomes_one_sdpa_call(case, dtype):
     assert written_out_as_sdpa(gm) == 0  # nothing left to replace
 
 
-def masked(q, k, v, m):
+def masked_in_float16(q, k, v, m):
+    q, k, v, m = (t.half() for t in (q, k, v, m))
     return torch.matmul((torch.matmul(q, k.mT) * 0.25 + m).softmax(-1), v)
+
+
+def mask_of_another_dtype(q, k, v, m):
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    return torch.matmul((torch.matmul(q, k.mT) * 0.25 + m).softmax(-1).to(v.dtype), v)
+
+
+def masked_then_scaled(q, k, v, m):
+    return torch.matmul(((torch.matmul(q, k.mT) + m) * 0.25).softmax(-1), v)
+
+
+def two_masks(q, k, v, m):
+    return torch.matmul((torch.matmul(q, k.mT) * 0.25 + m + m.mT).softmax(-1), v)
 
 
 def filled(q, k, v, m):
@@ -134,14 +148,17 @@ def the_same_probabilities_twice(q, k, v, m):
 
 
 @pytest.mark.parametrize(
-    "fn", [masked, filled, probabilities_returned, scores_read_twice, scaled_by_a_tensor, other_dim,
-           number_over_scores, negative_scale, the_same_probabilities_twice], ids=lambda f: f.__name__,
+    "fn", [masked_in_float16, mask_of_another_dtype, masked_then_scaled, two_masks, filled,
+           probabilities_returned, scores_read_twice, scaled_by_a_tensor, other_dim, number_over_scores,
+           negative_scale, the_same_probabilities_twice], ids=lambda f: f.__name__,
 )  # fmt: skip
 def test_a_score_masked_or_read_elsewhere_keeps_its_written_out_form(fn):
-    """A mask or bias (eager gives NaN, or the values' mean, in a row every key of which is masked;
-    fused kernels need not), the probabilities or scores read again (also as the values of their
-    own product), a score scaled by a tensor, by a negative number (FlashAttention takes a row's
-    max before it scales) or divided into a number, a softmax over the queries: left as they are."""
+    """A float16 mask (in a row every key of which it masks with finfo.min, eager averages the
+    values and SDPA would not), a mask of another dtype than the operands', added before the scale,
+    a second mask, a fill (masked_fill); the probabilities or scores read again (also as the values
+    of their own product), a score scaled by a tensor, by a negative number (FlashAttention takes a
+    row's max before it scales) or divided into a number, a softmax over the queries: left as they
+    are."""
     q, k, v = (torch.randn(2, 2, 6, 8) for _ in "qkv")
     m = torch.rand(2, 1, 6, 6) > 0.3 if fn is filled else torch.randn(2, 1, 6, 6)
     gm = exported(fn, (q, k, v, m))
@@ -275,3 +292,86 @@ def test_past_65535_heads_the_call_runs_in_parts():
     out = written_out(sdpa, q.stride(), q, k, v, scale=0.5)
     assert calls == [MAX_HEADS, 7]
     assert torch.allclose(out, torch.ops.aten.scaled_dot_product_attention.default(q, k, v, scale=0.5))
+
+
+def hf_masked(q, k, v, mask):
+    """transformers' eager attention with its additive 4-D mask ([B, 1, L, S]: 0 or finfo.min)."""
+    scores = torch.matmul(q, k.transpose(2, 3)) * 0.125 + mask
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v).transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+
+def per_head_masked(q, k, v, mask):
+    return torch.bmm(torch.softmax(torch.bmm(q, k.transpose(1, 2)) * 0.25 + mask, dim=-1), v)
+
+
+def padding_mask(batch, queries, keys, dtype, dead=()):
+    """0 where a query sees a key, finfo.min where padding hides it; queries in `dead` (batch, row,
+    fill) see no key at all."""
+    mask = torch.zeros(batch, 1, queries, keys, dtype=dtype)
+    mask[1, :, :, keys // 2 :] = torch.finfo(dtype).min
+    for b, row, fill in dead:
+        mask[b, :, row] = fill
+    return mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_an_additive_mask_goes_to_sdpa_as_its_attn_mask(dtype):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 9, 32, dtype=dtype) for _ in "qkv")
+    mask = padding_mask(2, 9, 9, dtype, dead=[(0, 3, torch.finfo(dtype).min)])
+    gm = exported(hf_masked, (q, k, v, mask))
+    expected = gm(q, k, v, mask)[0]
+    assert written_out_as_sdpa(gm) == 1
+    (sdpa,) = [n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default]
+    assert sdpa.kwargs["attn_mask"].op == "placeholder" and _shape(sdpa.args[0]) == (2, 4, 9, 32)
+    assert_same(gm(q, k, v, mask)[0], expected, hf_masked(*upcast((q, k, v, mask))))
+
+
+def _shape(node):
+    return tuple(int(s) for s in node.meta["val"].shape)
+
+
+def test_a_mask_on_scores_of_one_batch_dim_broadcasts_from_the_front():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(6, 7, 8) for _ in "qkv")
+    for mask in (torch.randn(6, 7, 7), torch.randn(7, 7), torch.randn(7)):
+        gm = exported(per_head_masked, (q, k, v, mask))
+        expected = gm(q, k, v, mask)[0]
+        assert written_out_as_sdpa(gm) == (mask.dim() >= 2)  # SDPA reads a mask's rows and keys
+        assert_same(gm(q, k, v, mask)[0], expected, per_head_masked(*upcast((q, k, v, mask))))
+
+
+def test_a_vision_transformers_eager_attention_becomes_sdpa():
+    """transformers' ViT with attn_implementation="eager" adds a mask it builds (zeros) to every
+    score: both layers' attention become SDPA calls."""
+    import transformers
+
+    config = dict(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    model = transformers.ViTModel(
+        transformers.ViTConfig(**config, intermediate_size=128, attn_implementation="eager")
+    )
+    model.eval()
+    pixels = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        ep = torch.export.export(model, (pixels,), dynamic_shapes=({0: torch.export.Dim.AUTO},))
+        ep = ep.run_decompositions()
+        expected = ep.module()(pixels)[0]
+        assert written_out_as_sdpa(ep.graph_module) == 2
+        assert_same(ep.module()(pixels)[0], expected, model.double()(pixels.double())[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rows_the_mask_leaves_without_a_key_are_as_eagers(as_on_a_gpu, dtype):
+    """A query every key of which the mask hides with -inf is NaN, as eager's softmax gives (the
+    wrapper makes it so: fused kernels give zeros there); with finfo.min, the values' mean, as in
+    eager (SDPA adds the mask in float32, where the scores vanish under that fill)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 9, 32, dtype=dtype) for _ in "qkv")
+    mask = padding_mask(2, 9, 9, dtype, dead=[(0, 3, float("-inf")), (1, 5, torch.finfo(dtype).min)])
+    with gjit.config.scope(matmul="auto"):
+        cm, report = check_against_float64(hf_masked, q, k, v, mask)
+    assert [e.op for e in report.externs] == ["aten.scaled_dot_product_attention.default"], report
+    out, _ = run_compiled(cm, q, k, v, mask)
+    assert out[0, 3].isnan().all() and not out[0, :3].isnan().any()
+    assert torch.allclose(out[1, 5].float(), v[1].float().mean(1).flatten(), atol=1e-2)

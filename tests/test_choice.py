@@ -373,6 +373,14 @@ def attention_and_linear(q, k, v, w):  # a written-out attention, then a product
     return bert_attention(q, k, v) @ w
 
 
+def masked_attention_and_linear(q, k, v, w):
+    """A written-out attention whose scores are masked with a fill (on a GPU the written-out form
+    stays: gjit/lowering/attention_library.py), then a product of its output."""
+    scores = q @ k.transpose(-1, -2) * (1 / 8)
+    keep = torch.ones(scores.shape[-2:], dtype=torch.bool).tril(scores.shape[-1] - scores.shape[-2])
+    return torch.softmax(scores.masked_fill(~keep, float("-inf")), -1) @ v @ w
+
+
 def attention_and_linear_args():
     torch.manual_seed(0)
     return torch.randn(2, 3, 16, 8), torch.randn(2, 3, 24, 8), torch.randn(2, 3, 24, 8), torch.randn(8, 12)
@@ -401,20 +409,33 @@ def test_mode_default_measures_a_written_out_attention_and_no_product(timing):
     args = attention_and_linear_args()
     timing.rule = lambda what: 0.1 if what.startswith("template") else 1.0
     with gjit.config.scope(measure_all_templates=False):
-        out, cm = run_compiled(attention_and_linear, *args)
-    assert_same(out, attention_and_linear(*args), attention_and_linear(*(a.double() for a in args)))
+        out, cm = run_compiled(masked_attention_and_linear, *args)
+    expected = masked_attention_and_linear(*args)
+    assert_same(out, expected, masked_attention_and_linear(*(a.double() for a in args)))
     measured = [w for w in timing.seen if w.startswith("template")]
     assert measured and all(w.split()[2].startswith("gjit_attn_") for w in measured), timing.seen
     assert timing.count("ATen bmm") == 2 and timing.count("ATen mm") == 0, timing.seen
     program = cm.entries[0].program
-    assert [k.name for k in program.kernels if k.name.startswith(("gjit_mm_", "gjit_attn_"))] == [
-        "gjit_attn_fused_bmm_mul__softmax_0"
-    ]
+    names = [k.name for k in program.kernels if k.name.startswith(("gjit_mm_", "gjit_attn_"))]
+    assert len(names) == 1 and names[0].startswith("gjit_attn_fused_bmm_mul_"), names
     report = gjit.explain(cm, *args)
     assert [e.op for e in report.externs] == ["aten.mm.default"]
     assert "mode default measures templates only" in report.externs[0].reason
     (region,) = program.graph.templates.regions
     assert region.template and region.why == "measured, float32 without TF32", region
+
+
+def test_on_a_gpu_an_attention_only_scaled_is_atens_sdpa_and_not_measured(timing):
+    """On a GPU a written-out attention whose score is only scaled is ATen's SDPA call
+    (gjit/lowering/attention_library.py): mode "default" runs the library's fused kernel there,
+    nothing measured; the product after it is the library's too."""
+    args = attention_and_linear_args()
+    with gjit.config.scope(measure_all_templates=False):
+        out, cm = run_compiled(attention_and_linear, *args)
+    assert_same(out, attention_and_linear(*args), attention_and_linear(*(a.double() for a in args)))
+    assert not timing.seen, timing.seen
+    report = gjit.explain(cm, *args)
+    assert [e.op for e in report.externs] == ["aten.scaled_dot_product_attention.default", "aten.mm.default"]
 
 
 @pytest.mark.compile_only

@@ -1,29 +1,36 @@
 """Written-out attention as ATen's scaled_dot_product_attention, on a GPU, where its score is the
-product of queries and keys only scaled (a vision transformer's `(q @ k.T * scale).softmax(-1) @ v`):
+product of queries and keys scaled, and masked by one tensor added (a vision transformer's
+`(q @ k.T * scale).softmax(-1) @ v`, transformers' eager attention with its additive mask):
 
     scores = bmm(Q, K^T)                   Q: [N, L, D], K^T: [N, D, S] (N: batch x heads)
-    x      = scores * c                    mul / div by numbers, float casts, a view to [..., L, S]
+    x      = scores * c (+ M)              mul / div by numbers, then one tensor added; float casts;
+                                           a view to [..., L, S] after the product
     probs  = softmax(x, -1)                its input and output cast between float dtypes or not
     out    = bmm(probs, V)                 probs through views back to [N, L, S]; V: [N, S, Ev]
- -> out    = sdpa(Q[None], K[None], V[None], scale=c)[0]
+ -> out    = sdpa(Q, K, V, attn_mask=M, scale=c) on [1, N, ...], or with a mask on the [B, H, ...]
+             of the scores' view (the mask broadcasts over those), viewed back as [N, L, Ev]
 
 On a GPU the library's side of the choice for such an attention was then two products and a softmax
-kernel that writes and reads the score matrix; ATen's fused kernels (FlashAttention, cuDNN) keep it
-on chip, and torch.compile makes the same replacement. gjit's attention template takes an SDPA call as
-it takes the written-out form, so the template's side keeps its kernel. The unsqueezed batch dim
-makes the inputs 4-D, as the fused kernels need them. What differs from eager is rounding: eager rounds
-the 16-bit scores and their scaling to 16 bits, the fused kernels keep them in float32; there is no
-mask, so no row is left without a key.
+kernel that writes and reads the score matrix; ATen's fused kernels (FlashAttention, cuDNN, the
+memory-efficient kernel) keep it on chip, and torch.compile makes the same replacement. gjit's
+attention template takes an SDPA call as it takes the written-out form, so the template's side keeps
+its kernel. What differs from eager is rounding: eager rounds the 16-bit scores, their scaling and
+the mask's sum to 16 bits, the fused kernels keep them in float32.
 
-A score masked or biased (a tensor added, masked_fill, where) keeps its written-out form (lowering's
-attention_pattern.py makes it one attention node for the template; the library's side is its two
-products and softmax kernel): a row every key of which is masked gives NaN, or with a finite fill the
-mean of the values, in eager, and not in every fused kernel.
+A query every key of which the mask hides: with -inf, eager's softmax gives NaN, and the wrapper
+makes the call's output NaN there (gjit/runtime/attention_masks.py; fused kernels give zeros); with a
+finite fill (finfo.min), eager's scores round to the fill and it averages the values, as SDPA does
+where it adds the mask in float32 to a float32 or bfloat16 fill. A float16 mask (finfo.min is -65504,
+under which float32 scores do not vanish), a mask of another dtype than the operands', a mask added
+before the scale, two masks, a fill (masked_fill, where) or a negative scale keep the written-out
+form (lowering's attention_pattern.py makes it one attention node for the template; the library's
+side is its two products and softmax kernel).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import numbers
@@ -53,15 +60,14 @@ ANY_LAYOUT = "gjit_attention_any_layout"
 
 
 def _attention_value(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The SDPA call's value: [1, N, L, Ev], contiguous, as the product it replaces was [N, L, Ev],
-    so the values export traced for the nodes that read it hold. Not traced through the op: its
-    backend choice would add guards to the shape environment (the head dims equal, a layout) that
-    no input checks. ATen's fused kernels on a GPU return [1, L, N, Ev] in memory (FlashAttention,
-    cuDNN, the memory-efficient kernel): the wrapper copies such an output into these strides
-    (ANY_LAYOUT), a copy of the output the program's next kernels could read in place (a later
-    step: the values of those nodes traced again)."""
-    _, n, length, _ = q.shape
-    return q.new_empty((1, n, length, v.shape[-1]))
+    """The SDPA call's value: [1, N, L, Ev] or [B, H, L, Ev], contiguous, as the product it replaces
+    was [N, L, Ev], so the values export traced for the nodes that read it hold. Not traced through
+    the op: its backend choice would add guards to the shape environment (the head dims equal, a
+    layout) that no input checks. ATen's fused kernels on a GPU return [B, L, H, Ev] in memory
+    (FlashAttention, cuDNN, the memory-efficient kernel): the wrapper copies such an output into
+    these strides (ANY_LAYOUT), a copy of the output the program's next kernels could read in place
+    (a later step: the values of those nodes traced again)."""
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
 @dataclasses.dataclass
@@ -71,6 +77,8 @@ class WrittenOut:
     scores: torch.fx.Node  # bmm(Q, K^T)
     out: torch.fx.Node  # bmm(probs, V)
     scale: float
+    mask: torch.fx.Node | None  # the tensor added to the scaled score (None: none)
+    view: torch.fx.Node | None  # the scores' view to [..., L, S] (None: none, they are [N, L, S])
     replaced: list[torch.fx.Node]  # from the output's side back to the scores
     # each size read of a replaced node -> (an earlier node with that size, its dim)
     sizes: dict[torch.fx.Node, tuple[torch.fx.Node, int]] = dataclasses.field(default_factory=dict)
@@ -164,12 +172,25 @@ def match(out: torch.fx.Node) -> WrittenOut | None:
     if not _rows_and_keys(softmax, rows_keys) or dim not in (-1, _val(softmax).dim() - 1):
         return None
     replaced.append(softmax)
-    scale, node, user = 1.0, x, softmax
-    while True:  # the score's scalings and casts back to the view of the product
+    scale, mask, node, user = 1.0, None, x, softmax
+    while True:  # the score's scalings, mask and casts back to the view of the product
         if node.op != "call_function" or not _only_user(node, user):
             return None
+        chain = None
         if node.target in CASTS and _float_cast(node):
             pass
+        elif node.target is aten.add.Tensor and len(node.args) == 2 and not node.kwargs:
+            if mask is not None or scale != 1.0:
+                return None  # a second term, or a term added before a scale (which scales it too)
+            lhs, rhs = node.args
+            leads = [isinstance(a, torch.fx.Node) and _leads_to_product(a, node) for a in (lhs, rhs)]
+            if leads.count(True) != 1:
+                return None
+            chain, mask = (lhs, rhs) if leads[0] else (rhs, lhs)
+            if not isinstance(mask, torch.fx.Node) or _val(mask) is None or _val(chain) is None:
+                return None
+            if not _same_sizes(_val(node), _val(chain)):
+                return None  # the mask broadcasts the scores up
         elif node.target in SCALES and len(node.args) == 2 and not node.kwargs:
             lhs, rhs = node.args
             number = rhs if isinstance(lhs, torch.fx.Node) else lhs
@@ -183,7 +204,7 @@ def match(out: torch.fx.Node) -> WrittenOut | None:
         else:
             break
         replaced.append(node)
-        user, node = node, next(a for a in node.args if isinstance(a, torch.fx.Node))
+        user, node = node, chain if chain is not None else _tensor_arg(node)
     scores = _through(node, SAME_ELEMENTS, user, replaced)
     if scores.target is not aten.bmm.default or not _only_user(scores, replaced[-1] if replaced else user):
         return None
@@ -201,10 +222,54 @@ def match(out: torch.fx.Node) -> WrittenOut | None:
     if not _rows_and_keys(scores, rows_keys) or not scale > 0:
         return None
     replaced.append(scores)
-    if {queries, keys, values} & set(replaced):
+    if {queries, keys, values, mask} & set(replaced):
         return None  # an operand is what the call replaces (probabilities as values: bmm(p, p))
-    m = WrittenOut(scores, out, scale, replaced)
+    view = node if scores is not node else None
+    if mask is not None and _mask_reason(_val(mask), tensors[0].dtype, view) is not None:
+        return None
+    m = WrittenOut(scores, out, scale, mask, view, replaced)
     return m if _size_sources(m) else None
+
+
+def _tensor_arg(node: torch.fx.Node) -> torch.fx.Node | None:
+    return next((a for a in node.args if isinstance(a, torch.fx.Node)), None)
+
+
+def _leads_to_product(node: torch.fx.Node, user: torch.fx.Node, steps: int = 16) -> bool:
+    """`node`, read only by `user`, is a product (bmm) through views, casts, scalings and sums."""
+    while steps > 0 and node.op == "call_function" and _only_user(node, user):
+        if node.target is aten.bmm.default:
+            return True
+        if node.target is aten.add.Tensor:
+            tensors = [a for a in node.args if isinstance(a, torch.fx.Node)]
+            return any(_leads_to_product(a, node, steps - 1) for a in tensors)
+        source = _tensor_arg(node)
+        if node.target not in (*SAME_ELEMENTS, *CASTS, *SCALES) or source is None:
+            return False
+        user, node, steps = node, source, steps - 1
+    return False
+
+
+def _mask_reason(mask: torch.Tensor, dtype: torch.dtype, view: torch.fx.Node | None) -> str | None:
+    """Why a mask added to the scores does not go to SDPA as its attn_mask, or None. Its dtype is
+    the operands' (SDPA takes no other float mask), float32 or bfloat16: in a row every key of which
+    is masked with a finite fill (finfo.min), eager's scores round to the fill and it averages the
+    values; SDPA adds the mask in float32, where the scores vanish under float32's or bfloat16's
+    fill but not under float16's (-65504). A row masked with -inf is NaN in eager: the wrapper
+    makes it NaN (gjit/runtime/attention_masks.py). The scores' batch dims are one (N) or two
+    ([B, H]: from their view, each a size, not -1), the mask's dims no more."""
+    if mask.dtype != dtype or dtype not in (torch.float32, torch.bfloat16):
+        return f"a {mask.dtype} mask on {dtype} operands"
+    if mask.dim() < 2:
+        return "a mask of fewer dims than rows and keys (SDPA reads both)"
+    if view is None:
+        return None if mask.dim() <= 3 else "a mask of more dims than the scores"
+    sizes = view.args[1] if len(view.args) > 1 else None
+    if _val(view).dim() != 4 or not isinstance(sizes, (list, tuple)) or len(sizes) != 4:
+        return "scores not viewed as [B, H, L, S]"
+    if any(isinstance(s, int) and s < 0 for s in sizes[:2]) or mask.dim() > 4:
+        return "batch and heads not sizes"
+    return None
 
 
 def _size_sources(m: WrittenOut) -> bool:
@@ -236,15 +301,15 @@ def _size_sources(m: WrittenOut) -> bool:
     return True
 
 
-def _call(graph: torch.fx.Graph, op, args: tuple, kwargs: dict, like: torch.fx.Node) -> torch.fx.Node:
+def _call(graph: torch.fx.Graph, op, args: tuple, kwargs: dict, *, like: torch.fx.Node) -> torch.fx.Node:
     """A new node computing `op`, its value traced on the graph's fake tensors (an SDPA call's: see
     `_attention_value`), `like`'s source line."""
     node = graph.call_function(op, args, kwargs)
-    fake = [_val(a) if isinstance(a, torch.fx.Node) else a for a in args]
+    fake = pytree.tree_map_only(torch.fx.Node, lambda a: a.meta["val"], args)
     mode = maybe_get_fake_mode(_val(like))
     with mode if mode is not None else torch._subclasses.FakeTensorMode():
         if op is aten.scaled_dot_product_attention.default:
-            node.meta["val"] = _attention_value(*fake)
+            node.meta["val"] = _attention_value(*fake[:3])
             node.meta[ANY_LAYOUT] = True
         else:
             node.meta["val"] = op(*fake, **kwargs)
@@ -258,15 +323,35 @@ def rewrite(gm: torch.fx.GraphModule, m: WrittenOut) -> None:
     graph = gm.graph
     queries, keys_t = m.scores.args
     values = m.out.args[1]
+    call = functools.partial(_call, graph, like=m.out)
+
+    def size(node: torch.fx.Node, dim: int) -> int | torch.fx.Node:
+        n = _val(node).shape[dim]
+        return n if isinstance(n, int) else call(SIZE, (node, dim), {})
+
     with graph.inserting_before(m.out):
-        q = _call(graph, aten.unsqueeze.default, (queries, 0), {}, m.out)
-        k = _call(graph, aten.permute.default, (keys_t, [0, 2, 1]), {}, m.out)
-        k = _call(graph, aten.unsqueeze.default, (k, 0), {}, m.out)
-        v = _call(graph, aten.unsqueeze.default, (values, 0), {}, m.out)
-        sdpa = _call(graph, aten.scaled_dot_product_attention.default, (q, k, v), {"scale": m.scale}, m.out)
-    # the product's node becomes the squeeze of the call, under its name (the program's signature
-    # may name it an output) and with its value ([N, L, Ev], contiguous, as the call's)
-    m.out.target, m.out.args, m.out.kwargs = aten.squeeze.dim, (sdpa, 0), {}
+        kwargs: dict = {"scale": m.scale}
+        if m.mask is not None and m.view is not None:  # [B, H] from the scores' view: the mask's
+            batch = list(m.view.args[1][:2])
+            q, k, v = (call(aten.view.default, (t, [*batch, size(t, 1), size(t, 2)]), {})
+                       for t in (queries, keys_t, values))  # fmt: skip
+            k = call(aten.permute.default, (k, [0, 1, 3, 2]), {})
+            kwargs["attn_mask"] = m.mask
+        else:  # [1, N]
+            q = call(aten.unsqueeze.default, (queries, 0), {})
+            k = call(aten.permute.default, (keys_t, [0, 2, 1]), {})
+            k = call(aten.unsqueeze.default, (k, 0), {})
+            v = call(aten.unsqueeze.default, (values, 0), {})
+            if m.mask is not None:
+                mask = m.mask
+                if _val(mask).dim() == 3:
+                    mask = call(aten.unsqueeze.default, (mask, 0), {})
+                kwargs["attn_mask"] = mask
+        sdpa = call(aten.scaled_dot_product_attention.default, (q, k, v), kwargs)
+        sizes = [size(queries, 0), size(queries, 1), size(values, 2)]
+    # the product's node becomes the view of the call as [N, L, Ev], under its name (the program's
+    # signature may name it an output) and with its value (contiguous, as the call's)
+    m.out.target, m.out.args, m.out.kwargs = aten.view.default, (sdpa, sizes), {}
     for node in m.asserts:
         graph.erase_node(node)
     for user, (source, dim) in m.sizes.items():

@@ -53,12 +53,25 @@ def written_out(sdpa: Callable, stride: tuple[int, ...], q: torch.Tensor, k: tor
     (gjit/lowering/attention_library.py), its output in `stride` (the value the compile gave it;
     ATen's fused kernels on a GPU return another layout). With no queries or no keys: zeros, as
     eager's products over them give (the fused kernels refuse some empty sizes); over MAX_HEADS
-    heads (batch x heads of the program's attention), in parts."""
+    heads (batch x heads of the program's attention), in parts. With a mask (`attn_mask`), a query
+    every key of which it masks with -inf gives NaN, as eager's softmax over them does (the fused
+    kernels give zeros or NaN)."""
+    mask = kwargs.get("attn_mask")
     if q.numel() == 0 or k.shape[-2] == 0:
         out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
     elif q.shape[1] > MAX_HEADS:  # the fused kernels launch a grid dim per head, at most 65535
-        parts = range(0, q.shape[1], MAX_HEADS)
-        out = torch.cat([sdpa(*(t[:, i : i + MAX_HEADS] for t in (q, k, v)), **kwargs) for i in parts], 1)
+        heads = q.shape[1]
+        out = torch.cat([sdpa(*(t[:, i : i + MAX_HEADS] for t in (q, k, v)), **_part(kwargs, heads, i))
+                         for i in range(0, heads, MAX_HEADS)], 1)  # fmt: skip
     else:
         out = sdpa(q, k, v, **kwargs)
+    if mask is not None and out.numel():  # a row every key of which is masked with -inf: NaN, as eager's
+        out = out.masked_fill(mask.amax(-1, keepdim=True) == float("-inf"), float("nan"))
     return traced_layout(out, None, stride)
+
+
+def _part(kwargs: dict[str, Any], heads: int, i: int) -> dict[str, Any]:
+    mask = kwargs.get("attn_mask")
+    if mask is None or mask.dim() < 3 or mask.shape[-3] != heads:
+        return kwargs
+    return kwargs | {"attn_mask": mask[..., i : i + MAX_HEADS, :, :]}
