@@ -425,17 +425,24 @@ def test_mode_default_measures_a_written_out_attention_and_no_product(timing):
     assert region.template and region.why == "measured, float32 without TF32", region
 
 
-def test_on_a_gpu_an_attention_only_scaled_is_atens_sdpa_and_not_measured(timing):
+@pytest.mark.parametrize("faster", ["template", "ATen"])
+def test_on_a_gpu_an_attention_only_scaled_weighs_the_template_against_atens_sdpa(timing, faster):
     """On a GPU a written-out attention whose score is only scaled is ATen's SDPA call
-    (gjit/lowering/attention_library.py): mode "default" runs the library's fused kernel there,
-    nothing measured; the product after it is the library's too."""
+    (gjit/lowering/attention_library.py): mode "default" weighs the template against that call, as
+    it weighed it against the written-out form; the product after it is the library's unmeasured."""
     args = attention_and_linear_args()
+    timing.rule = lambda what: 0.1 if what.startswith(faster) else 1.0
     with gjit.config.scope(measure_all_templates=False):
         out, cm = run_compiled(attention_and_linear, *args)
     assert_same(out, attention_and_linear(*args), attention_and_linear(*(a.double() for a in args)))
-    assert not timing.seen, timing.seen
-    report = gjit.explain(cm, *args)
-    assert [e.op for e in report.externs] == ["aten.scaled_dot_product_attention.default", "aten.mm.default"]
+    assert timing.count("ATen scaled_dot_product_attention") == 1 and timing.count("ATen mm") == 0, (
+        timing.seen
+    )
+    (region,) = cm.entries[0].program.graph.templates.regions
+    assert region.template == (faster == "template") and region.why.startswith("measured"), region
+    externs = [e.op for e in gjit.explain(cm, *args).externs]
+    sdpa = ["aten.scaled_dot_product_attention.default"] if faster == "ATen" else []
+    assert externs == [*sdpa, "aten.mm.default"], externs
 
 
 @pytest.mark.compile_only

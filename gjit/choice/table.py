@@ -14,6 +14,7 @@ from gjit.choice.regions import PRODUCT_OPS, hint, product_names, table_key, tem
 from gjit.fusion.regions import Region, Step
 from gjit.ir import AttentionNode, LoopGraph
 from gjit.kernels import template_wins
+from gjit.lowering.attention_library import ANY_LAYOUT
 from gjit.lowering.templates import RegionChoice, TemplateChoice
 from gjit.tuning import log
 
@@ -45,8 +46,16 @@ def worth_measuring(region: Region) -> bool:
     softmax kernel, eager 0.043). A product with a prologue or an epilogue, or an SDPA call, saves
     at most its operands' bytes: over the six workloads of bench/models_gpu.py on the H200 the
     library won 65 of the 66 choices measured, and the stage that built and timed the templates
-    was 37-59% of each cold compile (docs/bench.md). mode="max-autotune" measures every template."""
-    return any(isinstance(n, AttentionNode) and n.absorbed for n in region.nodes)
+    was 37-59% of each cold compile (docs/bench.md). mode="max-autotune" measures every template.
+    On a GPU most written-out attention is an SDPA call by now (`written_out`): weighed the same,
+    against ATen's fused kernel."""
+    return any(isinstance(n, AttentionNode) and (n.absorbed or written_out(n.fx_node)) for n in region.nodes)
+
+
+def written_out(node: torch.fx.Node) -> bool:
+    """An SDPA call that stands for a written-out attention (gjit/lowering/attention_library.py):
+    weighed as the written-out form was, its library side now ATen's fused kernel."""
+    return bool(node.meta.get(ANY_LAYOUT))
 
 
 def unmeasured(schedule: Callable[[TemplateChoice], tuple[LoopGraph, list[Step]]], gm: torch.fx.GraphModule,
@@ -63,6 +72,7 @@ def unmeasured(schedule: Callable[[TemplateChoice], tuple[LoopGraph, list[Step]]
     products = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in PRODUCT_OPS]
     softmax = measure and any(n.target in SOFTMAX_OPS for n in gm.graph.nodes)
     scores = {n.name for n in products if softmax and n.target in SCORE_PRODUCTS}
+    scores |= {n.name for n in products if measure and written_out(n)}
     allowed = scores | {n.name for n in products if may_match(n, candidates, hints)}
     while True:
         chosen = []
