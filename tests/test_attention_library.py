@@ -99,6 +99,15 @@ def masked_in_float16(q, k, v, m):
     return torch.matmul((torch.matmul(q, k.mT) * 0.25 + m).softmax(-1), v)
 
 
+def masked_in_bfloat16(q, k, v, m):
+    q, k, v, m = (t.bfloat16() for t in (q, k, v, m))
+    return torch.matmul((torch.matmul(q, k.mT) * 0.25 + m).softmax(-1), v)
+
+
+def narrowed_after_the_mask(q, k, v, m):
+    return torch.matmul((torch.matmul(q, k.mT) * 0.25 + m).bfloat16().softmax(-1).float(), v)
+
+
 def mask_of_another_dtype(q, k, v, m):
     q, k, v = (t.bfloat16() for t in (q, k, v))
     return torch.matmul((torch.matmul(q, k.mT) * 0.25 + m).softmax(-1).to(v.dtype), v)
@@ -148,17 +157,19 @@ def the_same_probabilities_twice(q, k, v, m):
 
 
 @pytest.mark.parametrize(
-    "fn", [masked_in_float16, mask_of_another_dtype, masked_then_scaled, two_masks, filled,
+    "fn", [masked_in_float16, masked_in_bfloat16, narrowed_after_the_mask, mask_of_another_dtype,
+           masked_then_scaled, two_masks, filled,
            probabilities_returned, scores_read_twice, scaled_by_a_tensor, other_dim, number_over_scores,
            negative_scale, the_same_probabilities_twice], ids=lambda f: f.__name__,
 )  # fmt: skip
 def test_a_score_masked_or_read_elsewhere_keeps_its_written_out_form(fn):
-    """A float16 mask (in a row every key of which it masks with finfo.min, eager averages the
-    values and SDPA would not), a mask of another dtype than the operands', added before the scale,
-    a second mask, a fill (masked_fill); the probabilities or scores read again (also as the values
-    of their own product), a score scaled by a tensor, by a negative number (FlashAttention takes a
-    row's max before it scales) or divided into a number, a softmax over the queries: left as they
-    are."""
+    """A float16 or bfloat16 mask (in a row every key of which it masks with a fill of -1e4, eager's
+    16-bit sum averages the values, and SDPA's float32 one would not), the scores cast to a narrower
+    float after the mask (finfo.min becomes -inf), a mask of another dtype than the operands', added
+    before the scale, a second mask, a fill (masked_fill); the probabilities or scores read again
+    (also as the values of their own product), a score scaled by a tensor, by a negative number
+    (FlashAttention takes a row's max before it scales) or divided into a number, a softmax over
+    the queries: left as they are."""
     q, k, v = (torch.randn(2, 2, 6, 8) for _ in "qkv")
     m = torch.rand(2, 1, 6, 6) > 0.3 if fn is filled else torch.randn(2, 1, 6, 6)
     gm = exported(fn, (q, k, v, m))
@@ -315,9 +326,9 @@ def padding_mask(batch, queries, keys, dtype, dead=()):
     return mask
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_an_additive_mask_goes_to_sdpa_as_its_attn_mask(dtype):
+def test_an_additive_mask_goes_to_sdpa_as_its_attn_mask():
     torch.manual_seed(0)
+    dtype = torch.float32
     q, k, v = (torch.randn(2, 4, 9, 32, dtype=dtype) for _ in "qkv")
     mask = padding_mask(2, 9, 9, dtype, dead=[(0, 3, torch.finfo(dtype).min)])
     gm = exported(hf_masked, (q, k, v, mask))
@@ -361,17 +372,46 @@ def test_a_vision_transformers_eager_attention_becomes_sdpa():
         assert_same(ep.module()(pixels)[0], expected, model.double()(pixels.double())[0])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_rows_the_mask_leaves_without_a_key_are_as_eagers(as_on_a_gpu, dtype):
+@pytest.mark.parametrize("matmul", ["auto", "template"])
+def test_rows_the_mask_leaves_without_a_key_are_as_eagers(as_on_a_gpu, matmul):
     """A query every key of which the mask hides with -inf is NaN, as eager's softmax gives (the
-    wrapper makes it so: fused kernels give zeros there); with finfo.min, the values' mean, as in
-    eager (SDPA adds the mask in float32, where the scores vanish under that fill)."""
+    wrapper makes it so: fused kernels give zeros there; the template keeps the written-out form's
+    NaN); with finfo.min, the values' mean, as in eager (SDPA adds the mask in float32, where the
+    scores vanish under that fill); with -1e4, the scores' softmax in both."""
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 9, 32, dtype=dtype) for _ in "qkv")
-    mask = padding_mask(2, 9, 9, dtype, dead=[(0, 3, float("-inf")), (1, 5, torch.finfo(dtype).min)])
+    q, k, v = (torch.randn(2, 4, 9, 32) for _ in "qkv")
+    dead = [(0, 3, float("-inf")), (1, 5, torch.finfo(torch.float32).min), (1, 6, -1e4)]
+    mask = padding_mask(2, 9, 9, torch.float32, dead=dead)
+    with gjit.config.scope(matmul=matmul):
+        cm, report = check_against_float64(hf_masked, q, k, v, mask)
+        out, _ = run_compiled(cm, q, k, v, mask)
+    library = [e.op for e in report.externs] == ["aten.scaled_dot_product_attention.default"]
+    assert library == (matmul == "auto"), report
+    assert out[0, 3].isnan().all() and not out[0, :3].isnan().any()
+    assert torch.allclose(out[1, 5], v[1].mean(1).flatten(), atol=1e-5)
+
+
+def test_a_fill_below_far_goes_to_sdpa_as_far():
+    """The memory-efficient kernel scales scores and mask by log2(e): finfo.min would overflow to
+    -inf there and a row every key of which it masks would be zeros, not eager's mean of the
+    values. The call hands it a fill of -2**100 instead; -inf stays -inf, other values as they are."""
+    from gjit.runtime.attention_masks import FAR, written_out
+
+    q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    mask = torch.tensor([0.0, -5.0, -1e30, torch.finfo(torch.float32).min, float("-inf")])[None]
+    seen = []
+
+    def sdpa(q, k, v, **kwargs):
+        seen.append(kwargs["attn_mask"])
+        return torch.ops.aten.scaled_dot_product_attention.default(q, k, v, **kwargs)
+
+    written_out(sdpa, (48, 24, 8, 1), q, k, v, attn_mask=mask.expand(3, 5))
+    assert torch.equal(seen[0], torch.tensor([[0.0, -5.0, -1e30, FAR, float("-inf")]] * 3))
+
+
+def test_no_keys_with_a_mask_give_zeros(as_on_a_gpu):
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 0, 8), torch.randn(2, 4, 0, 8)
+    mask = torch.zeros(2, 1, 5, 0)
     with gjit.config.scope(matmul="auto"):
         cm, report = check_against_float64(hf_masked, q, k, v, mask)
     assert [e.op for e in report.externs] == ["aten.scaled_dot_product_attention.default"], report
-    out, _ = run_compiled(cm, q, k, v, mask)
-    assert out[0, 3].isnan().all() and not out[0, :3].isnan().any()
-    assert torch.allclose(out[1, 5].float(), v[1].float().mean(1).flatten(), atol=1e-2)

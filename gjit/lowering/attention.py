@@ -17,6 +17,7 @@ from torch.utils._sympy.functions import FloorDiv
 
 from gjit import ir
 from gjit.ir import Const, Index, Score, statically_known_equal
+from gjit.lowering.attention_library import ANY_LAYOUT
 from gjit.lowering.pointwise import op, where
 from gjit.lowering.registry import (
     TensorValue,
@@ -135,4 +136,7 @@ def sdpa(
         v.load((*vb, j, e)),
         score,
     )
-    return ctx.attention(body, full, meta_layout(ctx.out_val), empty_rows="zero", causal=is_causal)
+    # a query that keeps no key: zeros, as eager's SDPA; NaN where the call stands for a written-out
+    # attention (gjit/lowering/attention_library.py), as eager's softmax there
+    empty_rows = "nan" if ctx.node.meta.get(ANY_LAYOUT) else "zero"
+    return ctx.attention(body, full, meta_layout(ctx.out_val), empty_rows=empty_rows, causal=is_causal)

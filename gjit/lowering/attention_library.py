@@ -1,5 +1,5 @@
 """Written-out attention as ATen's scaled_dot_product_attention, on a GPU, where its score is the
-product of queries and keys scaled, and masked by one tensor added (a vision transformer's
+product of queries and keys scaled, and masked by one float32 tensor added (a vision transformer's
 `(q @ k.T * scale).softmax(-1) @ v`, transformers' eager attention with its additive mask):
 
     scores = bmm(Q, K^T)                   Q: [N, L, D], K^T: [N, D, S] (N: batch x heads)
@@ -17,14 +17,16 @@ attention template takes an SDPA call as it takes the written-out form, so the t
 its kernel. What differs from eager is rounding: eager rounds the 16-bit scores, their scaling and
 the mask's sum to 16 bits, the fused kernels keep them in float32.
 
-A query every key of which the mask hides: with -inf, eager's softmax gives NaN, and the wrapper
-makes the call's output NaN there (gjit/runtime/attention_masks.py; fused kernels give zeros); with a
-finite fill (finfo.min), eager's scores round to the fill and it averages the values, as SDPA does
-where it adds the mask in float32 to a float32 or bfloat16 fill. A float16 mask (finfo.min is -65504,
-under which float32 scores do not vanish), a mask of another dtype than the operands', a mask added
-before the scale, two masks, a fill (masked_fill, where) or a negative scale keep the written-out
-form (lowering's attention_pattern.py makes it one attention node for the template; the library's
-side is its two products and softmax kernel).
+A query every key of which the mask hides: with -inf, eager's softmax gives NaN, and so does the
+call (the wrapper's, gjit/runtime/attention_masks.py: fused kernels give zeros; the template, as it
+does for the written-out form); with a finite fill, eager adds it to the float32 scores as SDPA does:
+the values' mean under finfo.min (handed to SDPA as -2**100: the memory-efficient kernel's base-2
+exponent overflows finfo.min), the scores' softmax under -1e4. A 16-bit mask (eager's 16-bit sum
+rounds the scores away under -1e4, SDPA's float32 one does not), the scores cast to a narrower float
+after the mask, a mask of another dtype than the operands', a mask added before the scale, two
+masks, a fill (masked_fill, where) or a negative scale keep the written-out form (lowering's
+attention_pattern.py makes it one attention node for the template; the library's side is its two
+products and softmax kernel).
 """
 
 from __future__ import annotations
@@ -172,16 +174,18 @@ def match(out: torch.fx.Node) -> WrittenOut | None:
     if not _rows_and_keys(softmax, rows_keys) or dim not in (-1, _val(softmax).dim() - 1):
         return None
     replaced.append(softmax)
-    scale, mask, node, user = 1.0, None, x, softmax
+    scale, mask, narrowed, node, user = 1.0, None, False, x, softmax
     while True:  # the score's scalings, mask and casts back to the view of the product
         if node.op != "call_function" or not _only_user(node, user):
             return None
         chain = None
         if node.target in CASTS and _float_cast(node):
-            pass
+            narrowed |= mask is None and _narrows(node)
         elif node.target is aten.add.Tensor and len(node.args) == 2 and not node.kwargs:
             if mask is not None or scale != 1.0:
                 return None  # a second term, or a term added before a scale (which scales it too)
+            if narrowed:
+                return None  # a fill rounded to a narrower float after the add (finfo.min to -inf)
             lhs, rhs = node.args
             leads = [isinstance(a, torch.fx.Node) and _leads_to_product(a, node) for a in (lhs, rhs)]
             if leads.count(True) != 1:
@@ -231,6 +235,12 @@ def match(out: torch.fx.Node) -> WrittenOut | None:
     return m if _size_sources(m) else None
 
 
+def _narrows(cast: torch.fx.Node) -> bool:
+    """A cast to a float of fewer bits (or bfloat16's other rounding) than its input's."""
+    target = cast.args[1] if len(cast.args) > 1 else cast.kwargs.get("dtype")
+    return _val(cast.args[0]).dtype != target and target != torch.float32
+
+
 def _tensor_arg(node: torch.fx.Node) -> torch.fx.Node | None:
     return next((a for a in node.args if isinstance(a, torch.fx.Node)), None)
 
@@ -252,13 +262,15 @@ def _leads_to_product(node: torch.fx.Node, user: torch.fx.Node, steps: int = 16)
 
 def _mask_reason(mask: torch.Tensor, dtype: torch.dtype, view: torch.fx.Node | None) -> str | None:
     """Why a mask added to the scores does not go to SDPA as its attn_mask, or None. Its dtype is
-    the operands' (SDPA takes no other float mask), float32 or bfloat16: in a row every key of which
-    is masked with a finite fill (finfo.min), eager's scores round to the fill and it averages the
-    values; SDPA adds the mask in float32, where the scores vanish under float32's or bfloat16's
-    fill but not under float16's (-65504). A row masked with -inf is NaN in eager: the wrapper
-    makes it NaN (gjit/runtime/attention_masks.py). The scores' batch dims are one (N) or two
-    ([B, H]: from their view, each a size, not -1), the mask's dims no more."""
-    if mask.dtype != dtype or dtype not in (torch.float32, torch.bfloat16):
+    the operands' (SDPA takes no other float mask), float32: in a row every key of which is masked
+    with a finite fill, eager adds it in the scores' dtype, and SDPA in float32. In float32 the two
+    agree (the values' average under finfo.min, the scores' softmax under -1e4); in bfloat16 or
+    float16 eager's sum rounds the scores away under a fill of -1e4 and averages the values. A row
+    masked with -inf is NaN in eager, and the wrapper makes it NaN; a fill below -2**100 goes in as
+    -2**100, which the memory-efficient kernel's base-2 exponent does not overflow (both:
+    gjit/runtime/attention_masks.py). The scores' batch dims are one (N) or two ([B, H]: from their
+    view, each a size, not -1), the mask's dims no more."""
+    if mask.dtype != dtype or dtype != torch.float32:
         return f"a {mask.dtype} mask on {dtype} operands"
     if mask.dim() < 2:
         return "a mask of fewer dims than rows and keys (SDPA reads both)"

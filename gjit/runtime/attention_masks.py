@@ -44,7 +44,8 @@ def traced_layout(out: torch.Tensor, dead: torch.Tensor | None, stride: tuple[in
     return out if dead is None else out.masked_fill_(dead, 0)
 
 
-MAX_HEADS = 65535  # a CUDA grid's y and z dims
+MAX_HEADS = 65535  # a CUDA grid's y and z dims: the fused kernels launch one per batch and head
+FAR = -(2.0**100)  # a fill below it goes in as it: times log2(e) it stays finite in float32
 
 
 def written_out(sdpa: Callable, stride: tuple[int, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -53,25 +54,37 @@ def written_out(sdpa: Callable, stride: tuple[int, ...], q: torch.Tensor, k: tor
     (gjit/lowering/attention_library.py), its output in `stride` (the value the compile gave it;
     ATen's fused kernels on a GPU return another layout). With no queries or no keys: zeros, as
     eager's products over them give (the fused kernels refuse some empty sizes); over MAX_HEADS
-    heads (batch x heads of the program's attention), in parts. With a mask (`attn_mask`), a query
-    every key of which it masks with -inf gives NaN, as eager's softmax over them does (the fused
-    kernels give zeros or NaN)."""
-    mask = kwargs.get("attn_mask")
+    batches or heads, in parts. With a float mask (`attn_mask`): a fill below FAR goes in as FAR
+    (the memory-efficient kernel scales scores and mask by log2(e) and finfo.min overflows to -inf,
+    which makes a row every key of which it masks zeros, where eager averages the values), and a
+    query every key of which it masks with -inf gives NaN, as eager's softmax over them does (the
+    fused kernels give zeros)."""
     if q.numel() == 0 or k.shape[-2] == 0:
-        out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
-    elif q.shape[1] > MAX_HEADS:  # the fused kernels launch a grid dim per head, at most 65535
-        heads = q.shape[1]
-        out = torch.cat([sdpa(*(t[:, i : i + MAX_HEADS] for t in (q, k, v)), **_part(kwargs, heads, i))
-                         for i in range(0, heads, MAX_HEADS)], 1)  # fmt: skip
-    else:
-        out = sdpa(q, k, v, **kwargs)
-    if mask is not None and out.numel():  # a row every key of which is masked with -inf: NaN, as eager's
-        out = out.masked_fill(mask.amax(-1, keepdim=True) == float("-inf"), float("nan"))
-    return traced_layout(out, None, stride)
-
-
-def _part(kwargs: dict[str, Any], heads: int, i: int) -> dict[str, Any]:
+        return traced_layout(q.new_zeros((*q.shape[:-1], v.shape[-1])), None, stride)
     mask = kwargs.get("attn_mask")
-    if mask is None or mask.dim() < 3 or mask.shape[-3] != heads:
-        return kwargs
-    return kwargs | {"attn_mask": mask[..., i : i + MAX_HEADS, :, :]}
+    if mask is not None:
+        kwargs = kwargs | {"attn_mask": mask.where((mask >= FAR) | (mask == float("-inf")), FAR)}
+    out = traced_layout(_parts(sdpa, q, k, v, kwargs), None, stride)
+    if mask is not None:
+        out.masked_fill_(mask.amax(-1, keepdim=True) == float("-inf"), float("nan"))
+    return out
+
+
+def _parts(
+    sdpa: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any]
+) -> torch.Tensor:
+    """`sdpa` over batch dim 0 and head dim 1 in parts of at most MAX_HEADS (a mask's dims that
+    broadcast are not split)."""
+    for dim in (0, 1):
+        n = q.shape[dim]
+        if n > MAX_HEADS:
+            parts = []
+            for i in range(0, n, MAX_HEADS):
+                cut = [t.narrow(dim, i, min(MAX_HEADS, n - i)) if t.shape[dim] == n else t for t in (q, k, v)]
+                mask, part = kwargs.get("attn_mask"), kwargs
+                at = dim - (q.dim() - mask.dim()) if mask is not None else -1  # broadcast from the right
+                if at >= 0 and mask.shape[at] == n:
+                    part = kwargs | {"attn_mask": mask.narrow(at, i, min(MAX_HEADS, n - i))}
+                parts.append(_parts(sdpa, *cut, part))
+            return torch.cat(parts, dim)
+    return sdpa(q, k, v, **kwargs)
