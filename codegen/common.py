@@ -85,8 +85,9 @@ class KernelSource:
 
     @property
     def debug(self) -> bool:
-        """Built with Triton's debug=True, for its bounds asserts (gjit.config.debug)."""
-        return DEBUG_DECORATOR in self.source
+        """Built with Triton's debug=True, for its bounds asserts (gjit.config.debug): the decorator's
+        own line (a header comment quoting user source is never it)."""
+        return f"\n{DEBUG_DECORATOR}\n" in self.source
 
     def launch_options(self) -> dict[str, Any]:
         """Triton's options for a launch or a build: the warps and stages a template asks for, and

@@ -47,12 +47,15 @@ def worth_measuring(region: Region) -> bool:
     at most its operands' bytes: over the six workloads of bench/models_gpu.py on the H200 the
     library won 65 of the 66 choices measured, and the stage that built and timed the templates
     was 37-59% of each cold compile (docs/bench.md). mode="max-autotune" measures every template.
-    On a GPU most written-out attention is an SDPA call by now (`written_out`): weighed the same,
-    against ATen's fused kernel."""
-    return any(isinstance(n, AttentionNode) and (n.absorbed or written_out(n.fx_node)) for n in region.nodes)
+    On a GPU most written-out attention is an SDPA call by now (`stands_for_written_out`): weighed
+    the same, against ATen's fused kernel."""
+    return any(
+        isinstance(n, AttentionNode) and (n.absorbed or stands_for_written_out(n.fx_node))
+        for n in region.nodes
+    )
 
 
-def written_out(node: torch.fx.Node) -> bool:
+def stands_for_written_out(node: torch.fx.Node) -> bool:
     """An SDPA call that stands for a written-out attention (gjit/lowering/attention_library.py):
     weighed as the written-out form was, its library side now ATen's fused kernel."""
     return bool(node.meta.get(ANY_LAYOUT))
@@ -72,7 +75,7 @@ def unmeasured(schedule: Callable[[TemplateChoice], tuple[LoopGraph, list[Step]]
     products = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in PRODUCT_OPS]
     softmax = measure and any(n.target in SOFTMAX_OPS for n in gm.graph.nodes)
     scores = {n.name for n in products if softmax and n.target in SCORE_PRODUCTS}
-    scores |= {n.name for n in products if measure and written_out(n)}
+    scores |= {n.name for n in products if measure and stands_for_written_out(n)}
     allowed = scores | {n.name for n in products if may_match(n, candidates, hints)}
     while True:
         chosen = []

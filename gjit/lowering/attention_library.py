@@ -74,7 +74,7 @@ def _attention_value(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 @dataclasses.dataclass
 class WrittenOut:
-    """One match: the products, the scale, and the nodes the SDPA call replaces."""
+    """One match: the products, the scale, the mask, and the nodes the SDPA call replaces."""
 
     scores: torch.fx.Node  # bmm(Q, K^T)
     out: torch.fx.Node  # bmm(probs, V)
@@ -106,7 +106,7 @@ def _same_sizes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _rows_and_keys(node: torch.fx.Node, rows_keys: tuple) -> bool:
-    """`node`'s last two dims are (L, S), and its leading dims flatten to the products' batch."""
+    """`node` has a batch dim or more and its last two dims are (L, S)."""
     val = _val(node)
     if val is None or val.dim() < 3:
         return False
@@ -229,7 +229,9 @@ def match(out: torch.fx.Node) -> WrittenOut | None:
     if {queries, keys, values, mask} & set(replaced):
         return None  # an operand is what the call replaces (probabilities as values: bmm(p, p))
     view = node if scores is not node else None
-    if mask is not None and _mask_reason(_val(mask), tensors[0].dtype, view) is not None:
+    why = _mask_reason(_val(mask), tensors[0].dtype, view) if mask is not None else None
+    if why is not None:
+        log.debug("attention %s: stays written out: %s", out.name, why)
         return None
     m = WrittenOut(scores, out, scale, mask, view, replaced)
     return m if _size_sources(m) else None
@@ -337,7 +339,9 @@ def rewrite(gm: torch.fx.GraphModule, m: WrittenOut) -> None:
     values = m.out.args[1]
     call = functools.partial(_call, graph, like=m.out)
 
+    @functools.cache
     def size(node: torch.fx.Node, dim: int) -> int | torch.fx.Node:
+        """A dim of `node`: the number, or one size node read wherever the rewrite needs it."""
         n = _val(node).shape[dim]
         return n if isinstance(n, int) else call(SIZE, (node, dim), {})
 
@@ -373,8 +377,8 @@ def rewrite(gm: torch.fx.GraphModule, m: WrittenOut) -> None:
 
 
 def written_out_as_sdpa(gm: torch.fx.GraphModule) -> int:
-    """Each written-out attention of `gm` whose score is only scaled as one SDPA call (in place);
-    how many. The caller runs it on graphs for a GPU."""
+    """Each written-out attention of `gm` whose score is scaled and at most masked (the module's
+    docstring) as one SDPA call, in place; how many. The caller runs it on graphs for a GPU."""
     done, gone = 0, set()
     for node in [n for n in gm.graph.nodes if n.target is aten.bmm.default]:
         if node in gone:  # the scores of an attention replaced already
