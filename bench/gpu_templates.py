@@ -55,6 +55,14 @@ def _eager_attention(q, k, v):
     return torch.softmax(scores, -1) @ v
 
 
+def _filled_causal_attention(q, k, v):
+    """minGPT's attention: a causal mask filled with -inf (here built in the program)."""
+    t = q.shape[-2]
+    hidden = torch.triu(torch.ones(t, t, dtype=torch.bool, device=q.device), 1)
+    scores = (q @ k.transpose(-1, -2) * (1 / math.sqrt(q.shape[-1]))).masked_fill(hidden, float("-inf"))
+    return torch.softmax(scores, -1) @ v
+
+
 def _mm_case(name, fn, rows, k, n, dtype, residual=False, gated=False):
     def make():
         x = torch.randn(rows, k, device="cuda", dtype=dtype)
@@ -92,6 +100,7 @@ CASES = [
     _mm_case("llama down (linear+residual)", _linear_residual, 2048, 11008, 4096, BF16, residual=True),
     _mm_case("llama decode qkv", _linear, 8, 4096, 12288, BF16),
     _attn_case("gpt2 causal sdpa", _causal_sdpa, 8, 12, 512, 512, 64, HALF, True),
+    _attn_case("mingpt causal masked_fill", _filled_causal_attention, 8, 12, 512, 512, 64, HALF, True),
     _attn_case("bert sdpa", _sdpa, 32, 12, 128, 128, 64, BF16, False),
     _attn_case("bert eager attention", _eager_attention, 32, 12, 128, 128, 64, BF16, False),
     _attn_case("llama causal sdpa", _causal_sdpa, 1, 32, 2048, 2048, 128, BF16, True),

@@ -23,7 +23,7 @@ from gjit.codegen.common import KernelSource
 from gjit.codegen.printer import pyexpr
 from gjit.fusion.regions import Region, Step
 from gjit.fusion.schedule import step_reads
-from gjit.lowering.attention_library import ANY_LAYOUT
+from gjit.lowering.attention_library import ANY_LAYOUT, MASK_FILL
 from gjit.lowering.registry import meta_layout, to_sympy
 
 # Two externs the wrapper calls otherwise on a GPU; the functions are gjit/runtime/padded_mm.py's and
@@ -108,6 +108,7 @@ class WrapperWriter:
         self.bound: set[sympy.Symbol] = set()
         self.defined: set[str] = set()
         self.masks: dict[tuple[str, torch.dtype], tuple[str, str]] = {}  # (mask, dtype) -> converted
+        self.hidden: dict[str, str] = {}  # a built mask -> its rows that keep no key
         self.allocs: dict[int, str] = {}  # line -> an allocation's arguments (gjit/memory_plan.py)
         self.fresh: set[int] = set()  # lines whose result is new memory
         self.computed = graph.compute_nodes()
@@ -267,10 +268,27 @@ class WrapperWriter:
             args.append(f"copy={COLUMN_COPY}")
         if node.meta.get(ANY_LAYOUT):  # gjit/runtime/attention_masks.py's written_out
             stride = ", ".join(self.sym(x) for x in node.meta["val"].stride())
+            args += self.built_mask(node)
             self.lines.append(f"{node.name} = gjit_written_out({callee}, ({stride},), {', '.join(args)})")
         else:
             self.lines.append(f"{node.name} = {callee}({', '.join(args)})")
         self.defined.add(node.name)
+
+    def built_mask(self, node: torch.fx.Node) -> list[str]:
+        """For an attention written out whose mask the compile built from a fill (0 and -inf or
+        FAR: gjit/lowering/attention_library.py), the call's `dead`: its queries that keep no key,
+        found once per call for the attentions that share the mask (under FAR, none: eager's
+        softmax averages the values there, as SDPA's does)."""
+        fill = node.meta.get(MASK_FILL)
+        if fill is None:
+            return []
+        if fill != float("-inf"):
+            return ["dead=None"]
+        name = self.arg(node.kwargs["attn_mask"])
+        if name not in self.hidden:  # a reserved name: no FX node's
+            self.hidden[name] = f"gjit_hidden{len(self.hidden)}"
+            self.lines.append(f"{self.hidden[name]} = gjit_hidden_rows({name})")
+        return [f"dead={self.hidden[name]}"]
 
     def boolean_mask(self, node: torch.fx.Node) -> bool:
         """An attention extern with a boolean mask, called with the mask made additive
@@ -476,7 +494,8 @@ class WrapperWriter:
         self.lines.append(f"return ({', '.join(outs)}{',' if len(outs) == 1 else ''})")
         if not self.check:  # (the checker reads the call's locals)
             inputs = {n.name for n in placeholders}
-            tensors = (self.defined | {name for pair in self.masks.values() for name in pair}) - inputs
+            reserved = {name for pair in self.masks.values() for name in pair} | set(self.hidden.values())
+            tensors = (self.defined | reserved) - inputs
             self.lines = memory_plan.plan(self.lines, self.allocs, self.fresh, tensors, inputs, self.poison)
         kernel_names = ", ".join(k.name for k in self.kernels.values())
         header = [

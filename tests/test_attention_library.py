@@ -121,8 +121,32 @@ def two_masks(q, k, v, m):
     return torch.matmul((torch.matmul(q, k.mT) * 0.25 + m + m.mT).softmax(-1), v)
 
 
-def filled(q, k, v, m):
-    return torch.matmul(torch.matmul(q, k.mT).masked_fill(m, float("-inf")).softmax(-1), v)
+def filled_near_the_scores(q, k, v, m):
+    return torch.matmul(torch.matmul(q, k.mT).masked_fill(m, -100.0).softmax(-1), v)
+
+
+def filled_in_float16(q, k, v, m):
+    q, k, v = (t.half() for t in (q, k, v))
+    return torch.matmul(torch.matmul(q, k.mT).masked_fill(m, -1e4).softmax(-1), v)
+
+
+def hf_mask_in_float16(q, k, v, m):
+    q, k, v = (t.half() for t in (q, k, v))
+    mask = torch.where(m, torch.zeros((), dtype=q.dtype), torch.finfo(q.dtype).min)
+    return torch.matmul((torch.matmul(q, k.mT) * 0.25 + mask).softmax(-1), v)
+
+
+def filled_by_a_tensor(q, k, v, m):
+    s = torch.matmul(q, k.mT)
+    return torch.matmul(torch.where(m, s, s.detach().amin(-1, keepdim=True)).softmax(-1), v)
+
+
+def filled_and_masked(q, k, v, m):
+    return torch.matmul((torch.matmul(q, k.mT).masked_fill(m, float("-inf")) + 1.0 * m).softmax(-1), v)
+
+
+def filled_then_negated(q, k, v, m):
+    return torch.matmul(torch.matmul(q, k.mT).masked_fill(m, float("-inf")).mul(-0.5).softmax(-1), v)
 
 
 def probabilities_returned(q, k, v, m):
@@ -158,7 +182,8 @@ def the_same_probabilities_twice(q, k, v, m):
 
 @pytest.mark.parametrize(
     "fn", [masked_in_float16, masked_in_bfloat16, narrowed_after_the_mask, mask_of_another_dtype,
-           masked_then_scaled, two_masks, filled,
+           masked_then_scaled, two_masks, filled_near_the_scores, filled_in_float16, hf_mask_in_float16,
+           filled_by_a_tensor, filled_and_masked, filled_then_negated,
            probabilities_returned, scores_read_twice, scaled_by_a_tensor, other_dim, number_over_scores,
            negative_scale, the_same_probabilities_twice], ids=lambda f: f.__name__,
 )  # fmt: skip
@@ -166,12 +191,16 @@ def test_a_score_masked_or_read_elsewhere_keeps_its_written_out_form(fn):
     """A float16 or bfloat16 mask (in a row every key of which it masks with a fill of -1e4, eager's
     16-bit sum averages the values, and SDPA's float32 one would not), the scores cast to a narrower
     float after the mask (finfo.min becomes -inf), a mask of another dtype than the operands', added
-    before the scale, a second mask, a fill (masked_fill); the probabilities or scores read again
+    before the scale, a second mask; a fill near the scores (-100: a hidden key may weigh in eager),
+    a finite fill on float16 operands (finfo.min added or -1e4 in its place: FAR is no float16), a
+    fill by a tensor, a fill and a mask, a fill scaled by a negative number; the probabilities or
+    scores read again
     (also as the values of their own product), a score scaled by a tensor, by a negative number
     (FlashAttention takes a row's max before it scales) or divided into a number, a softmax over
     the queries: left as they are."""
     q, k, v = (torch.randn(2, 2, 6, 8) for _ in "qkv")
-    m = torch.rand(2, 1, 6, 6) > 0.3 if fn is filled else torch.randn(2, 1, 6, 6)
+    boolean = fn.__name__.startswith(("filled", "hf_mask"))
+    m = torch.rand(2, 1, 6, 6) > 0.3 if boolean else torch.randn(2, 1, 6, 6)
     gm = exported(fn, (q, k, v, m))
     before = targets(gm)
     assert written_out_as_sdpa(gm) == 0
@@ -415,3 +444,199 @@ def test_no_keys_with_a_mask_give_zeros(as_on_a_gpu):
     with gjit.config.scope(matmul="auto"):
         cm, report = check_against_float64(hf_masked, q, k, v, mask)
     assert [e.op for e in report.externs] == ["aten.scaled_dot_product_attention.default"], report
+
+
+# -- fills: keys hidden by a boolean condition --------------------------------------------------------
+
+
+class MinGPT(torch.nn.Module):
+    """minGPT's causal attention: a lower-triangular buffer, masked_fill with -inf, then a softmax."""
+
+    def __init__(self, size=16):
+        super().__init__()
+        self.register_buffer("bias", torch.tril(torch.ones(size, size)).view(1, 1, size, size))
+
+    def forward(self, q, k, v):
+        t = q.shape[-2]
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+        return F.softmax(att, dim=-1) @ v
+
+
+def padding_fill(q, k, v, keep):
+    """The Annotated Transformer's: masked_fill(mask == 0, -1e9) with a [B, 1, 1, S] padding mask."""
+    scores = torch.matmul(q, k.mT) / math.sqrt(q.shape[-1])
+    return torch.matmul(scores.masked_fill(keep[:, None, None, :] == 0, -1e9).softmax(-1), v)
+
+
+def where_finfo_min(q, k, v, keep):
+    """transformers' older GPT-2: torch.where(causal, scores, finfo.min), the softmax in float32."""
+    scores = torch.matmul(q, k.mT) * 0.125
+    scores = torch.where(keep[:, None, None, :], scores, torch.finfo(scores.dtype).min)
+    return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def filled_then_scaled(q, k, v, keep):
+    """The fill before the scale: -inf stays -inf, -1e9 is scaled, a replacing fill still."""
+    scores = torch.matmul(q, k.mT).masked_fill(~keep[:, None, None, :], -1e9)
+    return torch.matmul((scores * 0.25).softmax(-1), v)
+
+
+def causal_in_graph(q, k, v, keep):
+    """A causal mask the program builds (triu of ones), filled with -inf."""
+    t = q.shape[-2]
+    hidden = torch.triu(torch.ones(t, t, dtype=torch.bool, device=q.device), 1)
+    return torch.matmul(torch.matmul(q, k.mT).mul(0.25).masked_fill(hidden, float("-inf")).softmax(-1), v)
+
+
+def hf_eager_mask(q, k, v, keep):
+    """transformers' eager_mask: where(keep, 0, finfo.min) in the operands' dtype, added."""
+    mask = torch.where(keep[:, None, None, :], torch.zeros((), dtype=q.dtype), torch.finfo(q.dtype).min)
+    return hf_masked(q, k, v, mask)
+
+
+def finfo_min_doubled(q, k, v, keep):
+    """finfo.min divided by 0.5 after the fill: -inf in eager, so NaN where a query keeps no key."""
+    scores = torch.matmul(q, k.mT).masked_fill(~keep[:, None, None, :], torch.finfo(q.dtype).min) / 0.5
+    return torch.matmul(scores.softmax(-1), v)
+
+
+def float64_mask_narrowed(q, k, v, keep):
+    """A float64 mask of -1e300 added, the sum cast to the operands' dtype: -inf there."""
+    mask = torch.where(keep[:, None, None, :], torch.zeros((), dtype=torch.float64), -1e300)
+    return torch.matmul((torch.matmul(q, k.mT) * 0.125 + mask).to(q.dtype).softmax(-1), v)
+
+
+def minus_ten_thousand(q, k, v, keep):
+    """A fill of -1e4 (-9984 in bfloat16)."""
+    return torch.matmul(torch.matmul(q, k.mT).masked_fill(~keep[:, None, None, :], -1e4).softmax(-1), v)
+
+
+def per_head_causal(q, k, v, keep):
+    """torch.bmm over batch x heads, a causal [L, S] condition: the [1, N] call with a 2-D mask."""
+    q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+    hidden = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).triu(1)
+    return torch.bmm(torch.bmm(q, k.mT).masked_fill(hidden, float("-inf")).softmax(-1), v)
+
+
+FILLS = {  # form -> (function, the fill the call's mask holds)
+    "padding_fill": (padding_fill, -(2.0**100)),
+    "finfo_min_doubled": (finfo_min_doubled, float("-inf")),
+    "float64_mask_narrowed": (float64_mask_narrowed, float("-inf")),
+    "minus_ten_thousand": (minus_ten_thousand, -(2.0**100)),
+    "per_head_causal": (per_head_causal, float("-inf")),
+    "where_finfo_min": (where_finfo_min, -(2.0**100)),
+    "filled_then_scaled": (filled_then_scaled, -(2.0**100)),
+    "causal_in_graph": (causal_in_graph, float("-inf")),
+    "hf_eager_mask": (hf_eager_mask, -(2.0**100)),
+}
+
+
+def fill_inputs(dtype, dead=True):
+    """q, k, v [2, 4, 9, 32]; keep [2, 9]: batch 1 hides its last four keys, batch 0 (if `dead`)
+    every one."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 9, 32, dtype=dtype) for _ in "qkv")
+    keep = torch.ones(2, 9, dtype=torch.bool)
+    keep[1, 5:] = False
+    if dead:
+        keep[0] = False
+    return q, k, v, keep
+
+
+def _sdpa_nodes(gm):
+    return [n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("form", list(FILLS))
+def test_a_fill_goes_to_sdpa_as_a_mask_built_from_its_condition(form, dtype):
+    """The keys a fill hides go to SDPA as a mask of the operands' dtype: 0 where a key is kept,
+    -inf or FAR (for a finite fill that replaces the score, or a finfo.min added that swamps it)
+    where not, built from the fill's condition. A query every key of which it hides: NaN under
+    -inf, the values' mean under a finite fill, as in eager."""
+    fn, value = FILLS[form]
+    causal = form in ("causal_in_graph", "per_head_causal")
+    args = fill_inputs(dtype, dead=not causal)
+    gm = exported(fn, args)
+    expected = gm(*args)[0]
+    assert written_out_as_sdpa(gm) == 1
+    (sdpa,) = _sdpa_nodes(gm)
+    mask = sdpa.kwargs["attn_mask"]
+    assert mask.target is aten.where.self and mask.meta["val"].dtype == dtype, gm.graph
+    assert sdpa.meta["gjit_attention_mask_fill"] == value
+    assert aten._softmax.default not in targets(gm)
+    from gjit.runtime.graph import FallbackInterpreter
+
+    out = FallbackInterpreter(gm).run(*args)[0]  # the SDPA node as the wrapper calls it
+    assert_same(out, expected, fn(*upcast(args)))
+    if not causal:
+        assert expected[0].isnan().any() == (value == float("-inf"))
+
+
+class TwoMinGPTLayers(torch.nn.Module):
+    """Two of minGPT's attentions, each with its own buffer, the second reading the first's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = MinGPT(), MinGPT()
+
+    def forward(self, q, k, v):
+        return self.second(self.first(q, k, v), k, v)
+
+
+def test_mingpts_causal_attention_runs_sdpa_with_the_mask_built_from_its_buffer(as_on_a_gpu):
+    torch.manual_seed(0)
+    model = TwoMinGPTLayers().eval()
+    q, k, v = (torch.randn(2, 3, 12, 16) for _ in "qkv")
+    with gjit.config.scope(matmul="auto"):
+        cm, report = check_against_float64(model, q, k, v, reference_fn=model.double())
+    assert [e.op for e in report.externs] == ["aten.scaled_dot_product_attention.default"] * 2, report
+    assert not any("softmax" in k.name for k in report.kernels), report
+    model.second.bias[0, 0, 5, :3] = 0  # the buffers are read live: a mask that is not causal
+    out, _ = run_compiled(cm, q, k, v)
+    assert_same(out, model(q, k, v), model.double()(*upcast((q, k, v))))
+
+
+@pytest.mark.parametrize("matmul", ["auto", "template"])
+@pytest.mark.parametrize("form", ["padding_fill", "where_minus_inf"])
+def test_rows_a_fill_leaves_without_a_key_are_as_eagers(as_on_a_gpu, form, matmul):
+    """Batch 0 keeps no key: the values' mean under a finite fill, NaN under -inf, through SDPA
+    (the wrapper's call) and through the template; GJIT_CHECK's replay agrees."""
+
+    def where_minus_inf(q, k, v, keep):
+        scores = torch.matmul(q, k.mT) * 0.125
+        return torch.matmul(torch.where(keep[:, None, None, :], scores, float("-inf")).softmax(-1), v)
+
+    fn = padding_fill if form == "padding_fill" else where_minus_inf
+    q, k, v, keep = fill_inputs(torch.float32)
+    for check in (False, True):
+        with gjit.config.scope(matmul=matmul, check=check):
+            cm, report = check_against_float64(fn, q, k, v, keep)
+            out, _ = run_compiled(cm, q, k, v, keep)
+        library = [e.op for e in report.externs] == ["aten.scaled_dot_product_attention.default"]
+        assert library == (matmul == "auto"), report
+    if form == "padding_fill":
+        assert torch.allclose(out[0], v[0].mean(1, keepdim=True).expand_as(out[0]), atol=1e-5)
+    else:
+        assert out[0].isnan().all() and not out[1].isnan().any()
+
+
+def test_attentions_of_one_condition_share_the_mask_and_its_hidden_rows(as_on_a_gpu):
+    """Two attentions hiding the same keys read one mask the compile builds, and the wrapper finds
+    the queries that keep no key once per call."""
+
+    def two(q, k, v, keep):
+        hidden = ~keep[:, None, None, :]
+        first = torch.matmul(torch.matmul(q, k.mT).masked_fill(hidden, float("-inf")).softmax(-1), v)
+        return torch.matmul(torch.matmul(first, k.mT).masked_fill(hidden, float("-inf")).softmax(-1), v)
+
+    args = fill_inputs(torch.float32, dead=False)
+    gm = exported(two, args)
+    assert written_out_as_sdpa(gm) == 2
+    masks = {n.kwargs["attn_mask"] for n in _sdpa_nodes(gm)}
+    assert len(masks) == 1, gm.graph
+    with gjit.config.scope(matmul="auto"):
+        cm, report = check_against_float64(two, *args)
+    source = cm.entries[-1].program.graph.wrapper_source
+    assert source.count("gjit_hidden_rows(") == 1 and source.count("gjit_written_out(") == 2, source

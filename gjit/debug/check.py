@@ -19,6 +19,7 @@ import torch.utils._pytree as pytree
 
 from gjit import logs
 from gjit.lowering.attention_library import ANY_LAYOUT
+from gjit.runtime import attention_masks
 
 log = logs.logger("check")
 
@@ -73,9 +74,12 @@ class RegionChecker:
                 if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
                     # an in-place op (index_put_): replayed on copies, never on the kernels' buffers
                     args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
-                result = target(*args, **kwargs) if target is not operator.getitem else args[0][args[1]]
-                if node.meta.get(ANY_LAYOUT):  # its value is contiguous whatever kernel ATen ran
-                    result = result.contiguous()
+                if node.meta.get(ANY_LAYOUT):  # the wrapper's call: contiguous, eager's hidden rows
+                    result = attention_masks.written_out(target, None, *args, **kwargs)
+                elif target is operator.getitem:
+                    result = args[0][args[1]]
+                else:
+                    result = target(*args, **kwargs)
             memo[node.name] = result
             return result
 

@@ -1,14 +1,17 @@
 """Written-out attention as ATen's scaled_dot_product_attention, on a GPU, where its score is the
-product of queries and keys scaled, and masked by one float32 tensor added (a vision transformer's
-`(q @ k.T * scale).softmax(-1) @ v`, transformers' eager attention with its additive mask):
+product of queries and keys scaled, and masked by one float32 tensor added or keys hidden by a fill
+(a vision transformer's `(q @ k.T * scale).softmax(-1) @ v`, transformers' eager attention with its
+additive mask, minGPT's `masked_fill(bias == 0, -inf)`):
 
     scores = bmm(Q, K^T)                   Q: [N, L, D], K^T: [N, D, S] (N: batch x heads)
-    x      = scores * c (+ M)              mul / div by numbers, then one tensor added; float casts;
-                                           a view to [..., L, S] after the product
+    x      = scores * c (+ M)              mul / div by numbers, then one tensor added, or a fill
+                                           where(C, x, f) / where(C, f, x) among the scalings; float
+                                           casts; a view to [..., L, S] after the product
     probs  = softmax(x, -1)                its input and output cast between float dtypes or not
     out    = bmm(probs, V)                 probs through views back to [N, L, S]; V: [N, S, Ev]
  -> out    = sdpa(Q, K, V, attn_mask=M, scale=c) on [1, N, ...], or with a mask on the [B, H, ...]
-             of the scores' view (the mask broadcasts over those), viewed back as [N, L, Ev]
+             of the scores' view (the mask broadcasts over those), viewed back as [N, L, Ev]; for a
+             fill, M = where(C, 0, F) (or where(C, F, 0)) in the operands' dtype, F = -inf or FAR
 
 On a GPU the library's side of the choice for such an attention was then two products and a softmax
 kernel that writes and reads the score matrix; ATen's fused kernels (FlashAttention, cuDNN, the
@@ -20,13 +23,25 @@ the mask's sum to 16 bits, the fused kernels keep them in float32.
 A query every key of which the mask hides: with -inf, eager's softmax gives NaN, and so does the
 call (the wrapper's, gjit/runtime/attention_masks.py: fused kernels give zeros; the template, as it
 does for the written-out form); with a finite fill, eager adds it to the float32 scores as SDPA does:
-the values' mean under finfo.min (handed to SDPA as -2**100: the memory-efficient kernel's base-2
+the values' mean under finfo.min (handed to SDPA as FAR: the memory-efficient kernel's base-2
 exponent overflows finfo.min), the scores' softmax under -1e4. A 16-bit mask (eager's 16-bit sum
 rounds the scores away under -1e4, SDPA's float32 one does not), the scores cast to a narrower float
 after the mask, a mask of another dtype than the operands', a mask added before the scale, two
-masks, a fill (masked_fill, where) or a negative scale keep the written-out form (lowering's
-attention_pattern.py makes it one attention node for the template; the library's side is its two
-products and softmax kernel).
+masks or a negative scale keep the written-out form (lowering's attention_pattern.py makes it one
+attention node for the template; the library's side is its two products and softmax kernel).
+
+A fill (`Fill`) replaces the scores of the keys a boolean condition hides by a constant, or adds
+one that swamps them: masked_fill and torch.where with -inf or a finite value at most FILL_LIMIT
+(the values' mean where a query keeps no key, as FAR gives in SDPA), and a mask built in the
+program as where(C, 0, F) with F = -inf or at most FAR and added (transformers' eager_mask in
+float32 or bfloat16: the sum is F in eager's dtype and in SDPA's float32 alike). The fill is taken
+as eager computes it through the scalings and casts after it (finfo.min doubled, or cast to a
+narrower float, is -inf there). The call's mask is built from C (one per condition for the
+attentions that share it), so a fill below FAR needs no clamping per call, and the wrapper finds
+the queries that keep no key once per mask. Where a hidden key's score is NaN or inf (inf in the
+keys), eager's fill replaces it and the call's mask, added, does not: that query's row is NaN (as
+ATen's own SDPA gives). A fill near the scores, by a tensor, finite on float16 operands (FAR is no
+float16; -inf is taken), or with a mask keeps the written-out form.
 """
 
 from __future__ import annotations
@@ -36,6 +51,7 @@ import functools
 import logging
 import math
 import numbers
+from collections.abc import Callable
 
 import torch
 import torch.utils._pytree as pytree
@@ -59,6 +75,16 @@ METADATA = (SIZE, aten.sym_stride.int, aten.sym_numel.default, ASSERT)  # a node
 
 # an SDPA call whose output the wrapper puts in its value's strides, whatever kernel ATen picks
 ANY_LAYOUT = "gjit_attention_any_layout"
+# an SDPA call whose mask the rewrite built from a fill (`Fill`): the fill's value, -inf or FAR
+MASK_FILL = "gjit_attention_mask_fill"
+# a hidden key's score in a mask the rewrite builds for a finite fill, and what the wrapper hands SDPA
+# for a fill below it: times log2(e) (the memory-efficient kernel's base-2 exponent) it stays finite
+# in float32, and a score added to it rounds to it (under 2**75)
+FAR = -(2.0**100)
+# a finite fill at or below this replaces a score: a key it hides weighs exp(fill - m) in eager's
+# softmax (m: the row's largest kept score), 0 in float32 unless every kept score of the row is below
+# fill + 104 (-896 here: no attention's); SDPA gives it 0 always. -1e4 in bfloat16 is -9984
+FILL_LIMIT = -1e3
 
 
 def _attention_value(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -72,6 +98,16 @@ def _attention_value(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
+@dataclasses.dataclass(frozen=True)
+class Fill:
+    """Keys hidden by a boolean tensor: the scores where `cond` is not `keep` are `value` (-inf, or
+    FAR for a finite fill that replaces them or is added to them and swamps them)."""
+
+    cond: torch.fx.Node
+    keep: bool
+    value: float
+
+
 @dataclasses.dataclass
 class WrittenOut:
     """One match: the products, the scale, the mask, and the nodes the SDPA call replaces."""
@@ -80,6 +116,7 @@ class WrittenOut:
     out: torch.fx.Node  # bmm(probs, V)
     scale: float
     mask: torch.fx.Node | None  # the tensor added to the scaled score (None: none)
+    fill: Fill | None  # or the keys a fill hides (the call's mask is built from it)
     view: torch.fx.Node | None  # the scores' view to [..., L, S] (None: none, they are [N, L, S])
     replaced: list[torch.fx.Node]  # from the output's side back to the scores
     # each size read of a replaced node -> (an earlier node with that size, its dim)
@@ -174,18 +211,17 @@ def match(out: torch.fx.Node) -> WrittenOut | None:
     if not _rows_and_keys(softmax, rows_keys) or dim not in (-1, _val(softmax).dim() - 1):
         return None
     replaced.append(softmax)
-    scale, mask, narrowed, node, user = 1.0, None, False, x, softmax
-    while True:  # the score's scalings, mask and casts back to the view of the product
+    scale, mask, fill, narrowed, node, user = 1.0, None, None, False, x, softmax
+    later: list[torch.fx.Node] = []  # the scalings and casts after a fill, back from the softmax
+    while True:  # the score's scalings, mask or fill and casts back to the view of the product
         if node.op != "call_function" or not _only_user(node, user):
             return None
         chain = None
         if node.target in CASTS and _float_cast(node):
-            narrowed |= mask is None and _narrows(node)
+            narrowed |= mask is None and fill is None and _narrows(node)
         elif node.target is aten.add.Tensor and len(node.args) == 2 and not node.kwargs:
-            if mask is not None or scale != 1.0:
+            if mask is not None or fill is not None or scale != 1.0:
                 return None  # a second term, or a term added before a scale (which scales it too)
-            if narrowed:
-                return None  # a fill rounded to a narrower float after the add (finfo.min to -inf)
             lhs, rhs = node.args
             leads = [isinstance(a, torch.fx.Node) and _leads_to_product(a, node) for a in (lhs, rhs)]
             if leads.count(True) != 1:
@@ -195,6 +231,23 @@ def match(out: torch.fx.Node) -> WrittenOut | None:
                 return None
             if not _same_sizes(_val(node), _val(chain)):
                 return None  # the mask broadcasts the scores up
+            fill = _added_fill(mask, _val(node).dtype, later)
+            if fill is not None:
+                mask = None
+            elif narrowed:
+                return None  # a fill rounded to a narrower float after the add (finfo.min to -inf)
+        elif node.target is aten.where.self and len(node.args) == 3 and not node.kwargs:
+            found = _where_fill(node)
+            if found is None or mask is not None or fill is not None or not scale > 0:
+                return None  # a fill by a tensor, a second term, a scale that reverses the fill
+            chain, cond, keep, value = found
+            if not _same_sizes(_val(node), _val(chain)):
+                return None  # the condition broadcasts the scores up
+            value = _as_eager(value, _val(node).dtype, later)
+            fill = _replacing_fill(cond, keep, value)
+            if fill is None:
+                log.debug("attention %s: stays written out: a fill of %g", out.name, value)
+                return None
         elif node.target in SCALES and len(node.args) == 2 and not node.kwargs:
             lhs, rhs = node.args
             number = rhs if isinstance(lhs, torch.fx.Node) else lhs
@@ -207,6 +260,8 @@ def match(out: torch.fx.Node) -> WrittenOut | None:
             scale *= float(number)
         else:
             break
+        if node.target in CASTS or node.target in SCALES:
+            later.append(node)
         replaced.append(node)
         user, node = node, chain if chain is not None else _tensor_arg(node)
     scores = _through(node, SAME_ELEMENTS, user, replaced)
@@ -226,20 +281,25 @@ def match(out: torch.fx.Node) -> WrittenOut | None:
     if not _rows_and_keys(scores, rows_keys) or not scale > 0:
         return None
     replaced.append(scores)
-    if {queries, keys, values, mask} & set(replaced):
+    cond = fill.cond if fill is not None else None
+    if {queries, keys, values, mask, cond} & set(replaced):
         return None  # an operand is what the call replaces (probabilities as values: bmm(p, p))
     view = node if scores is not node else None
-    why = _mask_reason(_val(mask), tensors[0].dtype, view) if mask is not None else None
+    why = None
+    if mask is not None:
+        why = _mask_dtype_reason(_val(mask), tensors[0].dtype) or _mask_shape_reason(_val(mask), view)
+    elif fill is not None:
+        why = _fill_reason(fill, tensors[0].dtype) or _mask_shape_reason(_val(fill.cond), view)
     if why is not None:
         log.debug("attention %s: stays written out: %s", out.name, why)
         return None
-    m = WrittenOut(scores, out, scale, mask, view, replaced)
+    m = WrittenOut(scores, out, scale, mask, fill, view, replaced)
     return m if _size_sources(m) else None
 
 
 def _narrows(cast: torch.fx.Node) -> bool:
     """A cast to a float of fewer bits (or bfloat16's other rounding) than its input's."""
-    target = cast.args[1] if len(cast.args) > 1 else cast.kwargs.get("dtype")
+    target = _cast_dtype(cast)
     return _val(cast.args[0]).dtype != target and target != torch.float32
 
 
@@ -262,18 +322,33 @@ def _leads_to_product(node: torch.fx.Node, user: torch.fx.Node, steps: int = 16)
     return False
 
 
-def _mask_reason(mask: torch.Tensor, dtype: torch.dtype, view: torch.fx.Node | None) -> str | None:
-    """Why a mask added to the scores does not go to SDPA as its attn_mask, or None. Its dtype is
-    the operands' (SDPA takes no other float mask), float32: in a row every key of which is masked
-    with a finite fill, eager adds it in the scores' dtype, and SDPA in float32. In float32 the two
-    agree (the values' average under finfo.min, the scores' softmax under -1e4); in bfloat16 or
-    float16 eager's sum rounds the scores away under a fill of -1e4 and averages the values. A row
-    masked with -inf is NaN in eager, and the wrapper makes it NaN; a fill below -2**100 goes in as
-    -2**100, which the memory-efficient kernel's base-2 exponent does not overflow (both:
-    gjit/runtime/attention_masks.py). The scores' batch dims are one (N) or two ([B, H]: from their
-    view, each a size, not -1), the mask's dims no more."""
+def _mask_dtype_reason(mask: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """Why a mask added to the scores does not go to SDPA as its attn_mask for its dtype, or None.
+    Its dtype is the operands' (SDPA takes no other float mask), float32: in a row every key of
+    which is masked with a finite fill, eager adds it in the scores' dtype, and SDPA in float32. In
+    float32 the two agree (the values' average under finfo.min, the scores' softmax under -1e4); in
+    bfloat16 or float16 eager's sum rounds the scores away under a fill of -1e4 and averages the
+    values (a mask built of 0 and a fill at or below FAR is a `Fill`: its sum is the fill in both). A
+    row masked with -inf is NaN in eager, and the wrapper makes it NaN; a fill below FAR goes in as
+    FAR (both: gjit/runtime/attention_masks.py)."""
     if mask.dtype != dtype or dtype != torch.float32:
         return f"a {mask.dtype} mask on {dtype} operands"
+    return None
+
+
+def _fill_reason(fill: Fill, dtype: torch.dtype) -> str | None:
+    """Why keys hidden by a fill do not go to SDPA as a mask of the operands' dtype, or None: FAR
+    is no float16 (its largest is 65504; a mask of finfo.min there leaves the scores in SDPA's
+    float32 sum, where eager's replaced them)."""
+    if fill.value != float("-inf") and dtype == torch.float16:
+        return "a finite fill on float16 operands"
+    return None
+
+
+def _mask_shape_reason(mask: torch.Tensor, view: torch.fx.Node | None) -> str | None:
+    """Why a mask (or a fill's condition) does not go to SDPA for its dims, or None. The scores'
+    batch dims are one (N) or two ([B, H]: from their view, each a size, not -1), the mask's dims
+    no more."""
     if mask.dim() < 2:
         return "a mask of fewer dims than rows and keys (SDPA reads both)"
     if view is None:
@@ -284,6 +359,86 @@ def _mask_reason(mask: torch.Tensor, dtype: torch.dtype, view: torch.fx.Node | N
     if any(isinstance(s, int) and s < 0 for s in sizes[:2]) or mask.dim() > 4:
         return "batch and heads not sizes"
     return None
+
+
+def _constant(node: object, dtype: torch.dtype) -> float | None:
+    """The number a 0-dim constant node holds (scalar_tensor, full([])), rounded to its dtype and
+    then to `dtype` (where it goes); None for any other node."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return None
+    val = _val(node)
+    if val is None or val.dim() != 0 or not val.dtype.is_floating_point:
+        return None
+    if node.target is aten.scalar_tensor.default:
+        number = node.args[0]
+    elif node.target is aten.full.default and list(node.args[0]) == []:
+        number = node.args[1]
+    else:
+        return None
+    if not isinstance(number, numbers.Real) or isinstance(number, bool):
+        return None
+    return torch.tensor(float(number), dtype=val.dtype).to(dtype).item()
+
+
+def _where_fill(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, bool, float] | None:
+    """For `where(cond, a, b)` with one side the scores and the other a constant: (the scores' side,
+    cond, the value of cond where a key is kept, the constant in the where's dtype); else None."""
+    cond, a, b = node.args
+    if not isinstance(cond, torch.fx.Node) or _val(cond) is None or _val(cond).dtype != torch.bool:
+        return None
+    for chain, other, keep in ((b, a, False), (a, b, True)):
+        value = _constant(other, _val(node).dtype)
+        if value is not None and isinstance(chain, torch.fx.Node) and _leads_to_product(chain, node):
+            return chain, cond, keep, value
+    return None
+
+
+def _cast_dtype(cast: torch.fx.Node) -> torch.dtype:
+    return cast.args[1] if len(cast.args) > 1 else cast.kwargs.get("dtype")
+
+
+def _as_eager(value: float, dtype: torch.dtype, later: list[torch.fx.Node]) -> float:
+    """A fill's `value` in `dtype` through the scalings and casts after it (`later`, back from the
+    softmax), as eager computes them on the scores: a fill that overflows there is -inf."""
+    fill = torch.tensor(value, dtype=dtype)
+    for node in reversed(later):
+        if node.target in CASTS:
+            fill = fill.to(_cast_dtype(node))
+        else:
+            lhs, rhs = node.args
+            fill = node.target(fill, rhs if isinstance(lhs, torch.fx.Node) else lhs)
+    return fill.item()
+
+
+def _replacing_fill(cond: torch.fx.Node, keep: bool, value: float) -> Fill | None:
+    """Keys whose scores become `value` (as the softmax sees it) where `cond` is not `keep`: -inf,
+    or a finite fill at or below FILL_LIMIT (a row every key of which it hides averages the values,
+    as under FAR)."""
+    if value == float("-inf"):
+        return Fill(cond, keep, value)
+    if math.isfinite(value) and value <= FILL_LIMIT:
+        return Fill(cond, keep, FAR)
+    return None
+
+
+def _added_fill(mask: torch.fx.Node, dtype: torch.dtype, later: list[torch.fx.Node]) -> Fill | None:
+    """A mask built as `where(cond, 0, F)` (or `where(cond, F, 0)`) and added to the scores as a
+    `Fill`, where F is -inf or at most FAR: the sum in `dtype` is F, whatever the score (below
+    2**75), as eager's 16-bit sum and SDPA's float32 one both give, then F through the casts after
+    it (`later`: -inf where one overflows); None for any other mask."""
+    if mask.op != "call_function" or mask.target is not aten.where.self or mask.kwargs:
+        return None
+    cond, a, b = mask.args
+    if not isinstance(cond, torch.fx.Node) or _val(cond) is None or _val(cond).dtype != torch.bool:
+        return None
+    a, b = (_constant(x, _val(mask).dtype) for x in (a, b))
+    if a is None or b is None or 0.0 not in (a, b):
+        return None
+    keep, value = (True, b) if a == 0.0 else (False, a)
+    value = torch.tensor(value, dtype=_val(mask).dtype).to(dtype).item()  # in the sum's dtype
+    if value != float("-inf") and not (math.isfinite(value) and value <= FAR):
+        return None
+    return Fill(cond, keep, FAR if math.isfinite(_as_eager(value, dtype, later)) else float("-inf"))
 
 
 def _size_sources(m: WrittenOut) -> bool:
@@ -333,11 +488,27 @@ def _call(graph: torch.fx.Graph, op, args: tuple, kwargs: dict, *, like: torch.f
     return node
 
 
-def rewrite(gm: torch.fx.GraphModule, m: WrittenOut) -> None:
+def _fill_mask(call: Callable, fill: Fill, dtype: torch.dtype, built: dict) -> torch.fx.Node:
+    """The additive mask of `fill` in `dtype` (SDPA's: the operands'): 0 where a key is kept and
+    the fill's value where not; one node per condition, value and dtype (`built`), which the
+    attentions that read it share, as the wrapper shares its rows that keep no key."""
+    key = (fill.cond, fill.keep, fill.value, dtype)
+    if key not in built:
+        device = _val(fill.cond).device
+        zero, hide = (call(aten.scalar_tensor.default, (x,), {"dtype": dtype, "device": device})
+                      for x in (0.0, fill.value))  # fmt: skip
+        args = (fill.cond, zero, hide) if fill.keep else (fill.cond, hide, zero)
+        built[key] = call(aten.where.self, args, {})
+    return built[key]
+
+
+def rewrite(gm: torch.fx.GraphModule, m: WrittenOut, built: dict | None = None) -> None:
+    """`m` as one SDPA call, in place; `built`: the masks built for fills so far (`_fill_mask`)."""
     graph = gm.graph
     queries, keys_t = m.scores.args
     values = m.out.args[1]
     call = functools.partial(_call, graph, like=m.out)
+    mask = m.mask
 
     @functools.cache
     def size(node: torch.fx.Node, dim: int) -> int | torch.fx.Node:
@@ -346,24 +517,27 @@ def rewrite(gm: torch.fx.GraphModule, m: WrittenOut) -> None:
         return n if isinstance(n, int) else call(SIZE, (node, dim), {})
 
     with graph.inserting_before(m.out):
+        if m.fill is not None:
+            mask = _fill_mask(call, m.fill, _val(queries).dtype, {} if built is None else built)
         kwargs: dict = {"scale": m.scale}
-        if m.mask is not None and m.view is not None:  # [B, H] from the scores' view: the mask's
+        if mask is not None and m.view is not None:  # [B, H] from the scores' view: the mask's
             batch = list(m.view.args[1][:2])
             q, k, v = (call(aten.view.default, (t, [*batch, size(t, 1), size(t, 2)]), {})
                        for t in (queries, keys_t, values))  # fmt: skip
             k = call(aten.permute.default, (k, [0, 1, 3, 2]), {})
-            kwargs["attn_mask"] = m.mask
+            kwargs["attn_mask"] = mask
         else:  # [1, N]
             q = call(aten.unsqueeze.default, (queries, 0), {})
             k = call(aten.permute.default, (keys_t, [0, 2, 1]), {})
             k = call(aten.unsqueeze.default, (k, 0), {})
             v = call(aten.unsqueeze.default, (values, 0), {})
-            if m.mask is not None:
-                mask = m.mask
+            if mask is not None:
                 if _val(mask).dim() == 3:
                     mask = call(aten.unsqueeze.default, (mask, 0), {})
                 kwargs["attn_mask"] = mask
         sdpa = call(aten.scaled_dot_product_attention.default, (q, k, v), kwargs)
+        if m.fill is not None:
+            sdpa.meta[MASK_FILL] = m.fill.value
         sizes = [size(queries, 0), size(queries, 1), size(values, 2)]
     # the product's node becomes the view of the call as [N, L, Ev], under its name (the program's
     # signature may name it an output) and with its value (contiguous, as the call's)
@@ -372,14 +546,26 @@ def rewrite(gm: torch.fx.GraphModule, m: WrittenOut) -> None:
         graph.erase_node(node)
     for user, (source, dim) in m.sizes.items():
         user.args = (source, dim)
+    unread = {a for n in m.replaced for a in n.all_input_nodes} - set(m.replaced)
     for node in m.replaced:  # from the softmax's readers back to the scores
         graph.erase_node(node)
+    _erase_unread(unread)
+
+
+def _erase_unread(nodes: set[torch.fx.Node]) -> None:
+    """Of `nodes` and what they read, the pure calls nothing reads any more (a fill's constant, an
+    additive mask whose attentions all read the mask built for its fill)."""
+    while nodes:
+        node = nodes.pop()
+        if node.op == "call_function" and not node.users and not node.is_impure() and node.graph is not None:
+            nodes.update(node.all_input_nodes)
+            node.graph.erase_node(node)
 
 
 def written_out_as_sdpa(gm: torch.fx.GraphModule) -> int:
     """Each written-out attention of `gm` whose score is scaled and at most masked (the module's
     docstring) as one SDPA call, in place; how many. The caller runs it on graphs for a GPU."""
-    done, gone = 0, set()
+    done, gone, built = 0, set(), {}
     for node in [n for n in gm.graph.nodes if n.target is aten.bmm.default]:
         if node in gone:  # the scores of an attention replaced already
             continue
@@ -388,7 +574,7 @@ def written_out_as_sdpa(gm: torch.fx.GraphModule) -> int:
             continue
         log.info("attention %s: %s as ATen's scaled_dot_product_attention (scale %g)",
                  node.name, ", ".join(n.name for n in reversed(m.replaced)), m.scale)  # fmt: skip
-        rewrite(gm, m)
+        rewrite(gm, m, built)
         gone.update(m.replaced)
         done += 1
     if done:

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from gjit.lowering.attention_library import FAR
+
 
 def additive(mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(0 where `mask` keeps a score and -inf where not, in `dtype`; whether a query keeps no key)."""
@@ -45,28 +47,52 @@ def traced_layout(out: torch.Tensor, dead: torch.Tensor | None, stride: tuple[in
 
 
 MAX_HEADS = 65535  # a CUDA grid's y and z dims: the fused kernels launch one per batch and head
-FAR = -(2.0**100)  # a fill below it goes in as it: times log2(e) it stays finite in float32
 
 
-def written_out(sdpa: Callable, stride: tuple[int, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                **kwargs: Any) -> torch.Tensor:  # fmt: skip
+class _FromTheMask:
+    """`written_out`'s default `dead`: the rows that keep no key, found from the mask it is given."""
+
+
+FROM_THE_MASK = _FromTheMask()
+
+
+def hidden_rows(mask: torch.Tensor) -> torch.Tensor:
+    """Whether a query keeps no key under an additive mask (every one -inf): [..., L, 1]."""
+    return mask.amax(-1, keepdim=True) == float("-inf")
+
+
+def written_out(
+    sdpa: Callable,
+    stride: tuple[int, ...] | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    dead: torch.Tensor | _FromTheMask | None = FROM_THE_MASK,
+    **kwargs: Any,
+) -> torch.Tensor:
     """`sdpa` (ATen's scaled_dot_product_attention) for an attention written out in the program
     (gjit/lowering/attention_library.py), its output in `stride` (the value the compile gave it;
-    ATen's fused kernels on a GPU return another layout). With no queries or no keys: zeros, as
-    eager's products over them give (the fused kernels refuse some empty sizes); over MAX_HEADS
-    batches or heads, in parts. With a float mask (`attn_mask`): a fill below FAR goes in as FAR
-    (the memory-efficient kernel scales scores and mask by log2(e) and finfo.min overflows to -inf,
-    which makes a row every key of which it masks zeros, where eager averages the values), and a
-    query every key of which it masks with -inf gives NaN, as eager's softmax over them does (the
-    fused kernels give zeros)."""
+    None: contiguous; ATen's fused kernels on a GPU return another layout). With no queries or no
+    keys: zeros, as eager's products over them give (the fused kernels refuse some empty sizes);
+    over MAX_HEADS batches or heads, in parts. With a float mask (`attn_mask`): a fill below FAR
+    goes in as FAR (the memory-efficient kernel scales scores and mask by log2(e) and finfo.min
+    overflows to -inf, which makes a row every key of which it masks zeros, where eager averages
+    the values), and a query every key of which it masks with -inf gives NaN, as eager's softmax
+    over them does (the fused kernels give zeros). A mask the compile built from a fill holds only
+    0, -inf and FAR: `dead` then says which queries keep no key (`hidden_rows`, once per call for
+    the attentions that share the mask; None: none can, the fill is FAR)."""
+    if stride is None:
+        stride = torch.empty((*q.shape[:-1], v.shape[-1]), device="meta").stride()
     if q.numel() == 0 or k.shape[-2] == 0:
         return traced_layout(q.new_zeros((*q.shape[:-1], v.shape[-1])), None, stride)
     mask = kwargs.get("attn_mask")
-    if mask is not None:
+    if mask is not None and dead is FROM_THE_MASK:
         kwargs = kwargs | {"attn_mask": mask.where((mask >= FAR) | (mask == float("-inf")), FAR)}
+        dead = hidden_rows(mask)
     out = traced_layout(_parts(sdpa, q, k, v, kwargs), None, stride)
-    if mask is not None:
-        out.masked_fill_(mask.amax(-1, keepdim=True) == float("-inf"), float("nan"))
+    if mask is not None and dead is not None:
+        out.masked_fill_(dead, float("nan"))
     return out
 
 

@@ -24,6 +24,7 @@ from gjit.codegen.toolchain.files import write_source
 from gjit.codegen.triton.pointwise import KERNEL_PRELUDE
 from gjit.config import config
 from gjit.kernels import column_copy
+from gjit.lowering.attention_library import ANY_LAYOUT
 from gjit.lowering.templates import TemplateChoice
 from gjit.runtime import attention_masks, padded_mm, prebuild
 from gjit.runtime import cuda as runtime_cuda
@@ -96,6 +97,9 @@ class FallbackInterpreter(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node) -> Any:
         try:
+            if n.meta.get(ANY_LAYOUT):  # written-out attention: the wrapper's call, eager's rows
+                args, kwargs = self.fetch_args_kwargs_from_env(n)
+                return attention_masks.written_out(n.target, None, *args, **kwargs)
             return super().run_node(n)
         except Exception as e:
             trace = (n.meta.get("stack_trace") or "").strip()
@@ -223,6 +227,7 @@ class CompiledGraph:
             "gjit_additive_mask": attention_masks.additive,  # an attention extern's boolean mask
             "gjit_traced_layout": attention_masks.traced_layout,
             "gjit_written_out": attention_masks.written_out,  # gjit/lowering/attention_library.py's
+            "gjit_hidden_rows": attention_masks.hidden_rows,  # of a mask it built from a fill
             "gjit_reinterpret": reinterpret_tensor,  # a view from its traced layout
             "gjit_as_strided": as_strided,  # the same, bounds checked (GJIT_DEBUG)
             "math": math,
