@@ -598,6 +598,23 @@ def test_mingpts_causal_attention_runs_sdpa_with_the_mask_built_from_its_buffer(
     assert_same(out, model(q, k, v), model.double()(*upcast((q, k, v))))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_on_a_gpu_fills_run_atens_sdpa_with_the_built_mask(dtype):
+    """minGPT's causal fill, and a -1e9 padding fill with a batch that keeps no key (bf16: FAR
+    where finite fills go): ATen's kernels with the built mask, eager's rows."""
+    torch.manual_seed(0)
+    model = TwoMinGPTLayers().cuda().to(dtype)
+    q, k, v = (torch.randn(2, 12, 16, 64, device="cuda", dtype=dtype) for _ in "qkv")
+    with gjit.config.scope(matmul="auto"):
+        cm, report = check_against_float64(model, q, k, v, reference_fn=model.double())
+        assert [e.op for e in report.externs] == ["aten.scaled_dot_product_attention.default"] * 2, report
+        if dtype is torch.bfloat16:
+            args = tuple(t.cuda() for t in fill_inputs(dtype))
+            cm, report = check_against_float64(padding_fill, *args)
+            assert [e.op for e in report.externs] == ["aten.scaled_dot_product_attention.default"], report
+
+
 @pytest.mark.parametrize("matmul", ["auto", "template"])
 @pytest.mark.parametrize("form", ["padding_fill", "where_minus_inf"])
 def test_rows_a_fill_leaves_without_a_key_are_as_eagers(as_on_a_gpu, form, matmul):
