@@ -43,7 +43,7 @@ from gjit.codegen.share import code_text
 from gjit.fusion.regions import Region
 from gjit.runtime import interpret as interpret_libdevice
 from gjit.runtime.graph import CompiledGraph, load_kernel, write_kernel
-from gjit.wrapper import PADDED_PRODUCTS
+from gjit.wrapper import PADDED_PRODUCTS, WRITTEN_OUT
 
 log = logs.logger("tuning")
 
@@ -359,7 +359,8 @@ def aten_calls_recorded(
     graph: CompiledGraph, calls: dict[Any, Callable[[Callable, tuple, dict], None]]
 ) -> Iterator[None]:
     """Within, the device wrapper's calls of the ATen ops in `calls` (the wrapper calls
-    `aten.<op>.<overload>(...)`, or for a padded product gjit/runtime/padded_mm.py's function) are
+    `aten.<op>.<overload>(...)`, or for a padded product gjit/runtime/padded_mm.py's function, or
+    for written-out attention gjit/runtime/attention_masks.py's `written_out` with the op) are
     handed, as (the function called, args, kwargs), to the op's function first."""
     if not calls:
         yield
@@ -367,6 +368,8 @@ def aten_calls_recorded(
     namespace = inspect.unwrap(graph.call_fn(interpret=not graph.on_cuda)).__globals__
     real = namespace["aten"]
     padded = {name: (op, namespace[name]) for op, name in PADDED_PRODUCTS.items() if op in calls}
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    written_out = namespace.get(WRITTEN_OUT)
 
     def recorded(op: Any, fn: Callable) -> Callable:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -374,6 +377,12 @@ def aten_calls_recorded(
             return fn(*args, **kwargs)
 
         return call
+
+    def written_out_recorded(op: Any, *args: Any, **kwargs: Any) -> Any:
+        """The whole call (the output's layout copy, its rows without keys) as the op's cost."""
+        fn = functools.partial(written_out, sdpa)
+        calls[sdpa](fn, args, kwargs)
+        return fn(*args, **kwargs)
 
     class Packet:
         def __init__(self, packet: Any):
@@ -389,11 +398,15 @@ def aten_calls_recorded(
 
     namespace["aten"] = Ops()
     namespace.update({name: recorded(op, fn) for name, (op, fn) in padded.items()})
+    if sdpa in calls and written_out is not None:
+        namespace[WRITTEN_OUT] = written_out_recorded
     try:
         yield
     finally:
         namespace["aten"] = real
         namespace.update({name: fn for name, (_, fn) in padded.items()})
+        if written_out is not None:
+            namespace[WRITTEN_OUT] = written_out
 
 
 def storage(t: torch.Tensor) -> int:

@@ -37,6 +37,7 @@ PADDED_PRODUCTS = {
     torch.ops.aten.addmm.default: "gjit_padded_addmm",
 }
 COLUMN_COPY = "gjit_column_copy"  # kernels/column_copy.py's kernel, as padded products take it
+WRITTEN_OUT = "gjit_written_out"  # attention_masks.py's call for attention written out
 MASK_DTYPES = (torch.float16, torch.bfloat16)  # the fused attention kernels'; float32 keeps eager's call
 MASK_DEVICES = {"cuda"}
 # externs whose result is always a new contiguous tensor (ATen's, and padded_mm's), so that a view
@@ -269,7 +270,7 @@ class WrapperWriter:
         if node.meta.get(ANY_LAYOUT):  # gjit/runtime/attention_masks.py's written_out
             stride = ", ".join(self.sym(x) for x in node.meta["val"].stride())
             args += self.built_mask(node)
-            self.lines.append(f"{node.name} = gjit_written_out({callee}, ({stride},), {', '.join(args)})")
+            self.lines.append(f"{node.name} = {WRITTEN_OUT}({callee}, ({stride},), {', '.join(args)})")
         else:
             self.lines.append(f"{node.name} = {callee}({', '.join(args)})")
         self.defined.add(node.name)

@@ -427,14 +427,29 @@ def test_mode_default_measures_a_written_out_attention_and_no_product(timing):
 
 
 @pytest.mark.parametrize("faster", ["template", "ATen"])
-def test_on_a_gpu_an_attention_only_scaled_weighs_the_template_against_atens_sdpa(timing, faster):
+def test_on_a_gpu_an_attention_only_scaled_weighs_the_template_against_atens_sdpa(
+    timing, faster, monkeypatch
+):
     """On a GPU a written-out attention whose score is only scaled is ATen's SDPA call
     (gjit/lowering/attention_library.py): mode "default" weighs the template against that call, as
-    it weighed it against the written-out form; the product after it is the library's unmeasured."""
+    it weighed it against the written-out form; the product after it is the library's unmeasured.
+    The library's time is the wrapper's whole call (its output's layout copy, eager's rows)."""
+    from gjit.runtime import attention_masks
+
     args = attention_and_linear_args()
-    timing.rule = lambda what: 0.1 if what.startswith(faster) else 1.0
+    calls, layouts = [], []
+    traced_layout = attention_masks.traced_layout
+    monkeypatch.setattr(attention_masks, "traced_layout", lambda *a: layouts.append(1) or traced_layout(*a))
+
+    def rule(what):
+        if what.startswith("ATen scaled_dot_product_attention"):
+            calls.append(len(layouts))  # layouts made by the timed call, before the rule is asked
+        return 0.1 if what.startswith(faster) else 1.0
+
+    timing.rule = rule
     with gjit.config.scope(measure_all_templates=False):
         out, cm = run_compiled(attention_and_linear, *args)
+    assert calls and calls[0] >= 2, (calls, layouts)  # the run that recorded it, then the timed call
     assert_same(out, attention_and_linear(*args), attention_and_linear(*(a.double() for a in args)))
     assert timing.count("ATen scaled_dot_product_attention") == 1 and timing.count("ATen mm") == 0, (
         timing.seen
