@@ -519,15 +519,25 @@ def per_head_causal(q, k, v, keep):
     return torch.bmm(torch.bmm(q, k.mT).masked_fill(hidden, float("-inf")).softmax(-1), v)
 
 
+def causal_added(q, k, v, keep):
+    """nn.Transformer's generate_square_subsequent_mask (triu of -inf) added to the scores."""
+    t = q.shape[-2]
+    mask = torch.triu(torch.full((t, k.shape[-2]), float("-inf"), dtype=q.dtype), diagonal=1)
+    return torch.matmul((torch.matmul(q, k.mT) * 0.25 + mask).softmax(-1), v)
+
+
+CAUSAL = "causal"  # the call is causal: no mask
+
 FILLS = {  # form -> (function, the fill the call's mask holds)
     "padding_fill": (padding_fill, -(2.0**100)),
+    "causal_added": (causal_added, CAUSAL),
     "finfo_min_doubled": (finfo_min_doubled, float("-inf")),
     "float64_mask_narrowed": (float64_mask_narrowed, float("-inf")),
     "minus_ten_thousand": (minus_ten_thousand, -(2.0**100)),
-    "per_head_causal": (per_head_causal, float("-inf")),
+    "per_head_causal": (per_head_causal, CAUSAL),
     "where_finfo_min": (where_finfo_min, -(2.0**100)),
     "filled_then_scaled": (filled_then_scaled, -(2.0**100)),
-    "causal_in_graph": (causal_in_graph, float("-inf")),
+    "causal_in_graph": (causal_in_graph, CAUSAL),
     "hf_eager_mask": (hf_eager_mask, -(2.0**100)),
 }
 
@@ -556,15 +566,19 @@ def test_a_fill_goes_to_sdpa_as_a_mask_built_from_its_condition(form, dtype):
     where not, built from the fill's condition. A query every key of which it hides: NaN under
     -inf, the values' mean under a finite fill, as in eager."""
     fn, value = FILLS[form]
-    causal = form in ("causal_in_graph", "per_head_causal")
+    causal = value == CAUSAL
     args = fill_inputs(dtype, dead=not causal)
     gm = exported(fn, args)
     expected = gm(*args)[0]
     assert written_out_as_sdpa(gm) == 1
     (sdpa,) = _sdpa_nodes(gm)
-    mask = sdpa.kwargs["attn_mask"]
-    assert mask.target is aten.where.self and mask.meta["val"].dtype == dtype, gm.graph
-    assert sdpa.meta["gjit_attention_mask_fill"] == value
+    if causal:  # proved causal (gjit/lowering/causal.py): FlashAttention's causal kernel, no mask
+        assert sdpa.kwargs.get("is_causal") and "attn_mask" not in sdpa.kwargs, gm.graph
+        assert aten.where.self not in targets(gm) and aten.arange.start_step not in targets(gm), gm.graph
+    else:
+        mask = sdpa.kwargs["attn_mask"]
+        assert mask.target is aten.where.self and mask.meta["val"].dtype == dtype, gm.graph
+        assert sdpa.meta["gjit_attention_mask_fill"] == value
     assert aten._softmax.default not in targets(gm)
     from gjit.runtime.graph import FallbackInterpreter
 
@@ -657,3 +671,55 @@ def test_attentions_of_one_condition_share_the_mask_and_its_hidden_rows(as_on_a_
         cm, report = check_against_float64(two, *args)
     source = cm.entries[-1].program.graph.wrapper_source
     assert source.count("gjit_hidden_rows(") == 1 and source.count("gjit_written_out(") == 2, source
+
+
+def not_quite_causal(q, k, v, keep):
+    """Masks the program builds that are not the causal one: the diagonal hidden too, a key ahead
+    seen, the keys after the queries' count (bottom right), a band."""
+    t, s = q.shape[-2], k.shape[-2]
+    rows, keys = torch.arange(t)[:, None], torch.arange(s)[None, :]
+    masks = [torch.triu(torch.full((t, s), float("-inf")), 0), (keys <= rows + 1)]
+    masks.append(keys <= rows + (s - t))
+    masks.append((keys <= rows) & (keys > rows - 3))
+    outs = [torch.matmul((torch.matmul(q, k.mT) * 0.25 + masks[0]).softmax(-1), v)]
+    for m in masks[1:]:  # each attention its own scores (scores read twice stay written out)
+        outs.append(
+            torch.matmul((torch.matmul(q, k.mT) * 0.25).masked_fill(~m, float("-inf")).softmax(-1), v)
+        )
+    return tuple(outs)
+
+
+def test_masks_built_from_sizes_that_are_not_causal_stay_masks():
+    q, k, v = torch.randn(2, 4, 9, 32), torch.randn(2, 4, 12, 32), torch.randn(2, 4, 12, 32)
+    args = (q, k, v, None)
+    gm = exported(lambda q, k, v: not_quite_causal(q, k, v, None), args[:3])
+    expected = gm(*args[:3])
+    assert written_out_as_sdpa(gm) == 4
+    for sdpa in _sdpa_nodes(gm):
+        assert not sdpa.kwargs.get("is_causal") and sdpa.kwargs.get("attn_mask") is not None, gm.graph
+    from gjit.runtime.graph import FallbackInterpreter
+
+    for out, exp, ref in zip(
+        FallbackInterpreter(gm).run(*args[:3]), expected, not_quite_causal(*upcast(args))
+    ):
+        assert_same(out, exp, ref)
+
+
+@pytest.mark.parametrize("matmul", ["auto", "template"])
+def test_a_causal_mask_built_in_the_program_runs_causal_attention(as_on_a_gpu, matmul):
+    """More keys than queries: is_causal is the top-left causal mask, as tril gives it; the library
+    runs ATen's causal call, the template its causal kernel (no mask read)."""
+
+    def causal_tril(q, k, v):
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        return torch.matmul((torch.matmul(q, k.mT) * 0.25).masked_fill(~keep, float("-inf")).softmax(-1), v)
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 9, 32), torch.randn(2, 4, 12, 32), torch.randn(2, 4, 12, 32)
+    with gjit.config.scope(matmul=matmul):
+        cm, report = check_against_float64(causal_tril, q, k, v)
+    library = [e.op for e in report.externs] == ["aten.scaled_dot_product_attention.default"]
+    assert library == (matmul == "auto"), report
+    assert len(report.kernels) == (matmul == "template"), report  # no kernel builds the mask
+    source = cm.entries[-1].program.graph.wrapper_source
+    assert ("is_causal=True" in source) == (matmul == "auto"), source

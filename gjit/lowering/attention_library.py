@@ -38,7 +38,10 @@ float32 or bfloat16: the sum is F in eager's dtype and in SDPA's float32 alike).
 as eager computes it through the scalings and casts after it (finfo.min doubled, or cast to a
 narrower float, is -inf there). The call's mask is built from C (one per condition for the
 attentions that share it), so a fill below FAR needs no clamping per call, and the wrapper finds
-the queries that keep no key once per mask. Where a hidden key's score is NaN or inf (inf in the
+the queries that keep no key once per mask; a fill or an added mask the program builds from its
+sizes that is the causal one (gjit/lowering/causal.py: triu, tril, aranges compared) makes the
+call causal, with no mask (FlashAttention's causal kernel; the template's causal bound), as no
+query then keeps no key. Where a hidden key's score is NaN or inf (inf in the
 keys), eager's fill replaces it and the call's mask, added, does not: that query's row is NaN (as
 ATen's own SDPA gives). A fill near the scores, by a tensor, finite on float16 operands (FAR is no
 float16; -inf is taken), or with a mask keeps the written-out form.
@@ -57,6 +60,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import maybe_get_fake_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from gjit.lowering.causal import is_causal, is_causal_additive
 
 log = logging.getLogger("gjit.lowering")
 aten = torch.ops.aten
@@ -117,6 +122,7 @@ class WrittenOut:
     scale: float
     mask: torch.fx.Node | None  # the tensor added to the scaled score (None: none)
     fill: Fill | None  # or the keys a fill hides (the call's mask is built from it)
+    causal: bool  # or a mask or fill proved causal: the call is causal, without a mask
     view: torch.fx.Node | None  # the scores' view to [..., L, S] (None: none, they are [N, L, S])
     replaced: list[torch.fx.Node]  # from the output's side back to the scores
     # each size read of a replaced node -> (an earlier node with that size, its dim)
@@ -212,6 +218,7 @@ def match(out: torch.fx.Node) -> WrittenOut | None:
         return None
     replaced.append(softmax)
     scale, mask, fill, narrowed, node, user = 1.0, None, None, False, x, softmax
+    causal = False
     later: list[torch.fx.Node] = []  # the scalings and casts after a fill, back from the softmax
     while True:  # the score's scalings, mask or fill and casts back to the view of the product
         if node.op != "call_function" or not _only_user(node, user):
@@ -220,7 +227,7 @@ def match(out: torch.fx.Node) -> WrittenOut | None:
         if node.target in CASTS and _float_cast(node):
             narrowed |= mask is None and fill is None and _narrows(node)
         elif node.target is aten.add.Tensor and len(node.args) == 2 and not node.kwargs:
-            if mask is not None or fill is not None or scale != 1.0:
+            if mask is not None or fill is not None or causal or scale != 1.0:
                 return None  # a second term, or a term added before a scale (which scales it too)
             lhs, rhs = node.args
             leads = [isinstance(a, torch.fx.Node) and _leads_to_product(a, node) for a in (lhs, rhs)]
@@ -232,13 +239,13 @@ def match(out: torch.fx.Node) -> WrittenOut | None:
             if not _same_sizes(_val(node), _val(chain)):
                 return None  # the mask broadcasts the scores up
             fill = _added_fill(mask, _val(node).dtype, later)
-            if fill is not None:
-                mask = None
+            if fill is not None or is_causal_additive(mask):
+                causal, mask = fill is None, None
             elif narrowed:
                 return None  # a fill rounded to a narrower float after the add (finfo.min to -inf)
         elif node.target is aten.where.self and len(node.args) == 3 and not node.kwargs:
             found = _where_fill(node)
-            if found is None or mask is not None or fill is not None or not scale > 0:
+            if found is None or mask is not None or fill is not None or causal or not scale > 0:
                 return None  # a fill by a tensor, a second term, a scale that reverses the fill
             chain, cond, keep, value = found
             if not _same_sizes(_val(node), _val(chain)):
@@ -282,6 +289,8 @@ def match(out: torch.fx.Node) -> WrittenOut | None:
         return None
     replaced.append(scores)
     cond = fill.cond if fill is not None else None
+    if fill is not None and is_causal(fill.cond, fill.keep):
+        causal, fill = True, None  # the fill's value does not matter: every query keeps key 0
     if {queries, keys, values, mask, cond} & set(replaced):
         return None  # an operand is what the call replaces (probabilities as values: bmm(p, p))
     view = node if scores is not node else None
@@ -293,7 +302,7 @@ def match(out: torch.fx.Node) -> WrittenOut | None:
     if why is not None:
         log.debug("attention %s: stays written out: %s", out.name, why)
         return None
-    m = WrittenOut(scores, out, scale, mask, fill, view, replaced)
+    m = WrittenOut(scores, out, scale, mask, fill, causal, view, replaced)
     return m if _size_sources(m) else None
 
 
@@ -520,6 +529,8 @@ def rewrite(gm: torch.fx.GraphModule, m: WrittenOut, built: dict | None = None) 
         if m.fill is not None:
             mask = _fill_mask(call, m.fill, _val(queries).dtype, {} if built is None else built)
         kwargs: dict = {"scale": m.scale}
+        if m.causal:
+            kwargs["is_causal"] = True
         if mask is not None and m.view is not None:  # [B, H] from the scores' view: the mask's
             batch = list(m.view.args[1][:2])
             q, k, v = (call(aten.view.default, (t, [*batch, size(t, 1), size(t, 2)]), {})
