@@ -40,8 +40,8 @@ narrower float, is -inf there). The call's mask is built from C (one per conditi
 attentions that share it), so a fill below FAR needs no clamping per call, and the wrapper finds
 the queries that keep no key once per mask; a fill or an added mask the program builds from its
 sizes that is the causal one (gjit/lowering/causal.py: triu, tril, aranges compared) makes the
-call causal, with no mask (FlashAttention's causal kernel; the template's causal bound), as no
-query then keeps no key. Where a hidden key's score is NaN or inf (inf in the
+call causal, with no mask (ATen's causal kernel, FlashAttention's where L == S; the template's
+causal bound), as no query then keeps no key. Where a hidden key's score is NaN or inf (inf in the
 keys), eager's fill replaces it and the call's mask, added, does not: that query's row is NaN (as
 ATen's own SDPA gives). A fill near the scores, by a tensor, finite on float16 operands (FAR is no
 float16; -inf is taken), or with a mask keeps the written-out form.

@@ -1,0 +1,136 @@
+"""gjit/lowering/causal.py: which masks a program builds from its sizes are proved the causal one
+(a key j kept for query i exactly where j <= i, for every size), and which are not."""
+
+import pytest
+import torch
+
+from gjit.lowering.causal import is_causal, is_causal_additive
+
+pytestmark = [pytest.mark.cpu]
+
+
+def mask_node(fn, rows=8, keys=8):
+    """The output node of `fn(x)` exported with x [2, rows, keys] (rows dynamic), decomposed."""
+
+    class Module(torch.nn.Module):
+        def forward(self, x):
+            return (fn(x),)
+
+    x = torch.randn(2, rows, keys)
+    ep = torch.export.export(Module(), (x,), dynamic_shapes=({1: torch.export.Dim.AUTO},))
+    gm = ep.run_decompositions().graph_module
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+    expected = fn(x)
+    return out, expected
+
+
+def rows_keys(x):
+    return torch.arange(x.shape[1])[:, None], torch.arange(x.shape[2])[None, :]
+
+
+def one_arange_two_dims(x):
+    idx = torch.arange(x.shape[1])
+    return idx[None, :] <= idx[:, None]
+
+
+def diagonal_through_one_arange(x):
+    idx = torch.arange(x.shape[1])
+    return (idx[None, :] <= idx[:, None]) & (idx[None, :] >= idx[:, None])
+
+
+BOOLEAN = {  # mask -> (the value where a key is kept, whether that is the causal mask, proved so)
+    "triu hides": (lambda x: torch.ones(x.shape[1], x.shape[2], dtype=torch.bool).triu(1), False, True),
+    "triu keeps": (lambda x: torch.ones(x.shape[1], x.shape[2], dtype=torch.bool).triu(1), True, False),
+    "tril of ones == 0": (lambda x: torch.tril(torch.ones(x.shape[1], x.shape[2])) == 0, False, True),
+    "tril keeps": (lambda x: torch.ones(x.shape[1], x.shape[2], dtype=torch.bool).tril(), True, True),
+    "tril viewed 4-D": (
+        lambda x: (
+            torch.ones(x.shape[1], x.shape[2], dtype=torch.bool).tril().view(1, 1, x.shape[1], x.shape[2])
+        ),
+        True,
+        True,
+    ),
+    "aranges compared": (lambda x: rows_keys(x)[1] <= rows_keys(x)[0], True, True),
+    "one arange along two dims": (one_arange_two_dims, True, True),
+    "tril(1)": (lambda x: torch.ones(x.shape[1], x.shape[2], dtype=torch.bool).tril(1), True, False),
+    "an offset": (lambda x: rows_keys(x)[1] <= rows_keys(x)[0] + 1, True, False),
+    "rows only": (lambda x: (rows_keys(x)[0] >= 0).expand(x.shape[1], x.shape[2]), True, False),
+    "a band": (
+        lambda x: (rows_keys(x)[1] <= rows_keys(x)[0]) & (rows_keys(x)[1] > rows_keys(x)[0] - 3),
+        True,
+        False,
+    ),
+    "the diagonal through one arange": (diagonal_through_one_arange, True, False),
+    "transposed": (
+        lambda x: torch.ones(x.shape[1], x.shape[2], dtype=torch.bool).triu().mT,
+        True,
+        True,
+        False,
+    ),
+    "an input": (lambda x: (x[0] > 0) | (rows_keys(x)[1] <= rows_keys(x)[0]), True, False),
+    "an index cast to bool": (
+        lambda x: torch.arange(x.shape[2]).bool()[None, :] <= rows_keys(x)[0],
+        True,
+        False,
+    ),
+    "indices through float16": (
+        lambda x: torch.arange(1, x.shape[2] + 1).half()[None, :] <= (rows_keys(x)[0] + 1).half(),
+        True,
+        True,
+        False,  # exact at these sizes, not past 2048
+    ),
+    "row 0's keys for every row": (
+        lambda x: (
+            torch.ones(x.shape[1], x.shape[2], dtype=torch.bool).tril()[:1].expand(x.shape[1], x.shape[2])
+        ),
+        True,
+        False,
+    ),
+    "a float32 constant that rounds": (
+        lambda x: torch.where(rows_keys(x)[1] <= rows_keys(x)[0], 1.0, 1.00000001) == 1,
+        True,
+        False,
+    ),
+    "a select's arithmetic": (
+        lambda x: torch.tril(torch.ones(x.shape[1], x.shape[2])) + 1 >= 2,
+        True,
+        True,
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BOOLEAN))
+def test_a_boolean_mask_is_proved_causal_only_where_it_is(case):
+    """Proved only where it is causal; unproved (and left a mask) where the proof does not reach:
+    a transpose, arithmetic on a select."""
+    fn, keep, causal, *proved = BOOLEAN[case]
+    proved = proved[0] if proved else causal
+    node, mask = mask_node(fn)
+    truth = torch.ones(8, 8, dtype=torch.bool).tril()
+    assert torch.equal(mask.expand(8, 8, 8, 8)[0, 0] == keep, truth) == causal  # what the cases say
+    assert is_causal(node, keep) == proved
+
+
+@pytest.mark.parametrize(
+    "fn, causal",
+    [
+        (lambda x: torch.triu(torch.full((x.shape[1], x.shape[2]), float("-inf")), 1), True),
+        (lambda x: torch.triu(torch.full((x.shape[1], x.shape[2]), float("-inf")), 0), False),
+        (lambda x: torch.triu(torch.full((x.shape[1], x.shape[2]), -1e30), 1), False),
+        (lambda x: torch.where(rows_keys(x)[1] <= rows_keys(x)[0], 0.0, float("-inf")), True),
+        (lambda x: torch.triu(torch.full((x.shape[1], x.shape[2]), float("-inf")), 1) * 2, False),  # unproved
+        (lambda x: torch.triu(torch.full((x.shape[1], x.shape[2]), float("-inf")), 1) * 2 + 1, False),
+    ],
+    ids=["triu of -inf", "the diagonal too", "a finite fill", "where", "scaled", "two added"],
+)
+def test_an_additive_mask_is_causal_where_it_is_zero_and_minus_inf(fn, causal):
+    """0 where kept and -inf elsewhere exactly; arithmetic on the mask is not looked into (and
+    raises nothing)."""
+    node, _ = mask_node(fn)
+    assert is_causal_additive(node) == causal
+
+
+def test_more_keys_than_queries_is_the_top_left_mask():
+    node, _ = mask_node(lambda x: torch.ones(x.shape[1], x.shape[2], dtype=torch.bool).tril(), rows=5, keys=9)
+    assert is_causal(node, True)
