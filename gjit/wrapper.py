@@ -38,6 +38,7 @@ PADDED_PRODUCTS = {
 }
 COLUMN_COPY = "gjit_column_copy"  # kernels/column_copy.py's kernel, as padded products take it
 WRITTEN_OUT = "gjit_written_out"  # attention_masks.py's call for attention written out
+HIDDEN_ROWS = "gjit_hidden_rows"  # attention_masks.py's rows without keys of a mask built from a fill
 MASK_DTYPES = (torch.float16, torch.bfloat16)  # the fused attention kernels'; float32 keeps eager's call
 MASK_DEVICES = {"cuda"}
 # externs whose result is always a new contiguous tensor (ATen's, and padded_mm's), so that a view
@@ -288,7 +289,7 @@ class WrapperWriter:
         name = self.arg(node.kwargs["attn_mask"])
         if name not in self.hidden:  # a reserved name: no FX node's
             self.hidden[name] = f"gjit_hidden{len(self.hidden)}"
-            self.lines.append(f"{self.hidden[name]} = gjit_hidden_rows({name})")
+            self.lines.append(f"{self.hidden[name]} = {HIDDEN_ROWS}({name})")
         return [f"dead={self.hidden[name]}"]
 
     def boolean_mask(self, node: torch.fx.Node) -> bool:

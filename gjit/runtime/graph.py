@@ -30,7 +30,7 @@ from gjit.runtime import attention_masks, padded_mm, prebuild
 from gjit.runtime import cuda as runtime_cuda
 from gjit.runtime import interpret as interpret_libdevice
 from gjit.runtime.launch import Launcher
-from gjit.wrapper import COLUMN_COPY, WRITTEN_OUT, graph_device
+from gjit.wrapper import COLUMN_COPY, HIDDEN_ROWS, WRITTEN_OUT, graph_device
 
 cache_log = logs.logger("cache")
 
@@ -227,7 +227,7 @@ class CompiledGraph:
             "gjit_additive_mask": attention_masks.additive,  # an attention extern's boolean mask
             "gjit_traced_layout": attention_masks.traced_layout,
             WRITTEN_OUT: attention_masks.written_out,  # gjit/lowering/attention_library.py's
-            "gjit_hidden_rows": attention_masks.hidden_rows,  # of a mask it built from a fill
+            HIDDEN_ROWS: attention_masks.hidden_rows,  # of a mask it built from a fill
             "gjit_reinterpret": reinterpret_tensor,  # a view from its traced layout
             "gjit_as_strided": as_strided,  # the same, bounds checked (GJIT_DEBUG)
             "math": math,
