@@ -423,19 +423,22 @@ def test_rows_the_mask_leaves_without_a_key_are_as_eagers(as_on_a_gpu, matmul):
 def test_a_fill_below_far_goes_to_sdpa_as_far():
     """The memory-efficient kernel scales scores and mask by log2(e): finfo.min would overflow to
     -inf there and a row every key of which it masks would be zeros, not eager's mean of the
-    values. The call hands it a fill of -2**100 instead; -inf stays -inf, other values as they are."""
+    values. The call hands it a fill of -2**100 instead; -inf stays -inf, NaN NaN (a row it reaches
+    is NaN in eager), other values as they are."""
     from gjit.runtime.attention_masks import FAR, written_out
 
-    q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
-    mask = torch.tensor([0.0, -5.0, -1e30, torch.finfo(torch.float32).min, float("-inf")])[None]
+    q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    mask = torch.tensor([0.0, -5.0, -1e30, torch.finfo(torch.float32).min, float("-inf"), float("nan")])[None]
     seen = []
 
     def sdpa(q, k, v, **kwargs):
         seen.append(kwargs["attn_mask"])
         return torch.ops.aten.scaled_dot_product_attention.default(q, k, v, **kwargs)
 
-    written_out(sdpa, (48, 24, 8, 1), q, k, v, attn_mask=mask.expand(3, 5))
-    assert torch.equal(seen[0], torch.tensor([[0.0, -5.0, -1e30, FAR, float("-inf")]] * 3))
+    out = written_out(sdpa, (48, 24, 8, 1), q, k, v, attn_mask=mask.expand(3, 6))
+    expected = torch.tensor([[0.0, -5.0, -1e30, FAR, float("-inf"), float("nan")]] * 3)
+    torch.testing.assert_close(seen[0], expected, rtol=0, atol=0, equal_nan=True)
+    assert out.isnan().all()  # eager's softmax over a NaN score
 
 
 def test_no_keys_with_a_mask_give_zeros(as_on_a_gpu):

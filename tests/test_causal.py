@@ -91,6 +91,28 @@ BOOLEAN = {  # mask -> (the value where a key is kept, whether that is the causa
         True,
         False,
     ),
+    "a number compared in float32": (
+        lambda x: torch.where(rows_keys(x)[1] <= rows_keys(x)[0], 1.0, 0.0) > 0.99999999,  # 1.0 > 1.0
+        True,
+        False,
+    ),
+    "indices compared in float16": (
+        lambda x: rows_keys(x)[1] - rows_keys(x)[0] + 4096 <= torch.full((), 4096.0, dtype=torch.float16),
+        True,
+        False,  # 4097 is 4096 in float16
+    ),
+    "an int64 constant compared exactly": (
+        lambda x: (
+            torch.where(
+                rows_keys(x)[1] <= rows_keys(x)[0],
+                torch.full((), 2.0**60, dtype=torch.long),
+                torch.zeros((), dtype=torch.long),
+            )
+            == 2**60 + 1
+        ),
+        True,
+        False,
+    ),
     "a select's arithmetic": (
         lambda x: torch.tril(torch.ones(x.shape[1], x.shape[2])) + 1 >= 2,
         True,
@@ -121,8 +143,9 @@ def test_a_boolean_mask_is_proved_causal_only_where_it_is(case):
         (lambda x: torch.where(rows_keys(x)[1] <= rows_keys(x)[0], 0.0, float("-inf")), True),
         (lambda x: torch.triu(torch.full((x.shape[1], x.shape[2]), float("-inf")), 1) * 2, False),  # unproved
         (lambda x: torch.triu(torch.full((x.shape[1], x.shape[2]), float("-inf")), 1) * 2 + 1, False),
+        (lambda x: torch.triu(torch.full((x.shape[1], x.shape[2]), float("-inf")), 1) * 0, False),  # NaN
     ],
-    ids=["triu of -inf", "the diagonal too", "a finite fill", "where", "scaled", "two added"],
+    ids=["triu of -inf", "the diagonal too", "a finite fill", "where", "scaled", "two added", "times 0"],
 )
 def test_an_additive_mask_is_causal_where_it_is_zero_and_minus_inf(fn, causal):
     """0 where kept and -inf elsewhere exactly; arithmetic on the mask is not looked into (and

@@ -13,7 +13,9 @@ the last two dims, and requires every comparison in the result to be linear in d
 predicate then changes only at the roots of those comparisons, and agreeing with d <= 0 at each
 root, around it and past the outermost ones proves it for every integer d. What each node's value
 may be is its dtype's: index arithmetic in int64 only (linear, small coefficients: no overflow),
-any other number a select of constants each exact in its dtype, bool a predicate. Anything else (a
+any other number a select of constants each exact in its dtype, bool a predicate; arithmetic and
+comparisons take their operands (Python numbers too) in the promoted dtype they run in, and no
+arithmetic touches an infinity (sympy makes -inf * 0 zero, torch NaN). Anything else (a
 tensor input, a size-dependent offset, a cast that rounds, an op not below) is no proof, and the
 mask stays as it is.
 """
@@ -53,6 +55,7 @@ BITWISE = {
     aten.bitwise_xor.Tensor: sympy.Xor,
 }  # fmt: skip (on bool tensors only)
 MAX_NODES = 64  # a mask built from more nodes than this is not looked into
+MAX_OPS = 200  # nor a value of more operations than this
 MAX_COEFFICIENT = 2**20  # index arithmetic's constants: sums of a few terms stay far from 2**63
 
 
@@ -165,12 +168,12 @@ class _Evaluator:
         if target in ARITHMETIC:
             if node.kwargs.get("alpha", 1) != 1:
                 return None
-            return self.combine(lambda a, b: ARITHMETIC[target](_as_number(a), _as_number(b)), *args[:2])
+            return self.numeric(lambda a, b: _arithmetic(ARITHMETIC[target], a, b), *args[:2])
         if target is aten.neg.default:
             x = self(args[0])
             return None if x is None else _Value(-_as_number(x.expr), x.dims)
         if target in COMPARISONS:
-            return self.combine(lambda a, b: _compare(COMPARISONS[target], a, b), *args[:2])
+            return self.numeric(lambda a, b: _compare(COMPARISONS[target], a, b), *args[:2])
         if target in LOGICAL:
             op = LOGICAL[target]
             return self.combine(lambda a, b: op(_as_predicate(a), _as_predicate(b)), *args[:2])
@@ -238,6 +241,21 @@ class _Evaluator:
         dims = x.dims[:dim] + (fresh,) + x.dims[dim + 1 :]
         return _Value(x.expr.xreplace({symbol: start + step * fresh}), dims)
 
+    def numeric(self, op, a: object, b: object) -> _Value | None:
+        """`op` on two numbers as torch computes it: in their promoted dtype, which each operand
+        (a Python number too) must fit as it is (a constant exact there, index arithmetic in int64
+        only); a bool as 1 or 0."""
+        operands = [x.meta["val"] if isinstance(x, torch.fx.Node) else x for x in (a, b)]
+        if not all(isinstance(x, (torch.Tensor, numbers.Number)) for x in operands):
+            return None
+        dtype = torch.result_type(*operands)
+
+        def checked(x: sympy.Basic, y: sympy.Basic) -> sympy.Basic | None:
+            x, y = _as_number(x), _as_number(y)
+            return op(x, y) if _fits(x, dtype) and _fits(y, dtype) else None
+
+        return self.combine(checked, a, b)
+
     def combine(self, op, a: object, b: object) -> _Value | None:
         aligned = _aligned([self(a), self(b)])
         if aligned is None:
@@ -267,9 +285,15 @@ def _checked(value: _Value | None, val: torch.Tensor) -> _Value | None:
     for k, size in enumerate(val.shape):
         if dims[k] is not None and statically_known_true(size == 1):
             expr, dims[k] = expr.xreplace({dims[k]: sympy.Integer(0)}), None
+    if sympy.count_ops(expr) > MAX_OPS:
+        return None  # (a select of selects doubles with each one)
     if val.dtype == torch.bool:
         return _Value(expr, tuple(dims)) if _predicate(expr) else None
-    return _Value(expr, tuple(dims)) if not _predicate(expr) and _fits(expr, val.dtype) else None
+    if _predicate(expr) or not _fits(expr, val.dtype):
+        return None
+    if not val.dtype.is_floating_point:  # its constants exact integers: compared as such, not as floats
+        expr = expr.xreplace({f: sympy.Integer(int(f)) for f in expr.atoms(sympy.Float)})
+    return _Value(expr, tuple(dims))
 
 
 def _aligned(values: list[_Value | None]) -> tuple[list[sympy.Basic], tuple] | None:
@@ -301,6 +325,14 @@ def _compare(op, x: sympy.Basic, y: sympy.Basic) -> sympy.Basic:
                 terms.append(sympy.And(op(b, value) if swap else op(value, b), cond, sympy.Not(earlier)))
                 earlier = sympy.Or(earlier, cond)
             return sympy.Or(*terms)
+    return op(x, y)
+
+
+def _arithmetic(op, x: sympy.Basic, y: sympy.Basic) -> sympy.Basic | None:
+    """`op` on numbers, None where one is infinite (sympy makes -inf * 0 and -inf - -inf 0, torch
+    NaN)."""
+    if x.has(sympy.oo, -sympy.oo) or y.has(sympy.oo, -sympy.oo):
+        return None
     return op(x, y)
 
 

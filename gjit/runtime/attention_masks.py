@@ -88,7 +88,8 @@ def written_out(
         return traced_layout(q.new_zeros((*q.shape[:-1], v.shape[-1])), None, stride)
     mask = kwargs.get("attn_mask")
     if mask is not None and dead is FROM_THE_MASK:
-        kwargs = kwargs | {"attn_mask": mask.where((mask >= FAR) | (mask == float("-inf")), FAR)}
+        # below FAR but not -inf: FAR (NaN stays NaN: a row it reaches is NaN in eager)
+        kwargs = kwargs | {"attn_mask": mask.masked_fill((mask < FAR) & (mask != float("-inf")), FAR)}
         dead = hidden_rows(mask)
     out = traced_layout(_parts(sdpa, q, k, v, kwargs), None, stride)
     if mask is not None and dead is not None:
