@@ -28,6 +28,13 @@ def rows_keys(x):
     return torch.arange(x.shape[1])[:, None], torch.arange(x.shape[2])[None, :]
 
 
+def ahead(x):
+    """(keys up to one past the row, the causal keys): where() picks the first where torch's
+    arithmetic takes its condition as true."""
+    rows, keys = rows_keys(x)
+    return keys <= rows + 1, keys <= rows
+
+
 def one_arange_two_dims(x):
     idx = torch.arange(x.shape[1])
     return idx[None, :] <= idx[:, None]
@@ -109,6 +116,23 @@ BOOLEAN = {  # mask -> (the value where a key is kept, whether that is the causa
                 torch.zeros((), dtype=torch.long),
             )
             == 2**60 + 1
+        ),
+        True,
+        False,
+    ),
+    "a float64 constant past 2**53": (
+        lambda x: torch.where(torch.full(x.shape[1:], 2**53 + 1, dtype=torch.float64) == 2**53, *ahead(x)),
+        True,
+        False,
+    ),
+    "int64 arithmetic that wraps": (
+        lambda x: torch.where(torch.full(x.shape[1:], -(2**63)) - 1 < 0, *reversed(ahead(x))),
+        True,
+        False,
+    ),
+    "a float64 product that underflows": (
+        lambda x: torch.where(
+            torch.full(x.shape[1:], 2.0**-600, dtype=torch.float64) * 2.0**-600 == 0, *ahead(x)
         ),
         True,
         False,

@@ -54,7 +54,7 @@ BITWISE = {
     aten.bitwise_or.Tensor: sympy.Or,
     aten.bitwise_xor.Tensor: sympy.Xor,
 }  # fmt: skip (on bool tensors only)
-MAX_NODES = 64  # a mask built from more nodes than this is not looked into
+MAX_NODES = 32  # a mask built from more nodes than this is not looked into (the proof's time)
 MAX_OPS = 200  # nor a value of more operations than this
 MAX_COEFFICIENT = 2**20  # index arithmetic's constants: sums of a few terms stay far from 2**63
 
@@ -102,16 +102,20 @@ def _number(x: object) -> sympy.Basic | None:
 
 
 def _exact(number: sympy.Basic, dtype: torch.dtype) -> bool:
-    """Whether `number` is a value of `dtype` (a constant torch keeps as it is)."""
+    """Whether `number` is a value of `dtype` exactly (a constant torch keeps as it is), compared
+    as rationals: no rounding, overflow or underflow on the way (2**53 + 1 is no float64)."""
     if number in (sympy.oo, -sympy.oo):
         return dtype.is_floating_point
-    if not number.is_number or not number.is_real:
+    if not number.is_number or not number.is_real or dtype == torch.bool:
         return False
-    x = float(number)
-    if dtype.is_floating_point:
-        return torch.tensor(x, dtype=torch.float64).to(dtype).double().item() == x
-    info = torch.iinfo(dtype) if dtype != torch.bool else None
-    return info is not None and x == int(x) and info.min <= x <= info.max
+    exact = sympy.Rational(number)
+    if not dtype.is_floating_point:
+        info = torch.iinfo(dtype)
+        return exact.q == 1 and info.min <= exact.p <= info.max
+    x = float(exact)
+    if not math.isfinite(x) or sympy.Rational(x) != exact:
+        return False
+    return torch.tensor(x, dtype=torch.float64).to(dtype).double().item() == x
 
 
 def _fits(expr: sympy.Basic, dtype: torch.dtype) -> bool:
