@@ -26,9 +26,13 @@ pytestmark = pytest.mark.cpu
 # tests lack: convolutions with pooling, and relative position buckets with an encoder-decoder
 CUDA_C = {"resnet", "t5"}
 CASES = [(n, "triton") for n in MORE_MODELS] + [(n, "cupy") for n in MORE_MODELS if n in CUDA_C]
+# the longest (about 10-25 s each) run in CI's sweep step; t5 is in tests/test_llm.py's default run too
+SWEPT = {("swin", "triton"), ("t5", "triton"), ("t5", "cupy")}
 
 
-@pytest.mark.parametrize("name, backend", CASES)
+@pytest.mark.parametrize(
+    "name, backend", [pytest.param(*c, marks=pytest.mark.slow) if c in SWEPT else c for c in CASES]
+)
 def test_architecture_matches_eager(name, backend):
     model, inputs = MORE_MODELS[name]()
     with gjit.config.scope(backend=backend):

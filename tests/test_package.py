@@ -86,7 +86,7 @@ def round_trip(name: str, tmp_path) -> None:
 
 # a fresh process each (about 12 s): the default run keeps one of each kind of attention, the rest
 # run in CI's sweep step
-SWEPT = {"gpt2-eager", "llama-eager", "llama-sdpa", "bert-sdpa"}
+SWEPT = {"gpt2-eager", "llama-eager", "llama-sdpa", "bert-sdpa", "bert-eager", "transformer_encoder_layer"}
 
 
 @pytest.mark.parametrize(

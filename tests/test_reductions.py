@@ -529,6 +529,11 @@ def test_tile_table():
     assert reduction_tiles("inner", 4096, 32000, False, True, 4, forced) == RowTiles(256, 4, False)
 
 
+def swept(cases: dict, slow: set) -> list:
+    """The cases' names, those in `slow` (the longest, 10-16 s each) run in CI's sweep step only."""
+    return [pytest.param(n, marks=pytest.mark.slow) if n in slow else n for n in cases]
+
+
 SPLIT = {  # few rows of many elements: partial results of chunks, then their reduction (two kernels)
     "sum_all": ((40000,), lambda x: x.sum()),
     "sum_all_2d": ((200, 300), lambda x: x.sum()),
@@ -544,7 +549,7 @@ SPLIT = {  # few rows of many elements: partial results of chunks, then their re
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-@pytest.mark.parametrize("name", list(SPLIT), ids=list(SPLIT))
+@pytest.mark.parametrize("name", swept(SPLIT, {"amax_several_keepdim"}), ids=list(SPLIT))
 def test_few_long_rows_reduce_in_two_levels(name, dynamic):
     """gjit/lowering/split.py: each chunk's lanes past the row hold the identity; NaN and inf
     propagate through the partials as through one reduction; float64 is the judge of sums (of
@@ -596,7 +601,7 @@ MIXED = {  # several split reductions of one input in one partial kernel, each w
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-@pytest.mark.parametrize("name", list(MIXED), ids=list(MIXED))
+@pytest.mark.parametrize("name", swept(MIXED, {"min_max_scaling"}), ids=list(MIXED))
 def test_split_reductions_of_one_input_keep_their_own_identities(name, dynamic):
     """Lanes past the row hold each reduction's own identity (review: a masked value's CSE once
     ignored its fill value, so max took sum's 0 past the row, min took max's -inf); all-negative
