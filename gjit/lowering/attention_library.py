@@ -557,20 +557,8 @@ def rewrite(gm: torch.fx.GraphModule, m: WrittenOut, built: dict | None = None) 
         graph.erase_node(node)
     for user, (source, dim) in m.sizes.items():
         user.args = (source, dim)
-    unread = {a for n in m.replaced for a in n.all_input_nodes} - set(m.replaced)
     for node in m.replaced:  # from the softmax's readers back to the scores
         graph.erase_node(node)
-    _erase_unread(unread)
-
-
-def _erase_unread(nodes: set[torch.fx.Node]) -> None:
-    """Of `nodes` and what they read, the pure calls nothing reads any more (a fill's constant, an
-    additive mask whose attentions all read the mask built for its fill)."""
-    while nodes:
-        node = nodes.pop()
-        if node.op == "call_function" and not node.users and not node.is_impure() and node.graph is not None:
-            nodes.update(node.all_input_nodes)
-            node.graph.erase_node(node)
 
 
 def written_out_as_sdpa(gm: torch.fx.GraphModule) -> int:
@@ -588,7 +576,8 @@ def written_out_as_sdpa(gm: torch.fx.GraphModule) -> int:
         rewrite(gm, m, built)
         gone.update(m.replaced)
         done += 1
-    if done:
+    if done:  # what only the replaced nodes read (a fill's constants, a mask left for a causal call)
+        gm.graph.eliminate_dead_code()
         gm.graph.lint()
         gm.recompile()
     return done

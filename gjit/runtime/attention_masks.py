@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 
 from gjit.lowering.attention_library import FAR
 
@@ -83,7 +84,7 @@ def written_out(
     0, -inf and FAR: `dead` then says which queries keep no key (`hidden_rows`, once per call for
     the attentions that share the mask; None: none can, the fill is FAR)."""
     if stride is None:
-        stride = torch.empty((*q.shape[:-1], v.shape[-1]), device="meta").stride()
+        stride = make_contiguous_strides_for((*q.shape[:-1], v.shape[-1]))
     if q.numel() == 0 or k.shape[-2] == 0:
         return traced_layout(q.new_zeros((*q.shape[:-1], v.shape[-1])), None, stride)
     mask = kwargs.get("attn_mask")
