@@ -38,6 +38,7 @@ from gjit.ir import LoopGraph
 from gjit.lowering.attention_library import written_out_as_sdpa
 from gjit.lowering.attention_pattern import match_attention
 from gjit.lowering.graph import lower_graph
+from gjit.lowering.proved_masks import proved_masks
 from gjit.lowering.registry import EXTERN_REASONS, LOWERINGS, size_reason
 from gjit.lowering.templates import EVERY_TEMPLATE, NO_TEMPLATES, TemplateChoice
 from gjit.runtime import disk_cache as cache
@@ -221,7 +222,8 @@ def compile_program(
     gm = captured.graph_module
     symbols = input_symbols(captured.user_vals)  # after decomposition's replacements
     passes = Passes(options, timings)
-    # sdpa: on a GPU, written-out attention whose score is only scaled -> ATen's SDPA call
+    # sdpa: an SDPA call's mask built from sizes, proved causal or keeping every key -> is_causal or
+    # none; on a GPU, written-out attention whose score is only scaled -> ATen's SDPA call
     passes("sdpa", library_attention, gm)
     why = unmeasurable(gm, symbols, options, example)
     if options.matmul == "auto" and options.matmul_template and why is not None:  # the library,
@@ -365,6 +367,7 @@ def attention_as_sdpa(gm: torch.fx.GraphModule) -> bool:
 
 
 def library_attention(gm: torch.fx.GraphModule) -> None:
+    proved_masks(gm)  # exact on every device: no mask's kernels, the causal kernel or bound
     if attention_as_sdpa(gm):
         written_out_as_sdpa(gm)
 

@@ -1,10 +1,12 @@
 """gjit/lowering/causal.py: which masks a program builds from its sizes are proved the causal one
 (a key j kept for query i exactly where j <= i, for every size), and which are not."""
 
+import math
+
 import pytest
 import torch
 
-from gjit.lowering.causal import is_causal, is_causal_additive
+from gjit.lowering.causal import adds_nothing, is_causal, is_causal_additive, keeps_every_key
 
 pytestmark = [pytest.mark.cpu]
 
@@ -137,19 +139,14 @@ BOOLEAN = {  # mask -> (the value where a key is kept, whether that is the causa
         True,
         False,
     ),
-    "a select's arithmetic": (
-        lambda x: torch.tril(torch.ones(x.shape[1], x.shape[2])) + 1 >= 2,
-        True,
-        True,
-        False,
-    ),
+    "a select's arithmetic": (lambda x: torch.tril(torch.ones(x.shape[1], x.shape[2])) + 1 >= 2, True, True),
 }
 
 
 @pytest.mark.parametrize("case", list(BOOLEAN))
 def test_a_boolean_mask_is_proved_causal_only_where_it_is(case):
     """Proved only where it is causal; unproved (and left a mask) where the proof does not reach:
-    a transpose, arithmetic on a select."""
+    a transpose, indices through float16."""
     fn, keep, causal, *proved = BOOLEAN[case]
     proved = proved[0] if proved else causal
     node, mask = mask_node(fn)
@@ -181,3 +178,140 @@ def test_an_additive_mask_is_causal_where_it_is_zero_and_minus_inf(fn, causal):
 def test_more_keys_than_queries_is_the_top_left_mask():
     node, _ = mask_node(lambda x: torch.ones(x.shape[1], x.shape[2], dtype=torch.bool).tril(), rows=5, keys=9)
     assert is_causal(node, True)
+
+
+def positions(x, step=1):
+    """transformers' position ids: [B, L], expanded from one arange."""
+    return (torch.arange(x.shape[1]) * step)[None].expand(x.shape[0], -1)
+
+
+def indices(x):
+    """Index tensors over the batch, the queries and the keys, as masking_utils broadcasts them."""
+    length = x.shape[1]
+    return (torch.arange(x.shape[0])[:, None, None, None], torch.arange(length)[None, None, :, None],
+            torch.arange(length)[None, None, None, :])  # fmt: skip
+
+
+def gathered(x, ids):
+    """`kv_idx <= q_idx` on position ids gathered by index tensors (transformers' masking_utils
+    under tracing), and-ed with its check that no sequence is packed."""
+    b, q_idx, kv_idx = indices(x)
+    packed = (torch.diff(ids, dim=-1, prepend=ids[:, :1] - 1) != 1).cumsum(-1)
+    return (ids[b, kv_idx] <= ids[b, q_idx]) & (packed[b, q_idx] == packed[b, kv_idx])
+
+
+def one_back(x):
+    b, q_idx, kv_idx = indices(x)
+    return positions(x)[b, q_idx] - 1 >= positions(x)[b, kv_idx]
+
+
+def one_more_less_one(x):
+    b, q_idx, kv_idx = indices(x)
+    return positions(x)[b, kv_idx + 1 - 1] <= positions(x)[b, q_idx]
+
+
+def after_a_part_of_unknown_size(x):
+    ids = torch.cat([positions(x), positions(x)], -1)
+    return ids[:, None, None, : x.shape[1]] <= positions(x)[:, None, :, None]
+
+
+def running_sum_of_ones(x):
+    ones = torch.ones(x.shape[1], x.shape[1], dtype=torch.long)
+    return ones.cumsum(-1) <= torch.arange(1, x.shape[1] + 1)[:, None]
+
+
+def tril(x):
+    return torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+
+
+GATHERED = {  # mask of [B, 1, L, L] -> (whether it is the causal one, proved so)
+    "transformers' causal mask": (lambda x: gathered(x, positions(x)), True),
+    "packed: steps of 2": (lambda x: gathered(x, positions(x, 2)), False),
+    "ids read one back": (one_back, False),
+    "after a part of a size not known": (
+        after_a_part_of_unknown_size,
+        True,
+        False,  # the select on the size is not looked into
+    ),
+    "one more than an index, less one": (one_more_less_one, True),
+    "a running sum of ones": (running_sum_of_ones, True),
+    "ids from the input": (lambda x: gathered(x, x[..., 0].long().abs() % x.shape[1]), False),
+    "a first column and the rest": (
+        lambda x: torch.cat([torch.ones(x.shape[1], 1, dtype=torch.bool), tril(x)[:, 1:]], -1),
+        True,
+        False,  # its select is on the key alone (j < 1): not looked into
+    ),
+    "a first row and the rest": (
+        lambda x: torch.cat([torch.arange(x.shape[1])[None, :] <= 0, tril(x)[1:]], 0),
+        True,
+        False,  # the same, on the row
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(GATHERED))
+def test_masks_gathered_by_index_tensors_cat_and_cumsum(case):
+    """Index tensors in bounds, a cat of parts of known sizes and a running sum of a value that is
+    zero or the same along its dim are taken (not a part of a size not known); a packed sequence,
+    an input, an index one back are not the causal mask."""
+    fn, causal, *proved = GATHERED[case]
+    node, mask = mask_node(fn, rows=8, keys=8)
+    truth = torch.ones(8, 8, dtype=torch.bool).tril()
+    assert torch.equal(mask.expand(2, 1, 8, 8)[0, 0], truth) == causal
+    assert is_causal(node, True) == (proved[0] if proved else causal)
+
+
+@pytest.mark.parametrize(
+    "fn, keeps",
+    [
+        (lambda x: (torch.arange(x.shape[1])[None, None, :, None] >= 0).expand(2, 1, -1, x.shape[1]), True),
+        (lambda x: (torch.arange(x.shape[1])[None, :] >= 1).expand(x.shape[1], x.shape[1]), False),
+        (lambda x: torch.ones(x.shape[1], x.shape[2], dtype=torch.bool), True),
+        (lambda x: gathered(x, positions(x)), False),
+        (lambda x: x > -1e30, False),  # true on this input, not proved for every input
+    ],
+    ids=["an index at least 0", "at least 1", "ones", "causal", "an input"],
+)
+def test_a_mask_that_keeps_every_key(fn, keeps):
+    node, mask = mask_node(fn)
+    assert keeps_every_key(node) == keeps
+    assert not keeps_every_key(node, keep=False)
+
+
+@pytest.mark.parametrize(
+    "fn, nothing",
+    [
+        (lambda x: torch.zeros(x.shape[1], x.shape[2]), True),
+        (lambda x: torch.where(torch.arange(x.shape[1])[:, None] >= 0, 0.0, -math.inf).expand(-1, 8), True),
+        (lambda x: torch.triu(torch.full((x.shape[1], x.shape[2]), float("-inf")), 1), False),
+        (lambda x: torch.zeros(x.shape[1], x.shape[2]) * x[0], False),
+    ],
+    ids=["zeros", "a select of 0", "causal", "times an input"],
+)
+def test_an_additive_mask_that_adds_nothing(fn, nothing):
+    node, _ = mask_node(fn)
+    assert adds_nothing(node) == nothing
+
+
+def decode_mask(offset):
+    """One query after `past` keys in a cache: `kv_idx <= past + q_idx + offset` over the keys
+    (past + 1 of them), its sizes and past symbolic, as transformers builds it under export."""
+
+    class Module(torch.nn.Module):
+        def forward(self, keys):
+            past = keys.shape[1] - 1
+            q_idx = torch.arange(1) + past
+            return (torch.arange(past + 1)[None, None, None, :] <= q_idx[None, None, :, None] + offset,)
+
+    keys = torch.randn(2, 9)
+    ep = torch.export.export(Module(), (keys,), dynamic_shapes=({1: torch.export.Dim.AUTO},))
+    (out,) = [n for n in ep.run_decompositions().graph_module.graph.nodes if n.op == "output"][0].args[0]
+    return out, Module()(keys)[0]
+
+
+@pytest.mark.parametrize("offset, keeps", [(0, True), (1, True), (-1, False)])
+def test_one_query_after_a_cache_keeps_every_key(offset, keeps):
+    """The keys' range is their size's (past + 1): the last key is past, kept where offset >= 0."""
+    node, mask = decode_mask(offset)
+    assert bool(mask.all()) == keeps
+    assert keeps_every_key(node) == keeps

@@ -14,7 +14,7 @@ from gjit.choice.regions import PRODUCT_OPS, hint, product_names, table_key, tem
 from gjit.fusion.regions import Region, Step
 from gjit.ir import AttentionNode, LoopGraph
 from gjit.kernels import template_wins
-from gjit.lowering.attention_library import ANY_LAYOUT
+from gjit.lowering.attention_library import STANDS_FOR
 from gjit.lowering.templates import RegionChoice, TemplateChoice
 from gjit.tuning import log
 
@@ -58,7 +58,7 @@ def worth_measuring(region: Region) -> bool:
 def stands_for_written_out(node: torch.fx.Node) -> bool:
     """An SDPA call that stands for a written-out attention (gjit/lowering/attention_library.py):
     weighed as the written-out form was, its library side now ATen's fused kernel."""
-    return bool(node.meta.get(ANY_LAYOUT))
+    return bool(node.meta.get(STANDS_FOR))
 
 
 def unmeasured(schedule: Callable[[TemplateChoice], tuple[LoopGraph, list[Step]]], gm: torch.fx.GraphModule,

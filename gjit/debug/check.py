@@ -74,8 +74,9 @@ class RegionChecker:
                 if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
                     # an in-place op (index_put_): replayed on copies, never on the kernels' buffers
                     args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
-                if node.meta.get(ANY_LAYOUT):  # the wrapper's call: contiguous, eager's hidden rows
-                    result = attention_masks.written_out(target, None, *args, **kwargs)
+                if node.meta.get(ANY_LAYOUT):  # the wrapper's call: its value's layout, eager's rows
+                    stride = attention_masks.in_order(args[0], args[2], node.meta[ANY_LAYOUT])
+                    result = attention_masks.written_out(target, stride, *args, **kwargs)
                 elif target is operator.getitem:
                     result = args[0][args[1]]
                 else:

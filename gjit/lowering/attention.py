@@ -17,7 +17,7 @@ from torch.utils._sympy.functions import FloorDiv
 
 from gjit import ir
 from gjit.ir import Const, Index, Score, statically_known_equal
-from gjit.lowering.attention_library import ANY_LAYOUT
+from gjit.lowering.attention_library import STANDS_FOR
 from gjit.lowering.pointwise import op, where
 from gjit.lowering.registry import (
     TensorValue,
@@ -138,5 +138,5 @@ def sdpa(
     )
     # a query that keeps no key: zeros, as eager's SDPA; NaN where the call stands for a written-out
     # attention (gjit/lowering/attention_library.py), as eager's softmax there
-    empty_rows = "nan" if ctx.node.meta.get(ANY_LAYOUT) else "zero"
+    empty_rows = "nan" if ctx.node.meta.get(STANDS_FOR) else "zero"
     return ctx.attention(body, full, meta_layout(ctx.out_val), empty_rows=empty_rows, causal=is_causal)

@@ -78,8 +78,11 @@ ASSERT = aten._assert_tensor_metadata.default  # export's check of a cast's resu
 METADATA = (SIZE, aten.sym_stride.int, aten.sym_numel.default, ASSERT)  # a node's sizes, not its data
 
 
-# an SDPA call whose output the wrapper puts in its value's strides, whatever kernel ATen picks
+# an SDPA call whose output the wrapper puts in its value's strides, whatever kernel ATen picks: the
+# order of its dims in them, outermost first (dense: an interpreter lays the output out by it)
 ANY_LAYOUT = "gjit_attention_any_layout"
+# an SDPA call that stands for a written-out attention: a query that keeps no key gives NaN in it
+STANDS_FOR = "gjit_attention_written_out"
 # an SDPA call whose mask the rewrite built from a fill (`Fill`): the fill's value, -inf or FAR
 MASK_FILL = "gjit_attention_mask_fill"
 # a hidden key's score in a mask the rewrite builds for a finite fill, and what the wrapper hands SDPA
@@ -488,7 +491,7 @@ def _call(graph: torch.fx.Graph, op, args: tuple, kwargs: dict, *, like: torch.f
     with mode if mode is not None else torch._subclasses.FakeTensorMode():
         if op is aten.scaled_dot_product_attention.default:
             node.meta["val"] = _attention_value(*fake[:3])
-            node.meta[ANY_LAYOUT] = True
+            node.meta[ANY_LAYOUT], node.meta[STANDS_FOR] = tuple(range(node.meta["val"].dim())), True
         else:
             node.meta["val"] = op(*fake, **kwargs)
     for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):

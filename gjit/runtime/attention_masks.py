@@ -47,6 +47,16 @@ def traced_layout(out: torch.Tensor, dead: torch.Tensor | None, stride: tuple[in
     return out if dead is None else out.masked_fill_(dead, 0)
 
 
+def in_order(q: torch.Tensor, v: torch.Tensor, order: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of the attention output [..., L, Ev] of `q` and `v` laid out densely in the
+    order of dims `order` (outermost first: gjit/lowering/attention_library.py's ANY_LAYOUT)."""
+    shape, strides, step = (*q.shape[:-1], v.shape[-1]), [0] * q.dim(), 1
+    for dim in reversed(order):
+        strides[dim] = step
+        step *= shape[dim]
+    return tuple(strides)
+
+
 MAX_HEADS = 65535  # a CUDA grid's y and z dims: the fused kernels launch one per batch and head
 
 

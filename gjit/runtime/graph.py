@@ -97,9 +97,10 @@ class FallbackInterpreter(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node) -> Any:
         try:
-            if n.meta.get(ANY_LAYOUT):  # written-out attention: the wrapper's call, eager's rows
+            if n.meta.get(ANY_LAYOUT):  # the wrapper's call: its value's layout, eager's rows
                 args, kwargs = self.fetch_args_kwargs_from_env(n)
-                return attention_masks.written_out(n.target, None, *args, **kwargs)
+                stride = attention_masks.in_order(args[0], args[2], n.meta[ANY_LAYOUT])
+                return attention_masks.written_out(n.target, stride, *args, **kwargs)
             return super().run_node(n)
         except Exception as e:
             trace = (n.meta.get("stack_trace") or "").strip()

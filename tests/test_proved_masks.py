@@ -1,0 +1,183 @@
+"""SDPA calls whose mask the program builds from its sizes run without it (gjit/lowering/proved_masks.py):
+causal where it is proved causal, unmasked where it is proved to keep every key; the mask's kernels
+are gone. The masks are written as transformers builds them under torch.export."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gjit
+from gjit.capture.decompose import decompose_program
+from gjit.lowering.proved_masks import proved_masks
+from helpers import assert_same, check_against_float64
+
+pytestmark = [pytest.mark.cpu]
+aten = torch.ops.aten
+SDPA = aten.scaled_dot_product_attention.default
+
+
+def position_ids(batch, length, step=1):
+    return (torch.arange(length) * step)[None].expand(batch, -1)
+
+
+def hf_causal(batch, length, step=1):
+    """transformers' causal mask (masking_utils, under tracing): `kv_idx <= q_idx` on the position
+    ids gathered by index tensors, and-ed with the check that no sequence is packed (the running
+    sum of the steps between position ids that are not 1)."""
+    pos = position_ids(batch, length, step)
+    packed = (torch.diff(pos, dim=-1, prepend=pos[:, :1] - 1) != 1).cumsum(-1)
+    b = torch.arange(batch)[:, None, None, None]
+    q_idx, kv_idx = torch.arange(length)[None, None, :, None], torch.arange(length)[None, None, None, :]
+    keep = torch.ones((), dtype=torch.bool) & (pos[b, kv_idx] <= pos[b, q_idx])
+    return (keep & (packed[b, q_idx] == packed[b, kv_idx])).expand(batch, -1, length, length)
+
+
+def hf_bidirectional(batch, length):
+    """transformers' mask for an encoder without padding, under tracing: every key."""
+    return (torch.arange(length)[None, None, :, None] >= 0).expand(batch, -1, length, length)
+
+
+class Attention(torch.nn.Module):
+    """One head-split attention layer as transformers writes it, its mask built by `mask`."""
+
+    def __init__(self, mask, width=32, heads=2):
+        super().__init__()
+        self.mask, self.heads = mask, heads
+        self.qkv, self.out = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        b, s, w = x.shape
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(w, -1))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(b, s))
+        return self.out(o.transpose(1, 2).reshape(b, s, w))
+
+
+def exported(module, x):
+    dims = ({0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO},)
+    with torch.no_grad():  # decomposed as gjit decomposes (SDPA kept whole)
+        return decompose_program(torch.export.export(module, (x,), dynamic_shapes=dims))[0].module()
+
+
+MASKS = {  # mask -> what the call becomes: is_causal, unmasked, or left with the mask
+    "transformers' causal mask": (hf_causal, "causal"),
+    "transformers' bidirectional mask": (hf_bidirectional, "no mask"),
+    "an additive causal mask": (
+        lambda b, s: torch.zeros(s, s).masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf")),
+        "causal",
+    ),
+    "an additive mask of zeros": (lambda b, s: torch.zeros(b, 1, s, s), "no mask"),
+    "packed sequences": (lambda b, s: hf_causal(b, s, step=2), "mask"),  # every step 2: one packed each
+    "a shifted index": (
+        lambda b, s: torch.arange(s)[:, None] >= torch.arange(s)[None, :].clamp(max=s - 1),
+        "mask",  # clamp: not looked into
+    ),
+    "the row before": (
+        lambda b, s: position_ids(b, s)[:, None, :, None] - 1 >= position_ids(b, s)[:, None, None, :],
+        "mask",
+    ),
+    "every key but the first": (lambda b, s: (torch.arange(s) >= 1).expand(s, s), "mask"),
+}
+
+
+def _calls(gm):
+    return [n for n in gm.graph.nodes if n.target is SDPA]
+
+
+@pytest.mark.parametrize("case", list(MASKS))
+def test_a_mask_proved_causal_or_keeping_every_key_goes(case):
+    mask, becomes = MASKS[case]
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, 32)
+    gm = exported(Attention(mask), x)
+    expected = gm(x)
+    assert proved_masks(gm) == (becomes != "mask")
+    (call,) = _calls(gm)
+    assert ("attn_mask" in call.kwargs or len(call.args) > 3) == (becomes == "mask"), gm.graph
+    assert bool(call.kwargs.get("is_causal")) == (becomes == "causal"), gm.graph
+    if becomes != "mask":  # the mask's nodes are gone with it
+        assert not [n for n in gm.graph.nodes if n.target in (aten.arange.default, aten.arange.start_step)]
+    assert_same(gm(x), expected)
+
+
+@pytest.mark.parametrize("case", ["transformers' causal mask", "transformers' bidirectional mask"])
+def test_the_compiled_call_runs_sdpa_without_the_mask_and_without_its_kernels(case):
+    mask, becomes = MASKS[case]
+    torch.manual_seed(0)
+    model = Attention(mask).requires_grad_(False)
+    with gjit.config.scope(matmul="auto"):
+        cm, report = check_against_float64(model, torch.randn(3, 7, 32), reference_fn=in_float64(model))
+        check_against_float64(cm, torch.randn(2, 11, 32), reference_fn=in_float64(model))  # other sizes
+    assert len(cm.entries) == 1
+    source = cm.entries[-1].program.graph.wrapper_source
+    assert ("is_causal=True" in source) == (becomes == "causal"), source
+    assert "attn_mask" not in source and "gjit_additive_mask" not in source, source
+    assert [e.op for e in report.externs if "addmm" not in e.op] == [str(SDPA)], report
+    assert not [k for k in report.kernels if "arange" in k.name or "cumsum" in k.name], report
+
+
+def in_float64(model):
+    return copy.deepcopy(model).double()
+
+
+@pytest.fixture
+def contiguous_output():
+    """ATen's SDPA on this CPU returning [B, H, L, E] contiguous, as the math path: another layout
+    than the one export traced for the masked call ([B, L, H, E] in memory, as a fused kernel's)."""
+    math_sdpa = aten._scaled_dot_product_attention_math.default
+    lib = torch.library.Library("aten", "IMPL")
+
+    def contiguous(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+        out = math_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
+        return out.contiguous()
+
+    lib.impl("scaled_dot_product_attention", contiguous, "CPU")
+    try:
+        yield
+    finally:
+        lib._destroy()
+
+
+@pytest.mark.parametrize("interpret", [True, False], ids=["kernels", "fallback interpreter"])
+def test_the_calls_output_is_put_in_the_layout_traced_with_the_mask(interpret, request):
+    """Without its mask ATen may pick a kernel whose output has another layout than the one export
+    traced: the wrapper (and the eager fallback interpreter) copy it into the traced one, which the
+    program's views and kernels read."""
+    torch.manual_seed(0)
+    model = Attention(hf_causal).requires_grad_(False)
+    x = torch.randn(3, 7, 32)
+    expected, reference = model(x), in_float64(model)(x.double())
+    with gjit.config.scope(interpret=True, matmul="auto"):
+        cm = gjit.compile(model)
+        cm(x)  # compiled with ATen's own kernel
+    source = cm.entries[-1].program.graph.wrapper_source
+    assert "is_causal=True" in source and "gjit_written_out" in source, source
+    request.getfixturevalue("contiguous_output")
+    assert SDPA(*(torch.randn(3, 2, 7, 16) for _ in "qkv")).is_contiguous()
+    eager_before = gjit.stats()["eager_runs"]
+    with gjit.config.scope(interpret=interpret):
+        got = cm(x)
+    assert gjit.stats()["eager_runs"] == eager_before
+    assert_same(got, expected, reference)
+
+
+def test_gpt2_generate_runs_its_prefill_causal_and_its_decode_steps_unmasked():
+    """transformers' GPT-2 under generate(): the prompt's mask is proved causal, each step's (one
+    query after the cache) to keep every key; the tokens are eager's."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 128, (2, 7))
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        model.forward = gjit.compile(model.forward)
+        with gjit.config.scope(interpret=True, debug=True, matmul="auto"):
+            got = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, expected)
+    prefill, decode = (e.program.graph.wrapper_source for e in model.forward.entries)
+    for source in (prefill, decode):
+        assert "aten.scaled_dot_product_attention" in source, source
+        assert "attn_mask" not in source and "gjit_additive_mask" not in source, source
+    assert "is_causal=True" in prefill and "is_causal" not in decode
