@@ -181,3 +181,43 @@ def test_gpt2_generate_runs_its_prefill_causal_and_its_decode_steps_unmasked():
         assert "aten.scaled_dot_product_attention" in source, source
         assert "attn_mask" not in source and "gjit_additive_mask" not in source, source
     assert "is_causal=True" in prefill and "is_causal" not in decode
+
+
+def eager_attention(mask):
+    """transformers' eager attention: its mask as `where(keep, 0, finfo.min)` added to the scaled
+    scores (`mask(b, s)` the boolean one, or a float one added as it is)."""
+
+    def attention(q, k, v):
+        keep = mask(q.shape[0], q.shape[2])
+        if keep.dtype == torch.bool:
+            keep = torch.where(keep, torch.zeros((), dtype=q.dtype), torch.finfo(q.dtype).min)
+        return torch.matmul((torch.matmul(q, k.mT) * 0.25 + keep).softmax(-1), v)
+
+    return attention
+
+
+@pytest.mark.parametrize(
+    "case", ["transformers' causal mask", "transformers' bidirectional mask", "an additive mask of zeros"]
+)
+def test_written_out_attention_with_a_proved_mask_is_one_sdpa_call_without_it(case):
+    """On a GPU, the written-out form's SDPA call (gjit/lowering/attention_library.py) takes the
+    same proofs: causal, or no mask."""
+    from gjit.lowering.attention_library import written_out_as_sdpa
+
+    mask, becomes = MASKS[case]
+
+    class Module(torch.nn.Module):
+        def forward(self, q, k, v):
+            return eager_attention(mask)(q, k, v)
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 7, 16) for _ in "qkv")
+    dims = tuple({0: torch.export.Dim.AUTO, 2: torch.export.Dim.AUTO} for _ in "qkv")
+    with torch.no_grad():
+        gm = decompose_program(torch.export.export(Module(), (q, k, v), dynamic_shapes=dims))[0].module()
+    expected = gm(q, k, v)
+    assert written_out_as_sdpa(gm) == 1
+    (call,) = _calls(gm)
+    assert "attn_mask" not in call.kwargs, gm.graph
+    assert bool(call.kwargs.get("is_causal")) == (becomes == "causal"), gm.graph
+    assert_same(gm(q, k, v), expected, Module()(*(t.double() for t in (q, k, v))))

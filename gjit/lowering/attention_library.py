@@ -41,7 +41,8 @@ attentions that share it), so a fill below FAR needs no clamping per call, and t
 the queries that keep no key once per mask; a fill or an added mask the program builds from its
 sizes that is the causal one (gjit/lowering/causal.py: triu, tril, aranges compared) makes the
 call causal, with no mask (ATen's causal kernel, FlashAttention's where L == S; the template's
-causal bound), as no query then keeps no key. Where a hidden key's score is NaN or inf (inf in the
+causal bound), as no query then keeps no key; one that hides no key (transformers' without
+padding) is no mask. Where a hidden key's score is NaN or inf (inf in the
 keys), eager's fill replaces it and the call's mask, added, does not: that query's row is NaN (as
 ATen's own SDPA gives). A fill near the scores, by a tensor, finite on float16 operands (FAR is no
 float16; -inf is taken), or with a mask keeps the written-out form.
@@ -61,7 +62,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import maybe_get_fake_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from gjit.lowering.causal import is_causal, is_causal_additive
+from gjit.lowering.causal import adds_nothing, is_causal, is_causal_additive, keeps_every_key
 
 log = logging.getLogger("gjit.lowering")
 aten = torch.ops.aten
@@ -244,6 +245,8 @@ def match(out: torch.fx.Node) -> WrittenOut | None:
             fill = _added_fill(mask, _val(node).dtype, later)
             if fill is not None or is_causal_additive(mask):
                 causal, mask = fill is None, None
+            elif adds_nothing(mask):
+                mask = None  # zeros (built from sizes): no mask
             elif narrowed:
                 return None  # a fill rounded to a narrower float after the add (finfo.min to -inf)
         elif node.target is aten.where.self and len(node.args) == 3 and not node.kwargs:
@@ -294,6 +297,8 @@ def match(out: torch.fx.Node) -> WrittenOut | None:
     cond = fill.cond if fill is not None else None
     if fill is not None and is_causal(fill.cond, fill.keep):
         causal, fill = True, None  # the fill's value does not matter: every query keeps key 0
+    elif fill is not None and keeps_every_key(fill.cond, fill.keep):
+        fill = None  # it hides no key
     if {queries, keys, values, mask, cond} & set(replaced):
         return None  # an operand is what the call replaces (probabilities as values: bmm(p, p))
     view = node if scores is not node else None
