@@ -5,6 +5,7 @@ are gone. The masks are written as transformers builds them under torch.export."
 import copy
 
 import pytest
+import sympy
 import torch
 import torch.nn.functional as F
 
@@ -221,3 +222,46 @@ def test_written_out_attention_with_a_proved_mask_is_one_sdpa_call_without_it(ca
     assert "attn_mask" not in call.kwargs, gm.graph
     assert bool(call.kwargs.get("is_causal")) == (becomes == "causal"), gm.graph
     assert_same(gm(q, k, v), expected, Module()(*(t.double() for t in (q, k, v))))
+
+
+def test_a_mask_that_widens_the_output_is_left_as_it_is():
+    """A mask of more batches than the queries: eager raises; the call keeps it (without it ATen
+    would give fewer batches than the program's value holds)."""
+
+    class Widened(torch.nn.Module):
+        def forward(self, q, k, v):
+            n = q.shape[-2]
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=torch.ones(n, n, dtype=torch.bool).tril().expand(3, 1, n, n)
+            )
+
+    q = k = v = torch.randn(1, 2, 5, 8)
+    with pytest.raises(RuntimeError):
+        Widened()(q, k, v)
+    with torch.no_grad():
+        gm = decompose_program(torch.export.export(Widened(), (q, k, v)))[0].module()
+    assert proved_masks(gm) == 0
+
+
+def test_a_size_that_may_be_0_is_not_taken_as_positive():
+    """`arange(L) + P >= 1` keeps every key where P >= 1, not at P == 0 (row 0 then keeps none):
+    sympy takes export's size symbols as positive whatever their range, so a proof reads the range
+    from the shape environment (gjit's guards hold each size to it: 2 and up, or 1 for some)."""
+    from torch.utils._sympy.value_ranges import ValueRanges
+
+    class Offset(torch.nn.Module):
+        def forward(self, q, k, v, cache):
+            rows = q.shape[2]
+            keep = (torch.arange(rows)[:, None] + cache.shape[0] >= 1).expand(rows, k.shape[2])
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in "qkv")
+    rows = torch.export.Dim("rows", min=2)
+    dims = ({2: rows}, {2: rows}, {2: rows}, {0: torch.export.Dim("past", min=0)})
+    for least, proved in ((0, 0), (1, 1)):
+        gm = torch.export.export(Offset(), (q, k, v, torch.randn(3)), dynamic_shapes=dims).module()
+        cache = gm.graph.find_nodes(op="placeholder")[3]
+        (past,) = [n.meta["val"] for n in gm.graph.nodes if n.args[:2] == (cache, 0)]  # its size
+        past.node.shape_env.var_to_range[past.node.expr] = ValueRanges(least, sympy.oo)
+        assert proved_masks(gm) == proved
+        assert_same(gm(q, k, v, torch.randn(3)), Offset()(q, k, v, torch.randn(3)))

@@ -33,6 +33,7 @@ from gjit.lowering.mask_values import (
     Value,
     compare,
     is_predicate,
+    nonnegative,
     sample_points,
     size_expr,
     truth,
@@ -42,82 +43,100 @@ from gjit.lowering.mask_values import (
 log = logging.getLogger("gjit.lowering")
 
 
-def _always(predicate: sympy.Basic, bounds: dict[sympy.Symbol, sympy.Basic]) -> bool:
-    """Whether `predicate` holds for every value of its symbols in [0, their bounds) (sizes), as
-    far as the range of each comparison shows it (False: not shown)."""
+def _always(predicate: sympy.Basic, bounds: dict[sympy.Symbol, sympy.Basic], val: torch.Tensor) -> bool:
+    """Whether `predicate` holds for every value of its symbols in [0, their bounds) (sizes), and
+    of the sizes in their ranges (`val`'s shape environment), as far as the range of each
+    comparison shows it (False: not shown)."""
     if predicate in (sympy.true, sympy.false):
         return bool(predicate)
     if isinstance(predicate, sympy.And):
-        return all(_always(p, bounds) for p in predicate.args)
+        return all(_always(p, bounds, val) for p in predicate.args)
     if isinstance(predicate, sympy.Or):
-        return any(_always(p, bounds) for p in predicate.args)
+        return any(_always(p, bounds, val) for p in predicate.args)
     if not isinstance(predicate, Relational):
         return False
     found = value_range(sympy.expand(predicate.lhs - predicate.rhs), bounds)
     if found is None:
         return False
-    least, greatest = found  # of lhs - rhs, integers
+    least, greatest = found  # of lhs - rhs
+
+    def at_least_0(expr: sympy.Basic) -> bool:
+        return nonnegative(expr, val)
+
     holds = {
-        sympy.Le: lambda: (-greatest).is_nonnegative,
-        sympy.Lt: lambda: (-greatest - 1).is_nonnegative,
-        sympy.Ge: lambda: least.is_nonnegative,
-        sympy.Gt: lambda: (least - 1).is_nonnegative,
-        sympy.Ne: lambda: (least - 1).is_nonnegative or (-greatest - 1).is_nonnegative,
+        sympy.Le: lambda: at_least_0(-greatest),
+        sympy.Lt: lambda: at_least_0(-greatest - 1),  # (integers)
+        sympy.Ge: lambda: at_least_0(least),
+        sympy.Gt: lambda: at_least_0(least - 1),
+        sympy.Ne: lambda: at_least_0(least - 1) or at_least_0(-greatest - 1),
         sympy.Eq: lambda: least == 0 and greatest == 0,
     }.get(type(predicate))
-    return holds is not None and bool(holds())
+    return holds is not None and holds()
+
+
+CAUSAL, EVERY_KEY = "causal", "to keep every key"  # what `proved` finds a mask
 
 
 def is_causal(node: torch.fx.Node, keep: bool = True) -> bool:
     """Whether the boolean tensor `node` is, wherever it is `keep`, exactly the keys j <= i of its
     last two dims (rows i, keys j), for every size: SDPA's `is_causal` mask. False when unproved."""
-    try:
-        value = Evaluator()(node)
-        return value is not None and _causal(value, keep)
-    except Exception as e:  # sympy on an expression it cannot take apart: unproved
-        log.debug("mask %s: not proved causal (%s: %s)", node.name, type(e).__name__, e)
-        return False
+    return _proof(node, lambda value: _causal(value, keep))
 
 
 def is_causal_additive(node: torch.fx.Node) -> bool:
     """Whether the float tensor `node` is 0 where j <= i and -inf elsewhere (an additive causal mask
     SDPA takes: triu of a -inf fill, say), for every size."""
-    try:
-        value = Evaluator()(node)
-        if value is None or is_predicate(value.expr):
-            return False
-        zero = Value(compare(sympy.Eq, value.expr, sympy.Integer(0)), value.dims)
-        hidden = Value(compare(sympy.Eq, value.expr, -sympy.oo), value.dims)
-        return _causal(zero, True) and _causal(hidden, False)
-    except Exception as e:  # sympy on an expression it cannot take apart: unproved
-        log.debug("mask %s: not proved causal (%s: %s)", node.name, type(e).__name__, e)
-        return False
+    return _proof(node, _causal_additive)
 
 
 def keeps_every_key(node: torch.fx.Node, keep: bool = True) -> bool:
     """Whether the boolean tensor `node` is `keep` everywhere: no mask at all (transformers' mask
     without padding, built under tracing as `arange(L) >= 0` for an encoder, as `kv_idx <=
     past + q_idx` for one query after `past` keys in a cache)."""
-
-    def holds(value: Value) -> bool:
-        bounds = {s: size_expr(n) for s, n in zip(value.dims, node.meta["val"].shape) if s is not None}
-        return is_predicate(value.expr) and _always(value.expr if keep else sympy.Not(value.expr), bounds)
-
-    return _constant(node, holds)
+    return _proof(node, lambda value: _every_key(value, keep, node.meta["val"]))
 
 
 def adds_nothing(node: torch.fx.Node) -> bool:
     """Whether the float tensor `node` is 0 everywhere: an additive mask that hides no key."""
-    return _constant(node, lambda value: not is_predicate(value.expr) and value.expr.is_zero is True)
+    return _proof(node, _zeros)
 
 
-def _constant(node: torch.fx.Node, holds: Callable[[Value], bool]) -> bool:
+def proved(mask: torch.fx.Node) -> str | None:
+    """What SDPA's `mask` (boolean, or additive) is proved: CAUSAL, EVERY_KEY or None; its value
+    evaluated once for both."""
+    if mask.meta["val"].dtype == torch.bool:
+        every, causal = (lambda v: _every_key(v, True, mask.meta["val"])), (lambda v: _causal(v, True))
+    else:
+        every, causal = _zeros, _causal_additive
+    return _proof(mask, lambda v: EVERY_KEY if every(v) else CAUSAL if causal(v) else None) or None
+
+
+def _proof(node: torch.fx.Node, check: Callable[[Value], object]) -> object:
+    """`check` of `node`'s value; False where it has none, or sympy raises on the way."""
     try:
         value = Evaluator()(node)
-        return value is not None and holds(value)
+        return value is not None and check(value)
     except Exception as e:  # sympy on an expression it cannot take apart: unproved
-        log.debug("mask %s: not proved the same everywhere (%s: %s)", node.name, type(e).__name__, e)
+        log.debug("mask %s: not proved (%s: %s)", node.name, type(e).__name__, e)
         return False
+
+
+def _causal_additive(value: Value) -> bool:
+    if is_predicate(value.expr):
+        return False
+    zero = Value(compare(sympy.Eq, value.expr, sympy.Integer(0)), value.dims)
+    hidden = Value(compare(sympy.Eq, value.expr, -sympy.oo), value.dims)
+    return _causal(zero, True) and _causal(hidden, False)
+
+
+def _every_key(value: Value, keep: bool, val: torch.Tensor) -> bool:
+    bounds = {s: size_expr(n) for s, n in zip(value.dims, val.shape) if s is not None}
+    expr = value.expr if keep else sympy.Not(value.expr)
+    return is_predicate(value.expr) and _always(expr, bounds, val)
+
+
+def _zeros(value: Value) -> bool:
+    return not is_predicate(value.expr) and value.expr.is_zero is True
 
 
 def _causal(value: Value, keep: bool) -> bool:

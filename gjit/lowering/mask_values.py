@@ -136,7 +136,8 @@ class Evaluator:
             return None if number is None else Value(number, ())
         if arg not in self.memo and isinstance(arg.meta.get("val"), torch.SymInt):
             size = sympy.sympify(arg.meta["val"].node.expr)  # a size computed: its expression
-            self.memo[arg] = Value(size, ()) if size.is_integer else None
+            ok = size.is_integer and positive_sizes(size, arg.meta["val"])
+            self.memo[arg] = Value(size, ()) if ok else None
         if arg not in self.memo:
             val = arg.meta.get("val")
             self.computing += arg.target not in PLACING
@@ -266,7 +267,7 @@ class Evaluator:
         exprs, dims = aligned
         out, sizes = node.meta["val"].shape, source.meta["val"].shape
         bounds = {s: size_expr(out[k]) for k, s in enumerate(dims) if s is not None}
-        if not all(_within(e, bounds, size_expr(n)) for e, n in zip(exprs, sizes)):
+        if not all(_within(e, bounds, size_expr(n), node.meta["val"]) for e, n in zip(exprs, sizes)):
             return None
         at = {s: e for s, e in zip(x.dims, exprs) if s is not None}
         return Value(x.expr.xreplace(at), dims + x.dims[len(indices) :])
@@ -445,14 +446,37 @@ def value_range(expr: sympy.Basic, bounds: dict[sympy.Symbol, sympy.Basic]) -> t
     return least, greatest
 
 
-def _within(expr: sympy.Basic, bounds: dict[sympy.Symbol, sympy.Basic], size: sympy.Basic) -> bool:
+def _within(expr: sympy.Basic, bounds: dict[sympy.Symbol, sympy.Basic], size: sympy.Basic, val) -> bool:
     """Whether index arithmetic `expr`, over symbols each below its bound (a size), is in [0, size)
-    for every value of them; its other symbols, sizes, are positive."""
+    for every value of them and of the sizes (in their ranges: `nonnegative`, `val` a tensor of
+    the program)."""
     found = value_range(expr, bounds)
     if found is None:
         return False
     least, greatest = found
-    return bool(least.is_nonnegative) and bool((size - 1 - greatest).is_nonnegative)
+    return nonnegative(least, val) and nonnegative(size - 1 - greatest, val)
+
+
+def nonnegative(expr: sympy.Basic, val: torch.Tensor) -> bool:
+    """Whether `expr`, over indices (dummies, at least 0) and sizes, is at least 0 for every value
+    of them; its sizes must be at least 1 in the shape environment of `val` (a tensor of the
+    program: `positive_sizes`)."""
+    return positive_sizes(expr, val) and bool(expr.is_nonnegative)
+
+
+def positive_sizes(expr: sympy.Basic, val: object) -> bool:
+    """Whether each size in `expr` is at least 1 in the range the shape environment of `val` (a
+    tensor or size of the program) gives it. sympy takes export's size symbols as positive,
+    whatever their range; a size that may be 0 (`Dim(min=0)`) is no proof's."""
+    sizes = [s for s in expr.free_symbols if not isinstance(s, sympy.Dummy)]
+    if not sizes:
+        return True
+    if isinstance(val, torch.SymInt):
+        env = val.node.shape_env
+    else:
+        env = getattr(getattr(val, "fake_mode", None), "shape_env", None)
+    ranges = [env.var_to_range.get(s) if env is not None else None for s in sizes]
+    return all(r is not None and bool(r.lower >= 1) for r in ranges)
 
 
 def sample_points(predicate: sympy.Basic, symbol: sympy.Symbol) -> set[int] | None:

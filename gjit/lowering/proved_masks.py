@@ -26,27 +26,30 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from gjit.lowering.attention_library import ANY_LAYOUT
-from gjit.lowering.causal import adds_nothing, is_causal, is_causal_additive, keeps_every_key
+from gjit.lowering.causal import CAUSAL, proved
 
 log = logging.getLogger("gjit.lowering")
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 ASSERT = torch.ops.aten._assert_tensor_metadata.default  # export's check of a cast's result
 PARAMETERS = ("attn_mask", "dropout_p", "is_causal")  # after query, key and value, in order
-CAUSAL, EVERY_KEY = "causal", "to keep every key"  # what a mask is proved
 
 
-def _proved(mask: torch.fx.Node) -> str | None:
-    """What `mask` is proved to be: CAUSAL, EVERY_KEY, or None (unproved)."""
-    if mask.meta["val"].dtype == torch.bool:
-        return EVERY_KEY if keeps_every_key(mask) else CAUSAL if is_causal(mask) else None
-    return EVERY_KEY if adds_nothing(mask) else CAUSAL if is_causal_additive(mask) else None
-
-
-def _sizes_match(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:
-    """The mask's last two dims are the queries' and the keys' (not broadcast to them)."""
-    return mask.dim() >= 2 and all(
-        statically_known_true(a == b) for a, b in zip(mask.shape[-2:], (q.shape[-2], k.shape[-2]))
+def _sizes_match(
+    out: torch.Tensor, mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> bool:
+    """The mask's last two dims are the queries' and the keys' (not broadcast to them), and it
+    broadcasts to the output the queries give, which it does not widen (eager raises where it
+    would: without the mask the call would give fewer batches than the program's value has)."""
+    if mask.dim() < 2 or mask.dim() > q.dim() or not _same(out.shape, (*q.shape[:-1], v.shape[-1])):
+        return False
+    leading = zip(reversed(mask.shape[:-2]), reversed(q.shape[:-2]))
+    return _same(mask.shape[-2:], (q.shape[-2], k.shape[-2])) and all(
+        statically_known_true(a == 1) or statically_known_true(a == b) for a, b in leading
     )
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
 
 
 def _dense_order(val: torch.Tensor) -> tuple[int, ...] | None:
@@ -76,20 +79,20 @@ def proved_masks(gm: torch.fx.GraphModule) -> int:
             continue
         if kwargs.get("is_causal"):  # (and a mask: SDPA raises)
             continue
-        if not _sizes_match(mask.meta["val"], q.meta["val"], k.meta["val"]):
+        if not _sizes_match(node.meta["val"], *(t.meta["val"] for t in (mask, q, k, v))):
             continue
         order = _dense_order(node.meta["val"])
         if order is None:
             continue
         if mask not in proofs:
-            proofs[mask] = _proved(mask)
-        proved = proofs[mask]
-        if proved is None:
+            proofs[mask] = proved(mask)
+        found = proofs[mask]
+        if found is None:
             continue
-        log.info("attention %s: its mask %s is proved %s: called %s", node.name, mask.name, proved,
-                 "with is_causal=True" if proved == CAUSAL else "without it")  # fmt: skip
+        log.info("attention %s: its mask %s is proved %s: called %s", node.name, mask.name, found,
+                 "with is_causal=True" if found == CAUSAL else "without it")  # fmt: skip
         del kwargs["attn_mask"]
-        if proved == CAUSAL:
+        if found == CAUSAL:
             kwargs["is_causal"] = True
         node.args, node.kwargs = (q, k, v), kwargs
         node.meta[ANY_LAYOUT] = order
