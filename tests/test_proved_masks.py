@@ -265,3 +265,24 @@ def test_a_size_that_may_be_0_is_not_taken_as_positive():
         past.node.shape_env.var_to_range[past.node.expr] = ValueRanges(least, sympy.oo)
         assert proved_masks(gm) == proved
         assert_same(gm(q, k, v, torch.randn(3)), Offset()(q, k, v, torch.randn(3)))
+
+
+def test_a_boolean_tril_added_to_the_scores_is_no_causal_mask():
+    """`scores + tril(ones(bool))` adds 1 where j <= i (eager promotes the bool): not the causal
+    mask, whatever the proof says of the boolean tensor."""
+    from gjit.lowering.attention_library import written_out_as_sdpa
+
+    class Added(torch.nn.Module):
+        def forward(self, q, k, v):
+            keep = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).tril()
+            return torch.matmul((torch.matmul(q, k.mT) * 0.25 + keep).softmax(-1), v)
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 7, 16) for _ in "qkv")
+    dims = tuple({2: torch.export.Dim.AUTO} for _ in "qkv")
+    with torch.no_grad():
+        gm = decompose_program(torch.export.export(Added(), (q, k, v), dynamic_shapes=dims))[0].module()
+    expected = gm(q, k, v)
+    written_out_as_sdpa(gm)
+    assert not any(call.kwargs.get("is_causal") for call in _calls(gm)), gm.graph
+    assert_same(gm(q, k, v), expected)

@@ -62,7 +62,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import maybe_get_fake_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from gjit.lowering.causal import adds_nothing, is_causal, is_causal_additive, keeps_every_key
+from gjit.lowering.causal import CAUSAL, proved
 
 log = logging.getLogger("gjit.lowering")
 aten = torch.ops.aten
@@ -188,8 +188,16 @@ def _float_cast(node: torch.fx.Node) -> bool:
     )
 
 
-def match(out: torch.fx.Node) -> WrittenOut | None:
-    """The written-out attention `out` ends, or None."""
+def match(out: torch.fx.Node, proofs: dict | None = None) -> WrittenOut | None:
+    """The written-out attention `out` ends, or None; `proofs`: what masks are proved so far (the
+    layers of a model share one mask)."""
+    proofs = {} if proofs is None else proofs
+
+    def known(mask: torch.fx.Node, keep: bool) -> str | None:
+        if (mask, keep) not in proofs:
+            proofs[mask, keep] = proved(mask, keep)
+        return proofs[mask, keep]
+
     if out.target is not aten.bmm.default:
         return None
     probs, values = out.args
@@ -243,10 +251,10 @@ def match(out: torch.fx.Node) -> WrittenOut | None:
             if not _same_sizes(_val(node), _val(chain)):
                 return None  # the mask broadcasts the scores up
             fill = _added_fill(mask, _val(node).dtype, later)
-            if fill is not None or is_causal_additive(mask):
-                causal, mask = fill is None, None
-            elif adds_nothing(mask):
-                mask = None  # zeros (built from sizes): no mask
+            additive = fill is None and _val(mask).dtype.is_floating_point  # (a bool added is no mask)
+            kind = known(mask, True) if additive else None  # causal, or zeros: no mask
+            if fill is not None or kind is not None:
+                causal, mask = kind == CAUSAL, None
             elif narrowed:
                 return None  # a fill rounded to a narrower float after the add (finfo.min to -inf)
         elif node.target is aten.where.self and len(node.args) == 3 and not node.kwargs:
@@ -295,10 +303,9 @@ def match(out: torch.fx.Node) -> WrittenOut | None:
         return None
     replaced.append(scores)
     cond = fill.cond if fill is not None else None
-    if fill is not None and is_causal(fill.cond, fill.keep):
-        causal, fill = True, None  # the fill's value does not matter: every query keeps key 0
-    elif fill is not None and keeps_every_key(fill.cond, fill.keep):
-        fill = None  # it hides no key
+    kind = known(fill.cond, fill.keep) if fill is not None else None
+    if kind is not None:  # the fill's value does not matter: every query keeps key 0, or every key
+        causal, fill = kind == CAUSAL, None
     if {queries, keys, values, mask, cond} & set(replaced):
         return None  # an operand is what the call replaces (probabilities as values: bmm(p, p))
     view = node if scores is not node else None
@@ -572,11 +579,11 @@ def rewrite(gm: torch.fx.GraphModule, m: WrittenOut, built: dict | None = None) 
 def written_out_as_sdpa(gm: torch.fx.GraphModule) -> int:
     """Each written-out attention of `gm` whose score is scaled and at most masked (the module's
     docstring) as one SDPA call, in place; how many. The caller runs it on graphs for a GPU."""
-    done, gone, built = 0, set(), {}
+    done, gone, built, proofs = 0, set(), {}, {}
     for node in [n for n in gm.graph.nodes if n.target is aten.bmm.default]:
         if node in gone:  # the scores of an attention replaced already
             continue
-        m = match(node)
+        m = match(node, proofs)
         if m is None:
             continue
         log.info("attention %s: %s as ATen's scaled_dot_product_attention (scale %g)",

@@ -101,11 +101,11 @@ def adds_nothing(node: torch.fx.Node) -> bool:
     return _proof(node, _zeros)
 
 
-def proved(mask: torch.fx.Node) -> str | None:
-    """What SDPA's `mask` (boolean, or additive) is proved: CAUSAL, EVERY_KEY or None; its value
-    evaluated once for both."""
+def proved(mask: torch.fx.Node, keep: bool = True) -> str | None:
+    """What `mask` is proved: CAUSAL, EVERY_KEY or None; a boolean one where it is `keep`, or an
+    additive one (SDPA's two kinds). Its value is evaluated once for both."""
     if mask.meta["val"].dtype == torch.bool:
-        every, causal = (lambda v: _every_key(v, True, mask.meta["val"])), (lambda v: _causal(v, True))
+        every, causal = (lambda v: _every_key(v, keep, mask.meta["val"])), (lambda v: _causal(v, keep))
     else:
         every, causal = _zeros, _causal_additive
     return _proof(mask, lambda v: EVERY_KEY if every(v) else CAUSAL if causal(v) else None) or None
