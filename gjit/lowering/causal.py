@@ -59,16 +59,12 @@ def _always(predicate: sympy.Basic, bounds: dict[sympy.Symbol, sympy.Basic], val
     if found is None:
         return False
     least, greatest = found  # of lhs - rhs
-
-    def at_least_0(expr: sympy.Basic) -> bool:
-        return nonnegative(expr, val)
-
-    holds = {
-        sympy.Le: lambda: at_least_0(-greatest),
-        sympy.Lt: lambda: at_least_0(-greatest - 1),  # (integers)
-        sympy.Ge: lambda: at_least_0(least),
-        sympy.Gt: lambda: at_least_0(least - 1),
-        sympy.Ne: lambda: at_least_0(least - 1) or at_least_0(-greatest - 1),
+    holds = {  # (what suffices, for integers or not)
+        sympy.Le: lambda: nonnegative(-greatest, val),
+        sympy.Lt: lambda: nonnegative(-greatest - 1, val),
+        sympy.Ge: lambda: nonnegative(least, val),
+        sympy.Gt: lambda: nonnegative(least - 1, val),
+        sympy.Ne: lambda: nonnegative(least - 1, val) or nonnegative(-greatest - 1, val),
         sympy.Eq: lambda: least == 0 and greatest == 0,
     }.get(type(predicate))
     return holds is not None and holds()
