@@ -286,3 +286,24 @@ def test_a_boolean_tril_added_to_the_scores_is_no_causal_mask():
     written_out_as_sdpa(gm)
     assert not any(call.kwargs.get("is_causal") for call in _calls(gm)), gm.graph
     assert_same(gm(q, k, v), expected)
+
+
+@pytest.mark.parametrize("mask", ["zeros", "causal"])
+def test_a_float64_mask_added_keeps_the_written_out_form(mask):
+    """A float64 mask added to float32 scores makes the softmax float64, as a cast to float64
+    would, which the written-out form keeps: proved or not, the attention stays as it is."""
+    from gjit.lowering.attention_library import written_out_as_sdpa
+
+    class Added(torch.nn.Module):
+        def forward(self, q, k, v):
+            n = q.shape[1]
+            m = torch.zeros(n, n, dtype=torch.float64)
+            if mask == "causal":
+                m = m.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+            return torch.bmm((torch.bmm(q, k.transpose(1, 2)) * 0.25 + m).softmax(-1).float(), v)
+
+    q, k, v = (torch.randn(4, 7, 16) for _ in "qkv")
+    dims = tuple({1: torch.export.Dim.AUTO} for _ in "qkv")
+    with torch.no_grad():
+        gm = decompose_program(torch.export.export(Added(), (q, k, v), dynamic_shapes=dims))[0].module()
+    assert written_out_as_sdpa(gm) == 0

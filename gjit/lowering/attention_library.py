@@ -251,7 +251,8 @@ def match(out: torch.fx.Node, proofs: dict | None = None) -> WrittenOut | None:
             if not _same_sizes(_val(node), _val(chain)):
                 return None  # the mask broadcasts the scores up
             fill = _added_fill(mask, _val(node).dtype, later)
-            additive = fill is None and _val(mask).dtype.is_floating_point  # (a bool added is no mask)
+            # (a bool added is no mask; a float64 one makes the softmax float64, as a cast would)
+            additive = fill is None and _val(mask).dtype.is_floating_point and _val(node).dtype in FLOATS
             kind = known(mask, True) if additive else None  # causal, or zeros: no mask
             if fill is not None or kind is not None:
                 causal, mask = kind == CAUSAL, None
