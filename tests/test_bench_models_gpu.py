@@ -210,6 +210,7 @@ def test_rows_past_the_budget_are_skipped_not_started(tmp_path):
     assert all("skipped" in p.error for p in procs if p.status == "skipped")
 
 
+@pytest.mark.slow  # about a minute of processes: CI's sweep step runs it, the default run stays in 15 min
 def test_the_dry_run_on_cpu(tmp_path):
     """--small: the same processes, phases, profiles and tables as on a GPU, with tiny models;
     gjit's GPT-2 runs its kernels in Triton's interpreter. torch.compile runs Dynamo with the eager
