@@ -413,6 +413,7 @@ def generate(model, ids, tokens, **kwargs):
 
 
 @pytest.mark.cpu
+@pytest.mark.slow  # CI's sweep step: 54 s of the default run, which stays in its 15 minutes
 def test_generate_with_a_static_cache_replays_one_graph_per_decode_step():
     from test_llm import prompt
 

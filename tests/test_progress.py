@@ -36,7 +36,7 @@ print("compiled", gjit.stats()["compiles"])
 
 
 STAGES = {"export", "cache", "decompose", "lower", "attention", "fuse", "statistics", "rows", "products"}
-STAGES |= {"codegen", "wrapper", "serialize", "write", "cache_store", "guards", "first call"}
+STAGES |= {"sdpa", "codegen", "wrapper", "serialize", "write", "cache_store", "guards", "first call"}
 
 
 def run_child(stderr_on_terminal: bool, **env: str) -> tuple[str, str]:

@@ -359,6 +359,7 @@ def test_methods_and_torch_compile_from_threads(how):
         assert gjit.stats()["compiles"] == len(method.entries) == 1  # sizes 2, 3, 4: one dynamic entry
 
 
+@pytest.mark.slow  # CI's sweep step: 43 s of the default run, which stays in its 15 minutes
 def test_generate_from_four_threads_matches_eager():
     """generate() of one tiny GPT-2 from 4 threads at once, prompts of other lengths: each thread's
     tokens equal eager's, and the two entries (prefill, decode) are compiled once each."""
