@@ -34,6 +34,7 @@ from gjit.driver import CompiledProgram, compile_program, run_program
 from gjit.guards import GuardBuildError, GuardSet, MissHistory, build_guards, dynamic_dims
 from gjit.guards.builder import tf32_setting
 from gjit.guards.policy import MARKS, batch_dims, specialized_dims
+from gjit.guards.state import held_sources
 from gjit.heap import deferred_full_collections
 from gjit.runtime import cuda_graphs, disk_cache
 from gjit.stats import timed
@@ -438,6 +439,7 @@ class CompiledFunction:
                     returns=program.symbols,
                     nondeterministic=any(k.nondeterministic for k in program.graph.all_kernels()),
                     tf32=tf32_setting(program.graph.all_kernels()),
+                    held=held_sources(captured, program.graph.held),
                 )
         except GuardBuildError as e:
             return f"cannot guard the exported program: {e}"

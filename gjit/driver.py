@@ -38,6 +38,7 @@ from gjit.ir import LoopGraph
 from gjit.lowering.attention_library import written_out_as_sdpa
 from gjit.lowering.attention_pattern import match_attention
 from gjit.lowering.graph import lower_graph
+from gjit.lowering.held_masks import Held, band_of, bands_from_record
 from gjit.lowering.proved_masks import proved_masks
 from gjit.lowering.registry import EXTERN_REASONS, LOWERINGS, size_reason
 from gjit.lowering.templates import EVERY_TEMPLATE, NO_TEMPLATES, TemplateChoice
@@ -47,6 +48,7 @@ from gjit.runtime.graph import CompiledGraph
 from gjit.stats import timed
 from gjit.wrapper import WrapperWriter, graph_device
 
+HELD = ("buffer", "constant")  # the inputs whose contents a proof may read (not parameters)
 output_code_log = logs.logger("output_code")
 fusion_log = logs.logger("fusion")
 passes_log = logs.logger("passes")
@@ -100,7 +102,8 @@ class CompiledProgram:
         choices = [stored] if stored is not None else [EVERY_TEMPLATE, NO_TEMPLATES]
         settings = [(d, t) for t in choices for d in (current, not current)]
         gm = self.captured.full_graph_module
-        library_attention(gm)  # as the compile did (a served graph is the decomposed one)
+        bands = bands_from_record(self.graph.held)  # what the compile's proofs read of its buffers
+        library_attention(gm, held_tensors(self.captured, gm, lambda kind, name: bands.get((kind, name))))
         for deterministic, templates in settings:
             with _deterministic_algorithms(deterministic):
                 loop_graph, steps = schedule_graph(gm, templates, _untimed)
@@ -224,7 +227,8 @@ def compile_program(
     passes = Passes(options, timings)
     # sdpa: an SDPA call's mask built from sizes, proved causal or keeping every key -> is_causal or
     # none; on a GPU, written-out attention whose score is only scaled -> ATen's SDPA call
-    passes("sdpa", library_attention, gm)
+    held = held_tensors(captured, gm, lambda kind, name: band_of(captured.state_tensor(kind, name)))
+    passes("sdpa", library_attention, gm, held)
     why = unmeasurable(gm, symbols, options, example)
     if options.matmul == "auto" and options.matmul_template and why is not None:  # the library,
         # but where the table of kernels/template_wins.py has the region
@@ -250,6 +254,7 @@ def compile_program(
             else:
                 loop_graph, steps, graph = compile_graph(gm, symbols, passes, initial_templates(options))
             key = None  # not stored: the next process measures again
+    graph.held = held.record()  # the guard checks these keep their contents
     if key is not None:
         with timed("cache_store", timings):
             extra = {"program": stored, "shape_guards": shape_guards, "symbols": symbols}
@@ -263,6 +268,13 @@ def _from_entry(record: dict, exported: Exported, timings: dict[str, float]) -> 
     decomposed = program_store.load_served(record["program"], live.state_dict, live.constants)
     captured = captured_program(exported, decomposed)
     graph = cache.graph_from_entry(record, captured.graph_module)
+    for (kind, name), band in bands_from_record(graph.held).items():
+        try:
+            now = captured.state_tensor(kind, name)
+        except (AttributeError, KeyError):
+            now = None
+        if not band.holds(now):  # the proofs of the entry's masks do not hold here
+            raise cache.StaleEntry(f"the {kind} {name} does not hold {band}, which a mask's proof read")
     for k in graph.kernels:
         output_code_log.info("kernel %s from the cache: %s", k.name, graph.kernel_paths[k.name])
     shape_guards = cache.decoded(record, "shape_guards")
@@ -366,10 +378,20 @@ def attention_as_sdpa(gm: torch.fx.GraphModule) -> bool:
     return on_gpu(gm)
 
 
-def library_attention(gm: torch.fx.GraphModule) -> None:
-    proved_masks(gm)  # exact on every device: no mask's kernels, the causal kernel or bound
+def library_attention(gm: torch.fx.GraphModule, held: Held) -> None:
+    proved_masks(gm, held)  # exact on every device: no mask's kernels, the causal kernel or bound
     if attention_as_sdpa(gm):
-        written_out_as_sdpa(gm)
+        written_out_as_sdpa(gm, held)
+
+
+def held_tensors(
+    captured: CapturedProgram, gm: torch.fx.GraphModule, band: Callable[[str, str], Any]
+) -> Held:
+    """The buffers and constants of `gm` (the program's graph) a mask's proof may read, by
+    placeholder, with `band` (kind, qualified name) -> what one holds (gjit/lowering/held_masks.py)."""
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    held = {name: source for name, source in zip(names, captured.input_sources) if source[0] in HELD}
+    return Held(held, band)
 
 
 def unmeasurable(

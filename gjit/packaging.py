@@ -30,6 +30,7 @@ from gjit.capture.in_place import as_functional
 from gjit.driver import CompiledProgram
 from gjit.guards import build_guards
 from gjit.guards.builder import shape_env_of, tf32_setting
+from gjit.guards.state import held_sources
 from gjit.heap import deferred_full_collections
 from gjit.runtime import disk_cache, package, program_store, triton_binaries
 from gjit.runtime.package import PackageError
@@ -320,6 +321,7 @@ def _entry_from_record(
             returns=symbols,
             nondeterministic=any(k.nondeterministic for k in graph.all_kernels()),
             tf32=tf32_setting(graph.all_kernels()),
+            held=held_sources(captured, graph.held),
         )
     spec = pytree.treespec_loads(record["spec"])
     return Entry(guards, spec, program, names=record["names"], inputs=record["inputs"])

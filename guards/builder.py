@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import operator
 import types
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -28,8 +27,9 @@ import sympy
 import torch
 from torch.utils._sympy.numbers import int_oo
 
-from gjit.capture.export import state_reader
 from gjit.codegen.printer import pyexpr
+from gjit.guards.state import held_guards, state_guards
+from gjit.lowering.held_masks import Band
 
 
 class GuardBuildError(RuntimeError):
@@ -302,6 +302,7 @@ def build_guards(
     returns: Sequence[sympy.Symbol] | None = None,
     nondeterministic: bool = False,
     tf32: bool | None = None,
+    held: Sequence[tuple[Callable[[], Any], Band, str]] = (),
 ) -> GuardSet:
     """The guard set of one entry. `user_vals`: export's placeholder value per flat input (None:
     static, from the example); `assumptions`: (condition, why) the kernels rely on;
@@ -314,7 +315,8 @@ def build_guards(
     `nondeterministic`: a kernel sums with float atomics, so the entry admits a call only while
     torch's deterministic algorithms are off (else the recompile makes those writes externs);
     `tf32`: the TF32 setting a kernel's float32 products were compiled under (None: none has
-    one), which the entry then requires, as eager's products follow it call by call."""
+    one), which the entry then requires, as eager's products follow it call by call; `held`:
+    (reader, band, name) of each buffer or constant whose contents a mask's proof read."""
     n = len(flat_inputs)
     user_vals = list(user_vals) if user_vals is not None else [None] * n
     b = _Builder(names)
@@ -331,7 +333,8 @@ def build_guards(
     symbols = input_symbols(user_vals)
     assert set(symbols) == set(b.bound), (symbols, list(b.bound))
     _aliasing(b, flat_inputs, set(mutated))
-    _state(b, state)
+    state_guards(b, state)
+    held_guards(b, held)
     ones = {_expr(user_vals[i].shape[d]) for i, d in from_one if isinstance(user_vals[i], torch.Tensor)}
     _ranges(b, range_constraints or {}, {s for s in ones if isinstance(s, sympy.Symbol)})
     env = shape_env_of(user_vals)
@@ -402,78 +405,6 @@ def _apart(written: list[int], *tensors: torch.Tensor) -> bool:
     if len(set(storages)) == len(storages):
         return True
     return all(storages.count(storages[k]) == 1 for k in written)
-
-
-def _state(b: _Builder, state: Sequence[tuple[Any, str, torch.Tensor, str]]) -> None:
-    """Parameters and buffers are read live: one that was replaced must still fit the kernels.
-    The hot path is one check of every identity and data pointer at once (C-level maps over the
-    owners' dicts: a 12-layer model has some 150); a new tensor, or new memory under the same one
-    (`param.data = ...` keeps the object and may change the strides), is checked once, then
-    remembered. The slow path explains a miss parameter by parameter."""
-    if not state:
-        return
-    ids = [id(getattr(owner, attr)) for owner, attr, _, _ in state]
-    pointers = [getattr(owner, attr).data_ptr() for owner, attr, _, _ in state]
-    b.namespace["state_ids"] = ids
-    b.namespace["state_fits"] = functools.partial(_state_fits, ids, pointers, state)
-    b.namespace["state_same"] = _same_state(ids, pointers, state)
-    b.guard("state_same()", "the parameters and buffers fit", "None", None, "state", True)
-    b.later[-1].where = "hot"
-    for k, (owner, attr, _, fqn) in enumerate(state):
-        b.namespace[f"owner{k}"] = owner
-        b.namespace[f"read{k}"] = state_reader(owner, attr)
-        code = f"id(read{k}(None)) == state_ids[{k}] or state_fits({k})"
-        actual = f"(tuple(owner{k}.{attr}.shape), owner{k}.{attr}.stride(), owner{k}.{attr}.dtype)"
-        b.guard(code, f"{fqn} keeps its shape, strides, dtype and device", actual, None, "state", True)
-        b.later[-1].where = "explain"
-
-
-def _same_state(
-    ids: list[int], pointers: list[int], state: Sequence[tuple[Any, str, torch.Tensor, str]]
-) -> Callable[[], bool]:
-    """Whether every parameter and buffer is the tensor last admitted (its id) on the memory
-    last admitted (its data pointer), or fits."""
-    tables = [_table(owner, attr) for owner, attr, _, _ in state]
-    attrs = [attr for _, attr, _, _ in state]
-    getitem, data_ptr = operator.getitem, torch.Tensor.data_ptr
-
-    def same() -> bool:
-        try:
-            held = list(map(getitem, tables, attrs))
-            if list(map(id, held)) == ids and list(map(data_ptr, held)) == pointers:
-                return True
-        except (KeyError, TypeError, RuntimeError):  # not in its module's dict now; not a tensor
-            pass
-        return all([_state_fits(ids, pointers, state, k) for k in range(len(state))])
-
-    return same
-
-
-def _table(owner: torch.nn.Module, attr: str) -> dict:
-    """The dict of `owner` that holds `attr` (its parameters' or buffers'); else an empty one,
-    whose lookup fails over to the slow path."""
-    for table in (owner._parameters, owner._buffers):
-        if attr in table:
-            return table
-    return {}
-
-
-def _state_fits(
-    ids: list[int], pointers: list[int], state: Sequence[tuple[Any, str, torch.Tensor, str]], k: int
-) -> bool:
-    owner, attr, val, _ = state[k]
-    t = getattr(owner, attr)
-    ok = (
-        isinstance(t, torch.Tensor)
-        and t.dtype == val.dtype
-        and t.device == val.device
-        and tuple(t.shape) == tuple(int(s) for s in val.shape)
-        and all(n == 1 or st == int(e) for n, st, e in zip(t.shape, t.stride(), val.stride()))
-        and not (t.is_neg() or t.is_conj())
-    )
-    if ok:
-        ids[k], pointers[k] = id(t), t.data_ptr()
-    return ok
 
 
 def _ranges(b: _Builder, ranges: dict, from_one: set[sympy.Symbol]) -> None:

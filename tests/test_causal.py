@@ -315,3 +315,21 @@ def test_one_query_after_a_cache_keeps_every_key(offset, keeps):
     node, mask = decode_mask(offset)
     assert bool(mask.all()) == keeps
     assert keeps_every_key(node) == keeps
+
+
+@pytest.mark.parametrize("shift, keeps", [(0, True), (-1, False)])
+def test_rows_sliced_from_a_size_after_a_cache(shift, keeps):
+    """`tril[past + shift : past + shift + 1, : past + 1]`: a slice that starts at a size (a
+    cache's length), its row past for shift 0, every key of past + 1."""
+
+    class Module(torch.nn.Module):
+        def forward(self, keys):
+            past = keys.shape[1] - 1
+            full = torch.ones(keys.shape[1] + 4, keys.shape[1] + 4, dtype=torch.bool).tril()
+            return (full[past + shift : past + shift + 1, : past + 1],)
+
+    keys = torch.randn(2, 9)
+    ep = torch.export.export(Module(), (keys,), dynamic_shapes=({1: torch.export.Dim.AUTO},))
+    (out,) = [n for n in ep.run_decompositions().graph_module.graph.nodes if n.op == "output"][0].args[0]
+    assert bool(Module()(keys)[0].all()) == keeps
+    assert keeps_every_key(out) == keeps

@@ -62,7 +62,8 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import maybe_get_fake_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from gjit.lowering.causal import CAUSAL, proved
+from gjit.lowering.causal import CAUSAL, Proofs
+from gjit.lowering.held_masks import Held
 
 log = logging.getLogger("gjit.lowering")
 aten = torch.ops.aten
@@ -188,16 +189,10 @@ def _float_cast(node: torch.fx.Node) -> bool:
     )
 
 
-def match(out: torch.fx.Node, proofs: dict | None = None) -> WrittenOut | None:
+def match(out: torch.fx.Node, proofs: Proofs | None = None) -> WrittenOut | None:
     """The written-out attention `out` ends, or None; `proofs`: what masks are proved so far (the
     layers of a model share one mask)."""
-    proofs = {} if proofs is None else proofs
-
-    def known(mask: torch.fx.Node, keep: bool) -> str | None:
-        if (mask, keep) not in proofs:
-            proofs[mask, keep] = proved(mask, keep)
-        return proofs[mask, keep]
-
+    known = Proofs() if proofs is None else proofs
     if out.target is not aten.bmm.default:
         return None
     probs, values = out.args
@@ -577,10 +572,11 @@ def rewrite(gm: torch.fx.GraphModule, m: WrittenOut, built: dict | None = None) 
         graph.erase_node(node)
 
 
-def written_out_as_sdpa(gm: torch.fx.GraphModule) -> int:
+def written_out_as_sdpa(gm: torch.fx.GraphModule, held: Held | None = None) -> int:
     """Each written-out attention of `gm` whose score is scaled and at most masked (the module's
-    docstring) as one SDPA call, in place; how many. The caller runs it on graphs for a GPU."""
-    done, gone, built, proofs = 0, set(), {}, {}
+    docstring) as one SDPA call, in place; how many. The caller runs it on graphs for a GPU;
+    `held`: the buffers and constants whose contents a proof may read (held_masks.py)."""
+    done, gone, built, proofs = 0, set(), {}, Proofs(held)
     for node in [n for n in gm.graph.nodes if n.target is aten.bmm.default]:
         if node in gone:  # the scores of an attention replaced already
             continue

@@ -14,9 +14,11 @@ The mask's value (gjit/lowering/mask_values.py: an expression over its indices) 
 when, with d = j - i for the last two dims, every comparison in it is linear in d alone: the
 predicate then changes only at the roots of those comparisons, and agreeing with d <= 0 at each
 root, around it and past the outermost ones proves it for every integer d. It keeps every key when
-each comparison in it holds over its indices' ranges (each index below its dim's size). Anything
-else (a tensor input, a size-dependent offset, a value mask_values.py does not hold) is no proof,
-and the mask stays as it is.
+each comparison in it holds over its indices' ranges (each index below its dim's size). A buffer or
+constant read by the mask is a value where gjit/lowering/held_masks.py reads its contents (a band:
+tril, triu), and the entry's guard then checks them. Anything else (a tensor input, a
+size-dependent offset, a value mask_values.py does not hold) is no proof, and the mask stays as it
+is.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import sympy
 import torch
 from sympy.core.relational import Relational
 
+from gjit.lowering.held_masks import Held
 from gjit.lowering.mask_values import (
     Evaluator,
     Value,
@@ -97,20 +100,41 @@ def adds_nothing(node: torch.fx.Node) -> bool:
     return _proof(node, _zeros)
 
 
-def proved(mask: torch.fx.Node, keep: bool = True) -> str | None:
+def proved(mask: torch.fx.Node, keep: bool = True, evaluator: Evaluator | None = None) -> str | None:
     """What `mask` is proved: CAUSAL, EVERY_KEY or None; a boolean one where it is `keep`, or an
     additive one (SDPA's two kinds). Its value is evaluated once for both."""
     if mask.meta["val"].dtype == torch.bool:
         every, causal = (lambda v: _every_key(v, keep, mask.meta["val"])), (lambda v: _causal(v, keep))
     else:
         every, causal = _zeros, _causal_additive
-    return _proof(mask, lambda v: EVERY_KEY if every(v) else CAUSAL if causal(v) else None) or None
+    found = _proof(mask, lambda v: EVERY_KEY if every(v) else CAUSAL if causal(v) else None, evaluator)
+    return found or None
 
 
-def _proof(node: torch.fx.Node, check: Callable[[Value], object]) -> object:
+class Proofs:
+    """`proved` per (mask, keep), each once (a model's layers share one mask), reading the contents
+    of the buffers and constants `held` gives (gjit/lowering/held_masks.py; None: none), which
+    keeps those a proof read for the entry's guard."""
+
+    def __init__(self, held: Held | None = None):
+        self.held = held
+        self.memo: dict[tuple[torch.fx.Node, bool], str | None] = {}
+
+    def __call__(self, mask: torch.fx.Node, keep: bool = True) -> str | None:
+        if (mask, keep) not in self.memo:
+            evaluator = Evaluator(self.held.value if self.held is not None else None)
+            self.memo[mask, keep] = found = proved(mask, keep, evaluator)
+            if found is not None and self.held is not None:
+                self.held.read_by_proof(evaluator.read)
+        return self.memo[mask, keep]
+
+
+def _proof(
+    node: torch.fx.Node, check: Callable[[Value], object], evaluator: Evaluator | None = None
+) -> object:
     """`check` of `node`'s value; False where it has none, or sympy raises on the way."""
     try:
-        value = Evaluator()(node)
+        value = (evaluator or Evaluator())(node)
         return value is not None and check(value)
     except Exception as e:  # sympy on an expression it cannot take apart: unproved
         log.debug("mask %s: not proved (%s: %s)", node.name, type(e).__name__, e)

@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import math
 import numbers
+from collections.abc import Callable
 
 import sympy
 import torch
@@ -82,7 +83,8 @@ class Value:
         return Value(self.expr.xreplace(new), tuple(new.get(s) if s is not None else None for s in self.dims))
 
 
-def _number(x: object) -> sympy.Basic | None:
+def number_of(x: object) -> sympy.Basic | None:
+    """A Python number as sympy holds it exactly (a bool: true or false; inf: oo); None for NaN."""
     if isinstance(x, bool):
         return sympy.true if x else sympy.false
     if isinstance(x, numbers.Integral):
@@ -126,18 +128,27 @@ def _fits(expr: sympy.Basic, dtype: torch.dtype) -> bool:
 
 
 class Evaluator:
-    def __init__(self) -> None:
+    """Node values, each evaluated once. `held`: a placeholder's value where its contents are known
+    (a buffer's: gjit/lowering/held_masks.py), or None; `read` keeps the placeholders it gave."""
+
+    def __init__(self, held: Callable[[torch.fx.Node], Value | None] | None = None) -> None:
         self.memo: dict[torch.fx.Node, Value | None] = {}
         self.computing = 0  # nodes read so far that compute (the rest place elements: PLACING)
+        self.held = held
+        self.read: set[torch.fx.Node] = set()
 
     def __call__(self, arg: object) -> Value | None:
         if not isinstance(arg, torch.fx.Node):
-            number = _number(arg)
+            number = number_of(arg)
             return None if number is None else Value(number, ())
         if arg not in self.memo and isinstance(arg.meta.get("val"), torch.SymInt):
             size = sympy.sympify(arg.meta["val"].node.expr)  # a size computed: its expression
             ok = size.is_integer and positive_sizes(size, arg.meta["val"])
             self.memo[arg] = Value(size, ()) if ok else None
+        if arg not in self.memo and arg.op == "placeholder":
+            value = self.held(arg) if self.held is not None else None
+            self.memo[arg] = None if value is None else _checked(value, arg.meta.get("val"))
+            self.read.update([arg] if self.memo[arg] is not None else [])
         if arg not in self.memo:
             val = arg.meta.get("val")
             self.computing += arg.target not in PLACING
@@ -153,10 +164,10 @@ class Evaluator:
         if target in ARANGES:
             return _arange(node)
         if target is aten.full.default:
-            number = _number(args[1])
+            number = number_of(args[1])
             return None if number is None else Value(number, (None,) * len(args[0]))
         if target is aten.scalar_tensor.default:
-            number = _number(args[0])
+            number = number_of(args[0])
             return None if number is None else Value(number, ())
         if target in SAME:
             return self(args[0])
@@ -238,10 +249,18 @@ class Evaluator:
         return Value(x.expr, tuple(dims))
 
     def slice(self, node: torch.fx.Node) -> Value | None:
+        """From a start that is a number or a size (a cache's past length: `mask[past:past + L]`),
+        at least 0 (a negative one counts from the end)."""
         arg, dim, start, _, step = (list(node.args) + [0, 0, None, None, 1][len(node.args) :])[:5]
         x = self(arg)
         start = 0 if start is None else start
-        if x is None or not isinstance(start, int) or not isinstance(step, int) or start < 0 or step < 1:
+        if isinstance(start, torch.fx.Node):
+            size = self(start)
+            start = size.expr if size is not None and not size.dims else None
+            start = start if start is not None and nonnegative(start, node.meta["val"]) else None
+        if x is None or not isinstance(step, int) or step < 1 or start is None:
+            return None
+        if isinstance(start, int) and start < 0:
             return None
         dim = dim + len(x.dims) if dim < 0 else dim
         symbol = x.dims[dim]

@@ -26,7 +26,8 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from gjit.lowering.attention_library import ANY_LAYOUT
-from gjit.lowering.causal import CAUSAL, proved
+from gjit.lowering.causal import CAUSAL, Proofs
+from gjit.lowering.held_masks import Held
 
 log = logging.getLogger("gjit.lowering")
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -67,10 +68,11 @@ def _dense_order(val: torch.Tensor) -> tuple[int, ...] | None:
     return None
 
 
-def proved_masks(gm: torch.fx.GraphModule) -> int:
+def proved_masks(gm: torch.fx.GraphModule, held: Held | None = None) -> int:
     """Each SDPA call of `gm` whose mask is proved causal or to keep every key, called causal or
-    without a mask, in place; how many."""
-    done, proofs = 0, {}  # mask -> what it is proved (the layers of a model share one)
+    without a mask, in place; how many. `held`: the buffers and constants whose contents a proof
+    may read (gjit/lowering/held_masks.py)."""
+    done, proofs = 0, Proofs(held)  # (the layers of a model share one mask: proved once)
     for node in gm.graph.find_nodes(op="call_function", target=SDPA):
         q, k, v, *rest = node.args
         kwargs = dict(zip(PARAMETERS, rest)) | dict(node.kwargs)
@@ -84,9 +86,7 @@ def proved_masks(gm: torch.fx.GraphModule) -> int:
         order = _dense_order(node.meta["val"])
         if order is None:
             continue
-        if mask not in proofs:
-            proofs[mask] = proved(mask)
-        found = proofs[mask]
+        found = proofs(mask)
         if found is None:
             continue
         log.info("attention %s: its mask %s is proved %s: called %s", node.name, mask.name, found,

@@ -41,6 +41,7 @@ from gjit import logs, stats
 from gjit.codegen.common import KernelSource, source_line
 from gjit.codegen.toolchain.files import atomic_write
 from gjit.config import CompileOptions, config
+from gjit.lowering.held_masks import bands_from_record
 from gjit.lowering.templates import TemplateChoice
 from gjit.runtime import remote_cache
 from gjit.runtime.graph import CompiledGraph
@@ -54,6 +55,11 @@ T = TypeVar("T")
 
 class CacheError(Exception):
     """An entry that cannot be trusted or cannot be stored; the caller recompiles."""
+
+
+class StaleEntry(CacheError):
+    """An entry sound in itself that does not fit this module's state (a buffer whose contents a
+    proof read holds others now): a miss, recompiled and overwritten."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,6 +294,7 @@ def graph_record(graph: CompiledGraph) -> dict:
         "tuning": graph.tuning,
         # which products are templates (gjit/choice/): a warm start lowers by it, measuring nothing
         "templates": graph.templates.record() if graph.templates is not None else None,
+        "held": graph.held,  # what the guard checks of the buffers a proof read
     }
 
 
@@ -298,6 +305,11 @@ def graph_from_record(record: dict, gm: torch.fx.GraphModule) -> CompiledGraph:
         values["assumptions"] = [tuple(a) for a in values.get("assumptions", [])]
         kernels.append(KernelSource(**values))
     graph = CompiledGraph(gm, kernels, str(record["wrapper"]), tuning=list(record.get("tuning", [])))
+    graph.held = list(record.get("held", []))
+    try:
+        bands_from_record(graph.held)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise CacheError(f"the entry's held masks do not parse ({e})") from e
     if record.get("templates") is not None:
         try:
             graph.templates = TemplateChoice.from_record(record["templates"])
@@ -372,6 +384,11 @@ def load(key: str, build: Callable[[dict], T]) -> T | None:
         text, where = f"unreadable: {e}", "on-disk"
     try:
         result = build(verified(text, key))
+    except StaleEntry as e:
+        cache_log.info("%s miss: the compiled graph %s does not fit (%s)", where, path, e)
+        if where == "on-disk":  # (a remote entry: the disk's miss is counted)
+            stats.count("disk_cache_misses")
+        return None
     except Exception as e:  # any damage means recompile, never a crash or a wrong answer
         cache_log.warning("gjit: ignoring the damaged cache entry %s (%s: %s); recompiling", path, where, e)
         stats.count("disk_cache_errors" if where == "on-disk" else "remote_cache_errors")

@@ -174,6 +174,9 @@ class CompiledGraph:
     # which products are templates, and each region's choice with its figures (gjit/choice/);
     # None: an entry stored before it was kept
     templates: TemplateChoice | None = None
+    # [kind, qualified name, band] of each buffer or constant whose contents a mask's proof read
+    # (gjit/lowering/held_masks.py): the entry's guard checks they keep them
+    held: list = dataclasses.field(default_factory=list)
     prebuilt: bool = False  # its first call on a GPU started its kernels' builds (gjit/runtime/prebuild.py)
     # that prebuild: its launches' entries in Triton's on-disk cache (gjit.save(binaries=True))
     prebuild_result: prebuild.Prebuild | None = None
