@@ -38,6 +38,7 @@ from gjit.ir import LoopGraph
 from gjit.lowering.attention_library import written_out_as_sdpa
 from gjit.lowering.attention_pattern import match_attention
 from gjit.lowering.graph import lower_graph
+from gjit.lowering.grouped_kv import grouped_kv
 from gjit.lowering.held_masks import Held, band_of, bands_from_record
 from gjit.lowering.proved_masks import proved_masks
 from gjit.lowering.registry import EXTERN_REASONS, LOWERINGS, size_reason
@@ -372,6 +373,19 @@ def on_gpu(gm: torch.fx.GraphModule) -> bool:
     return graph_device(gm.graph.nodes).type == "cuda"
 
 
+def flash_attention_runs(gm: torch.fx.GraphModule) -> bool:
+    """Whether ATen's SDPA can run FlashAttention, which takes grouped keys and values, where `gm`
+    runs: a card of sm_80 or later (the memory-efficient kernel, which older ones run, takes no
+    groups: the math path would), or the CPU (the same values either way)."""
+    device = graph_device(gm.graph.nodes)
+    if device.type != "cuda":
+        return True
+    try:
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    except (RuntimeError, AssertionError):  # no card here: an AOT build is for sm_90
+        return True
+
+
 def attention_as_sdpa(gm: torch.fx.GraphModule) -> bool:
     """Whether written-out attention whose score is only scaled runs as ATen's SDPA call: on a GPU,
     where its fused kernels keep the score matrix on chip (gjit/lowering/attention_library.py)."""
@@ -380,6 +394,8 @@ def attention_as_sdpa(gm: torch.fx.GraphModule) -> bool:
 
 def library_attention(gm: torch.fx.GraphModule, held: Held) -> None:
     proved_masks(gm, held)  # exact on every device: no mask's kernels, the causal kernel or bound
+    if flash_attention_runs(gm):  # then unmasked calls read grouped keys and values in place
+        grouped_kv(gm)
     if attention_as_sdpa(gm):
         written_out_as_sdpa(gm, held)
 

@@ -53,7 +53,7 @@ def _same(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
 
 
-def _dense_order(val: torch.Tensor) -> tuple[int, ...] | None:
+def dense_order(val: torch.Tensor) -> tuple[int, ...] | None:
     """The order of `val`'s dims in memory, outermost first, where it is dense in one for every size
     (ATen's kernels return the contiguous layout or [B, L, H, Ev]; a dim of size 1 may have any
     stride); None where it is not."""
@@ -83,7 +83,7 @@ def proved_masks(gm: torch.fx.GraphModule, held: Held | None = None) -> int:
             continue
         if not _sizes_match(node.meta["val"], *(t.meta["val"] for t in (mask, q, k, v))):
             continue
-        order = _dense_order(node.meta["val"])
+        order = dense_order(node.meta["val"])
         if order is None:
             continue
         found = proofs(mask)

@@ -1,0 +1,124 @@
+"""SDPA calls whose keys and values are repeated for each query head of a group (grouped-query
+attention: transformers' `repeat_kv`, `x[:, :, None].expand(B, KV, n, S, D).reshape(B, KV * n, S,
+D)`) take the groups' own keys and values, with `enable_gqa=True`.
+
+transformers hands SDPA the groups' tensors with `enable_gqa` only where the call has no mask; under
+torch.export every call has one (the mask the program builds), so each layer copies its keys and
+values n times, a kernel each, and the attention reads n times their bytes: a decode step copies the
+whole cache so. Once gjit/lowering/proved_masks.py has dropped the mask, the call reads them
+in place, as eager's unmasked call would: FlashAttention takes groups (ATen's memory-efficient
+kernel does not, so the call keeps the copies where a mask stays), and so does gjit's attention
+template. Taken where the operands are 16-bit (FlashAttention's dtypes; float32 would go to the math
+path) with one head dim of at most 256.
+
+The call's value keeps the layout it was traced in (ANY_LAYOUT, as for a dropped mask: the
+wrapper's `written_out` copies the output into it where the kernel returns another).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from gjit.lowering.attention_library import ANY_LAYOUT
+from gjit.lowering.proved_masks import PARAMETERS, SDPA, dense_order
+
+log = logging.getLogger("gjit.lowering")
+aten = torch.ops.aten
+VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+END = 2**62  # a slice's end at least this takes its dim to the end (export writes `x[:, :]` to 2**63 - 1)
+
+
+def grouped_kv(gm: torch.fx.GraphModule) -> int:
+    """Each unmasked SDPA call of `gm` whose keys and values are repeated per group, on the
+    groups' tensors with enable_gqa=True, in place; how many."""
+    done = 0
+    for node in gm.graph.find_nodes(op="call_function", target=SDPA):
+        q, k, v, *rest = node.args
+        kwargs = dict(zip(PARAMETERS, rest)) | dict(node.kwargs)
+        if kwargs.get("attn_mask") is not None or kwargs.get("dropout_p", 0.0) != 0.0:
+            continue  # (a mask: ATen's memory-efficient kernel, which takes no groups)
+        if kwargs.get("enable_gqa"):
+            continue
+        if not _fits_flash(*(t.meta["val"] for t in (q, k, v))):
+            continue
+        heads = q.meta["val"].shape[-3]
+        groups = [_groups(t, heads) for t in (k, v)]
+        if None in groups or groups[0][1] != groups[1][1]:
+            continue
+        order = dense_order(node.meta["val"])
+        if order is None:
+            continue
+        (k_groups, n), (v_groups, _) = groups
+        log.info("attention %s: keys %s and values %s repeated %s times per group: called on %s and %s with "
+                 "enable_gqa=True", node.name, k.name, v.name, n, k_groups.name, v_groups.name)  # fmt: skip
+        node.args, node.kwargs = (q, k_groups, v_groups), kwargs | {"enable_gqa": True}
+        node.meta[ANY_LAYOUT] = order
+        done += 1
+    if done:
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
+def _fits_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """16-bit operands of 4 dims, one head dim (a number) of at most MAX_HEAD_DIM."""
+    dims = [t.shape[-1] for t in (q, k, v)]
+    return (
+        all(t.dim() == 4 and t.dtype == q.dtype for t in (q, k, v))
+        and q.dtype in DTYPES
+        and all(isinstance(d, int) and d == dims[0] for d in dims)
+        and dims[0] <= MAX_HEAD_DIM
+    )
+
+
+def _groups(node: torch.fx.Node, heads: int | torch.SymInt) -> tuple[torch.fx.Node, int] | None:
+    """(x [B, KV, S, D], n) where `node` is x with each of its KV heads repeated n times in a row
+    (KV * n = `heads`): a view of a contiguous clone of x unsqueezed at dim 2 and expanded there to
+    n (through slices that take whole dims), as export decomposes `repeat_kv`; None where it is
+    not so."""
+    if node.op != "call_function" or node.target not in VIEWS:
+        return None
+    clone = node.args[0]
+    if clone.op != "call_function" or clone.target is not aten.clone.default:
+        return None
+    if clone.kwargs.get("memory_format", torch.contiguous_format) != torch.contiguous_format:
+        return None
+    expand = _whole(clone.args[0])
+    if expand.op != "call_function" or expand.target is not aten.expand.default:
+        return None
+    unsqueezed = _whole(expand.args[0])
+    if unsqueezed.op != "call_function" or unsqueezed.target is not aten.unsqueeze.default:
+        return None
+    if unsqueezed.args[1] not in (2, -3):
+        return None
+    x = _whole(unsqueezed.args[0])
+    out, wide, source = (t.meta["val"] for t in (node, expand, x))
+    if source.dim() != 4 or wide.dim() != 5 or out.dim() != 4:
+        return None
+    n = wide.shape[2]
+    batch, kv, length, dim = source.shape
+    pairs = [*zip(wide.shape, (batch, kv, n, length, dim)), *zip(out.shape, (batch, heads, length, dim))]
+    if not isinstance(n, int) or n < 2 or not all(statically_known_true(a == b) for a, b in pairs):
+        return None
+    if not statically_known_true(kv * n == heads):
+        return None
+    return x, n
+
+
+def _whole(node: torch.fx.Node) -> torch.fx.Node:
+    """`node` through slices that take their dim whole (export writes `x[:, :, None]` so)."""
+    while node.op == "call_function" and node.target is aten.slice.Tensor:
+        t, dim, start, end, step = (list(node.args) + [0, None, None, 1][len(node.args) - 1 :])[:5]
+        size = t.meta["val"].shape[dim]
+        end = end.meta.get("val") if isinstance(end, torch.fx.Node) else end
+        to_the_end = end is None or (type(end) is int and end >= END) or statically_known_true(end >= size)
+        if start not in (None, 0) or step != 1 or not to_the_end:
+            return node
+        node = t
+    return node

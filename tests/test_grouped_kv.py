@@ -1,0 +1,146 @@
+"""Grouped-query attention (gjit/lowering/grouped_kv.py): an unmasked SDPA call whose keys and values
+are repeated per group of query heads (transformers' `repeat_kv`) reads the groups' tensors with
+enable_gqa=True; the copies are gone, and the results are eager's."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gjit
+from gjit.capture.decompose import decompose_program
+from gjit.lowering.grouped_kv import grouped_kv
+from gjit.lowering.proved_masks import proved_masks
+from helpers import assert_same, check_against_float64
+
+pytestmark = [pytest.mark.cpu]
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def repeat_kv(x, n):
+    """transformers' repeat_kv: each of the KV heads n times in a row."""
+    b, kv, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, kv, n, s, d).reshape(b, kv * n, s, d)
+
+
+class Grouped(torch.nn.Module):
+    """SDPA over 4 query heads and 2 key/value heads, repeated by `repeat` (n = 2)."""
+
+    def __init__(self, repeat=repeat_kv, causal_mask=False):
+        super().__init__()
+        self.repeat, self.causal_mask = repeat, causal_mask
+
+    def forward(self, q, k, v):
+        mask = None
+        if self.causal_mask:  # one a proof drops, or a padding-like one that stays
+            mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        return F.scaled_dot_product_attention(q, self.repeat(k, 2), self.repeat(v, 2), attn_mask=mask)
+
+
+def inputs(dtype=torch.bfloat16, length=7, dim=16):
+    q = torch.randn(2, 4, length, dim, dtype=dtype)
+    return q, *(torch.randn(2, 2, length, dim, dtype=dtype) for _ in "kv")
+
+
+def exported(module, args):
+    dims = tuple({0: torch.export.Dim.AUTO, 2: torch.export.Dim.AUTO} for _ in args)
+    with torch.no_grad():
+        return decompose_program(torch.export.export(module, args, dynamic_shapes=dims))[0].module()
+
+
+CASES = {  # module, inputs -> whether the call takes the groups
+    "repeat_kv": (Grouped(), inputs(), True),
+    "float16": (Grouped(), inputs(torch.float16), True),
+    "a causal mask, proved and dropped": (Grouped(causal_mask=True), inputs(), True),
+    "float32 (the math path would take it)": (Grouped(), inputs(torch.float32), False),
+    "a head dim over 256": (Grouped(), inputs(dim=272), False),
+    "tiled, not interleaved": (Grouped(lambda x, n: x.repeat(1, n, 1, 1)), inputs(), False),
+    "repeated along another dim": (
+        Grouped(
+            lambda x, n: x[:, None].expand(x.shape[0], n, *x.shape[1:]).reshape(x.shape[0], -1, *x.shape[2:])
+        ),
+        inputs(),
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_call_takes_the_groups_where_it_reads_them_repeated(case):
+    module, args, takes = CASES[case]
+    torch.manual_seed(0)
+    gm = exported(module, args)
+    expected = gm(*args)
+    proved_masks(gm)
+    assert grouped_kv(gm) == takes
+    (call,) = [n for n in gm.graph.nodes if n.target is SDPA]
+    assert bool(call.kwargs.get("enable_gqa")) == takes, gm.graph
+    if takes:  # the calls read the placeholders, and the copies are gone
+        assert [a.op for a in call.args[1:3]] == ["placeholder"] * 2, gm.graph
+        assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.expand.default], gm.graph
+    assert_same(gm(*args), expected)
+    other = inputs(args[0].dtype, length=11, dim=args[0].shape[-1])
+    assert_same(gm(*other), module(*other))
+
+
+def test_a_mask_that_stays_keeps_the_copies():
+    """With a mask ATen runs its memory-efficient kernel, which takes no groups."""
+    args = (*inputs(), torch.rand(2, 1, 7, 7) > 0.3)
+
+    class Padded(torch.nn.Module):
+        def forward(self, q, k, v, keep):
+            return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), attn_mask=keep)
+
+    gm = exported(Padded(), args)
+    assert proved_masks(gm) == 0 and grouped_kv(gm) == 0
+
+
+def llama(dtype=torch.bfloat16):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).eval().to(dtype).requires_grad_(False)
+
+
+class Logits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(ids, use_cache=False).logits
+
+
+def test_llama_reads_its_key_and_value_groups_in_place(monkeypatch):
+    torch.manual_seed(0)
+    model = Logits(llama())
+    ids = torch.randint(0, 128, (2, 7))
+    with gjit.config.scope(matmul="auto"):
+        cm, report = check_against_float64(model, ids, reference_fn=copy.deepcopy(model).double())
+        check_against_float64(cm, torch.randint(0, 128, (3, 10)), reference_fn=copy.deepcopy(model).double())
+        source = cm.entries[0].program.graph.wrapper_source
+        assert source.count("enable_gqa=True") == 2 and "is_causal=True" in source, source
+        monkeypatch.setattr(gjit.driver, "grouped_kv", lambda gm: 0)
+        _, without = check_against_float64(model, ids, reference_fn=copy.deepcopy(model).double())
+    assert len(report.kernels) < len(without.kernels), (report, without)
+
+
+def test_llama_generate_decodes_on_the_groups():
+    """generate() with the dynamic cache: the prompt and each decode step (the cache's keys and
+    values, whole) read the groups; the tokens are eager's."""
+    torch.manual_seed(0)
+    model = llama()
+    ids = torch.randint(0, 128, (2, 7))
+    settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        expected = model.generate(ids, **settings)
+        model.forward = gjit.compile(model.forward)
+        with gjit.config.scope(interpret=True, debug=True, matmul="auto"):
+            got = model.generate(ids, **settings)
+    assert torch.equal(got, expected)
+    for entry in model.forward.entries:
+        source = entry.program.graph.wrapper_source
+        assert source.count("enable_gqa=True") == 2, source
