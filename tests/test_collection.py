@@ -29,6 +29,7 @@ def collect(*args: str, **env: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(3) or 0)
 
 
+@pytest.mark.slow  # CI's sweep step: 42 s of pytest processes in the default run's 15 minutes
 def test_the_long_steps_are_deselected_unless_their_variable_is_set():
     collected, deselected = collect("tests/test_llm.py")
     assert deselected >= 1 and collect("tests/test_llm.py", GJIT_TEST_SLOW="1") == (collected + deselected, 0)

@@ -130,7 +130,7 @@ SWEEP = pytest.mark.slow
     [
         "gpt2",
         pytest.param("llama", marks=SWEEP),  # the default run's Llama: the manual decode loop below
-        "t5",
+        pytest.param("t5", marks=SWEEP),  # the default run's T5: the encoder-decoder loop below
         pytest.param("mistral", marks=SWEEP),
         pytest.param("qwen2", marks=SWEEP),
         pytest.param("gemma", marks=SWEEP),
@@ -172,6 +172,7 @@ def test_generate_32_tokens_two_compiles_any_prompt_length():
     assert counters() == (3, 0)
 
 
+@SWEEP  # 56 s; the default run's static cache: tests/test_cache_aliases.py
 def test_static_cache_generate_writes_in_place():
     model = build("llama")
     ids, other = prompt(2, 5, seed=4), prompt(2, 8, seed=5)
