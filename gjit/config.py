@@ -39,6 +39,10 @@
                                                          mode; by default only the max-autotune modes do,
                                                          the others measure where a template fuses a
                                                          written-out attention (and the table's regions)
+    gjit.config.held_masks            GJIT_HELD_MASKS=0  no mask's proof reads a buffer's or constant's
+                                                         contents (by default a causal tril held in one
+                                                         makes the call causal; the entry assumes writes
+                                                         to it bump its version: not through .data)
     gjit.config.rblock                GJIT_RBLOCK        chunk size of looped reductions (0: the tile table)
     gjit.config.recompile_limit       GJIT_RECOMPILE_LIMIT  entries per compiled callable; calls that
                                                          miss past it run eagerly (one warning)
@@ -236,6 +240,13 @@ class Config:
         "mode (by default only the max-autotune modes do; the others measure the templates of "
         "written-out attention and of the table's regions, and run the library elsewhere: gjit/choice/)",
     )
+    held_masks = _Knob(
+        "GJIT_HELD_MASKS",
+        _env_bool("GJIT_HELD_MASKS", True),
+        "a mask's proof may read a buffer's or a constant's contents (a causal tril: the causal call; "
+        "gjit/lowering/held_masks.py); the entry assumes they change only by writes torch's version "
+        "counter sees (not through .data or NumPy); off: no proof reads them",
+    )
     persistent_max = _Knob(
         "GJIT_PERSISTENT_MAX",
         _env_int("GJIT_PERSISTENT_MAX", 1024),
@@ -380,6 +391,8 @@ class CompileOptions:
     # (mode="max-autotune", GJIT_MEASURE_ALL_TEMPLATES), or only those gjit/choice/table.py's
     # `worth_measuring` names
     measure_all_templates: bool = False
+    # a mask's proof may read the contents of buffers and constants (gjit/lowering/held_masks.py)
+    held_masks: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

@@ -39,7 +39,7 @@ from gjit.lowering.attention_library import written_out_as_sdpa
 from gjit.lowering.attention_pattern import match_attention
 from gjit.lowering.graph import lower_graph
 from gjit.lowering.grouped_kv import grouped_kv
-from gjit.lowering.held_masks import Held, band_of, bands_from_record
+from gjit.lowering.held_masks import Held, bands_from_record, held_inputs, program_bands
 from gjit.lowering.proved_masks import proved_masks
 from gjit.lowering.registry import EXTERN_REASONS, LOWERINGS, size_reason
 from gjit.lowering.templates import EVERY_TEMPLATE, NO_TEMPLATES, TemplateChoice
@@ -49,7 +49,6 @@ from gjit.runtime.graph import CompiledGraph
 from gjit.stats import timed
 from gjit.wrapper import WrapperWriter, graph_device
 
-HELD = ("buffer", "constant")  # the inputs whose contents a proof may read (not parameters)
 output_code_log = logs.logger("output_code")
 fusion_log = logs.logger("fusion")
 passes_log = logs.logger("passes")
@@ -104,7 +103,7 @@ class CompiledProgram:
         settings = [(d, t) for t in choices for d in (current, not current)]
         gm = self.captured.full_graph_module
         bands = bands_from_record(self.graph.held)  # what the compile's proofs read of its buffers
-        library_attention(gm, held_tensors(self.captured, gm, lambda kind, name: bands.get((kind, name))))
+        library_attention(gm, held_inputs(gm, self.captured.input_sources, bands))
         for deterministic, templates in settings:
             with _deterministic_algorithms(deterministic):
                 loop_graph, steps = schedule_graph(gm, templates, _untimed)
@@ -202,13 +201,17 @@ def compile_program(
             "GJIT_CACHE=0 turns the disk cache off, and the remote tier's entries with it "
             '(packages saved to "remote:<name>" still load)'
         )
+    bands = program_bands(exported.program, exported.module) if options.held_masks else {}
     if config.cache and not options.check:
         gm = exported.program.graph_module
         with timed("cache", timings):
             symbols = input_symbols(exported.user_vals)
             ranges = exported.program.range_constraints
             guards = shape_guard_texts(exported.user_vals)
-            key = cache.graph_key(gm, symbols, size_hints(gm), ranges, options, exported.program, guards)
+            held = sorted([kind, name, band.record()] for (kind, name), band in bands.items())
+            key = cache.graph_key(
+                gm, symbols, size_hints(gm), ranges, options, exported.program, guards, held
+            )
             program = cache.load(key, lambda record: _from_entry(record, exported, timings))
         if program is not None:
             return program
@@ -228,7 +231,7 @@ def compile_program(
     passes = Passes(options, timings)
     # sdpa: an SDPA call's mask built from sizes, proved causal or keeping every key -> is_causal or
     # none; on a GPU, written-out attention whose score is only scaled -> ATen's SDPA call
-    held = held_tensors(captured, gm, lambda kind, name: band_of(captured.state_tensor(kind, name)))
+    held = held_inputs(gm, captured.input_sources, bands)  # what a mask's proof may read
     passes("sdpa", library_attention, gm, held)
     why = unmeasurable(gm, symbols, options, example)
     if options.matmul == "auto" and options.matmul_template and why is not None:  # the library,
@@ -271,10 +274,10 @@ def _from_entry(record: dict, exported: Exported, timings: dict[str, float]) -> 
     graph = cache.graph_from_entry(record, captured.graph_module)
     for (kind, name), band in bands_from_record(graph.held).items():
         try:
-            now = captured.state_tensor(kind, name)
-        except (AttributeError, KeyError):
-            now = None
-        if not band.holds(now):  # the proofs of the entry's masks do not hold here
+            holds = band.holds(captured.state_tensor(kind, name))
+        except Exception:  # (not there, or not readable: a meta buffer)
+            holds = False
+        if not holds:  # the proofs of the entry's masks do not hold here
             raise cache.StaleEntry(f"the {kind} {name} does not hold {band}, which a mask's proof read")
     for k in graph.kernels:
         output_code_log.info("kernel %s from the cache: %s", k.name, graph.kernel_paths[k.name])
@@ -398,16 +401,6 @@ def library_attention(gm: torch.fx.GraphModule, held: Held) -> None:
         grouped_kv(gm)
     if attention_as_sdpa(gm):
         written_out_as_sdpa(gm, held)
-
-
-def held_tensors(
-    captured: CapturedProgram, gm: torch.fx.GraphModule, band: Callable[[str, str], Any]
-) -> Held:
-    """The buffers and constants of `gm` (the program's graph) a mask's proof may read, by
-    placeholder, with `band` (kind, qualified name) -> what one holds (gjit/lowering/held_masks.py)."""
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    held = {name: source for name, source in zip(names, captured.input_sources) if source[0] in HELD}
-    return Held(held, band)
 
 
 def unmeasurable(

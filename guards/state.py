@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,9 +65,11 @@ def _same_state(
 
 def held_guards(b: Any, held: Sequence[tuple[Callable[[], Any], Band, str]]) -> None:
     """A mask's proof read these tensors' contents (gjit/lowering/held_masks.py): each must still
-    hold its band. The hot path compares each one's identity, memory and version counter (an
-    in-place write bumps it) with the last it admitted, and reads the contents again only where
-    one changed."""
+    hold its band. The hot path compares each one with the last it admitted: the same tensor (a
+    weak reference: an id may be reused), memory, strides and version counter (an in-place write
+    bumps it), and reads the contents again only where one differs. Writes the version counter does
+    not see (through `.data`, NumPy or DLPack) are not seen here either (GJIT_HELD_MASKS=0: no
+    proof reads contents)."""
     if not held:
         return
     admitted: list[tuple | None] = [None] * len(held)
@@ -75,24 +78,35 @@ def held_guards(b: Any, held: Sequence[tuple[Callable[[], Any], Band, str]]) -> 
         for k, (read, band, _) in enumerate(held):
             t = read()
             try:
-                stamp = (id(t), t.data_ptr(), t._version)
-            except (AttributeError, RuntimeError):  # not a tensor now; an inference tensor
+                stamp = (t.data_ptr(), t._version, t.stride(), t.storage_offset())
+            except (AttributeError, RuntimeError, TypeError):  # not a tensor now; an inference tensor
                 return False
-            if stamp != admitted[k]:
+            last = admitted[k]
+            if last is None or last[0]() is not t or last[1:] != stamp:
                 if not band.holds(t):
                     return False
-                admitted[k] = stamp
+                admitted[k] = (weakref.ref(t), *stamp)
         return True
 
-    b.namespace["held_same"] = same
+    b.namespace["held_same"], b.namespace["held_now"] = same, _held_now
     b.guard("held_same()", "the masks held in buffers keep their contents", "None", None, "state", True)
     b.later[-1].where = "hot"
     for k, (read, band, name) in enumerate(held):
         b.namespace[f"held{k}"], b.namespace[f"band{k}"] = read, band
-        b.namespace["band_of"] = band_of
-        code, actual = f"band{k}.holds(held{k}())", f"str(band_of(held{k}()) or 'another pattern')"
+        code, actual = f"band{k}.holds(held{k}())", f"held_now(held{k}())"
         b.guard(code, f"{name} holds {band} (a mask's proof read it)", actual, None, "state", True)
         b.later[-1].where = "explain"
+
+
+def _held_now(t: Any) -> str:
+    """What a held tensor holds now, for a miss's explanation."""
+    if not isinstance(t, torch.Tensor):
+        return f"a {type(t).__name__}"
+    try:
+        t._version  # noqa: B018
+    except RuntimeError:
+        return "an inference tensor (no version counter: a write could not be seen)"
+    return str(band_of(t) or f"another pattern ({t.dtype}, {list(t.shape)})")
 
 
 def held_sources(captured: CapturedProgram, record: list) -> list[tuple[Callable[[], Any], Band, str]]:

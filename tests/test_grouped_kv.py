@@ -144,3 +144,16 @@ def test_llama_generate_decodes_on_the_groups():
     for entry in model.forward.entries:
         source = entry.program.graph.wrapper_source
         assert source.count("enable_gqa=True") == 2, source
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_grouped_call_matches_eager():
+    """On the card: the call takes the groups (FlashAttention, sm_80 and up), within eager's rounding."""
+    torch.manual_seed(0)
+    model = Logits(llama()).cuda()
+    ids = torch.randint(0, 128, (2, 64), device="cuda")
+    with gjit.config.scope(matmul="auto"):
+        cm, _ = check_against_float64(model, ids, reference_fn=copy.deepcopy(model).double())
+    source = cm.entries[0].program.graph.wrapper_source
+    takes = torch.cuda.get_device_capability() >= (8, 0)
+    assert (source.count("enable_gqa=True") == 2) == takes, source

@@ -48,6 +48,7 @@ BANDS = {  # tensor -> its band as (offset, inside, outside), or None: not a ban
     "NaN": (torch.zeros(4, 4).masked_fill(ones(4).triu(1), float("nan")), None),
     "batched": (ones(6).tril().expand(2, 6, 6), None),
     "one dim": (torch.ones(6, dtype=torch.bool), None),
+    "one row": (ones(1, 8).tril(), None),
     "complex": (ones(4, dtype=torch.complex64), None),
 }
 
@@ -215,12 +216,14 @@ def test_the_on_disk_cache_serves_the_entry_only_where_the_mask_holds(tmp_path):
             report = gjit.explain(warm, x)  # lowered and fused again, with the stored proof
         assert not report.externs and len(report.kernels) == 2, report  # a product, the attention
         other = copy.deepcopy(model)
-        other.mask = ones(32).tril(1)  # not causal: a miss, compiled afresh
+        other.mask = ones(32).tril(1)  # not causal: an entry of its own (the bands are in the key)
         misses = gjit.stats()["disk_cache_misses"]
         cold, _ = check_against_float64(other, x, reference_fn=_float64(other))
         assert gjit.stats()["disk_cache_hits"] == hits + 1
         assert gjit.stats()["disk_cache_misses"] == misses + 1
         assert reads_the_mask(cold) and not cold.entries[0].program.graph.held
+        again, _ = check_against_float64(model, x, reference_fn=_float64(model))  # its own entry still
+        assert gjit.stats()["disk_cache_hits"] == hits + 2 and not reads_the_mask(again)
 
 
 def test_a_package_names_the_mask_its_entry_needs(tmp_path):
@@ -265,3 +268,62 @@ def test_a_decode_step_after_a_cache_keeps_every_key():
     assert not any(reads_the_mask(cm, e) or "is_causal" in wrapper(cm, e) for e in range(decode))
     check_against_float64(cm, *[torch.randn(2, 3, n, 16) for n in (4, 13, 13)], reference_fn=model)
     assert len(cm.entries) == decode + 1 and reads_the_mask(cm)
+
+
+def test_new_strides_under_the_same_tensor_are_read_again():
+    """`.data = .data.t()` keeps the tensor, its memory and its version: its strides tell."""
+    torch.manual_seed(0)
+    model = HeldMask(ones(32).tril()).requires_grad_(False)
+    x = torch.randn(3, 7, 16)
+    cm, _ = check_against_float64(model, x, reference_fn=_float64(model))
+    model.mask.data = model.mask.data.t()  # triu now
+    check_against_float64(cm, x, reference_fn=_float64(model))
+    assert len(cm.entries) == 2 and reads_the_mask(cm)
+
+
+def test_the_knob_keeps_proofs_off_contents():
+    """GJIT_HELD_MASKS=0: for a program whose masks change by writes the version counter does not
+    see (`.data`, NumPy), no proof reads a buffer."""
+    torch.manual_seed(0)
+    model = HeldMask(ones(32).tril()).requires_grad_(False)
+    x = torch.randn(3, 7, 16)
+    with gjit.config.scope(held_masks=False):
+        cm, _ = check_against_float64(model, x, reference_fn=_float64(model))
+    assert reads_the_mask(cm) and not cm.entries[0].program.graph.held
+    model.mask.data.fill_(True)  # unseen by the version counter, and no proof read it
+    check_against_float64(cm, x, reference_fn=_float64(model))
+    assert len(cm.entries) == 1
+
+
+def test_an_inference_tensor_in_the_buffer_is_a_miss_that_says_so():
+    torch.manual_seed(0)
+    model = HeldMask(ones(32).tril()).requires_grad_(False)
+    x = torch.randn(3, 7, 16)
+    cm, _ = check_against_float64(model, x, reference_fn=_float64(model))
+    with torch.inference_mode():
+        model.mask = ones(32).tril()  # the same contents; its writes would not be seen
+    why = cm.entries[0].guards.failures([x])
+    assert any("inference tensor" in w for w in why), why
+
+
+class AddedTerm(torch.nn.Module):
+    """A causal additive buffer after a second added term: the attention stays written out."""
+
+    def __init__(self, n=16):
+        super().__init__()
+        self.register_buffer("mask", additive(n))
+        self.pos = torch.nn.Parameter(torch.randn(n, n) * 0.1)
+
+    def forward(self, q, k, v):
+        t = q.shape[-2]
+        att = (q @ k.transpose(-2, -1)) * 0.25 + self.pos[:t, :t]
+        return F.softmax(att + self.mask[:t, :t], dim=-1) @ v
+
+
+def test_a_proof_no_rewrite_used_is_not_guarded(as_on_a_gpu):  # noqa: F811
+    torch.manual_seed(0)
+    model = AddedTerm().requires_grad_(False)
+    qkv = [torch.randn(2, 2, 7, 8) for _ in "qkv"]
+    with gjit.config.scope(matmul="auto"):
+        cm, report = check_against_float64(model, *qkv, reference_fn=_float64(model))
+    assert SDPA not in [e.op for e in report.externs] and not cm.entries[0].program.graph.held, report

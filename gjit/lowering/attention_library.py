@@ -582,10 +582,12 @@ def written_out_as_sdpa(gm: torch.fx.GraphModule, held: Held | None = None) -> i
             continue
         m = match(node, proofs)
         if m is None:
+            proofs.discard()  # (nothing its proofs read is read by the program now)
             continue
         log.info("attention %s: %s as ATen's scaled_dot_product_attention (scale %g)",
                  node.name, ", ".join(n.name for n in reversed(m.replaced)), m.scale)  # fmt: skip
         rewrite(gm, m, built)
+        proofs.commit()
         gone.update(m.replaced)
         done += 1
     if done:  # what only the replaced nodes read (a fill's constants, a mask left for a causal call)

@@ -113,20 +113,31 @@ def proved(mask: torch.fx.Node, keep: bool = True, evaluator: Evaluator | None =
 
 class Proofs:
     """`proved` per (mask, keep), each once (a model's layers share one mask), reading the contents
-    of the buffers and constants `held` gives (gjit/lowering/held_masks.py; None: none), which
-    keeps those a proof read for the entry's guard."""
+    of the buffers and constants `held` gives (gjit/lowering/held_masks.py; None: none). What the
+    proofs since the last `commit` or `discard` read goes to `held` (for the entry's guard) on a
+    `commit`: the caller's, once a rewrite used them."""
 
     def __init__(self, held: Held | None = None):
         self.held = held
-        self.memo: dict[tuple[torch.fx.Node, bool], str | None] = {}
+        self.memo: dict[tuple[torch.fx.Node, bool], tuple[str | None, set]] = {}
+        self.pending: set[torch.fx.Node] = set()
 
     def __call__(self, mask: torch.fx.Node, keep: bool = True) -> str | None:
         if (mask, keep) not in self.memo:
             evaluator = Evaluator(self.held.value if self.held is not None else None)
-            self.memo[mask, keep] = found = proved(mask, keep, evaluator)
-            if found is not None and self.held is not None:
-                self.held.read_by_proof(evaluator.read)
-        return self.memo[mask, keep]
+            found = proved(mask, keep, evaluator)
+            self.memo[mask, keep] = found, evaluator.read if found is not None else set()
+        found, read = self.memo[mask, keep]
+        self.pending |= read
+        return found
+
+    def commit(self) -> None:
+        if self.held is not None:
+            self.held.read_by_proof(self.pending)
+        self.pending = set()
+
+    def discard(self) -> None:
+        self.pending = set()
 
 
 def _proof(

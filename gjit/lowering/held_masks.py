@@ -1,8 +1,10 @@
 """Masks a program reads from a buffer or a constant tensor rather than building them from its sizes
 (minGPT's and nanoGPT's `bias`: `tril(ones(N, N))` registered once at the longest length and sliced
 to each call's): their contents, read once at compile time as a value gjit/lowering/causal.py's
-proofs take (`Held`), and read again by the entry's guard whenever the tensor may have changed
-(guards/builder.py: a new tensor, new memory or an in-place write: its version counter).
+proofs take (`Held`), and read again by the entry's guard where the tensor may have changed
+(guards/state.py: another tensor, memory or strides, or an in-place write, which bumps its version
+counter). Like autograd's checks, the guard does not see writes the version counter does not (through
+`.data`, NumPy or DLPack); GJIT_HELD_MASKS=0 keeps every proof off contents.
 
 What a tensor may hold to be read (`Band`): every dim of size 1 but the last two (rows i, columns
 j), and in those one value where j - i <= offset and another elsewhere (tril, triu, their
@@ -17,9 +19,11 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import sympy
 import torch
+from torch.export.graph_signature import InputKind
 
 from gjit.lowering.mask_values import Value, number_of
 
@@ -54,10 +58,11 @@ class Band:
         return torch.where(d <= self.offset, inside, outside).view(self.shape)
 
     def holds(self, t: object) -> bool:
-        """Whether `t` is a tensor of this band (its shape, dtype and contents, bit for bit)."""
+        """Whether `t` is a tensor of this band (its shape, dtype and contents, bit for bit) whose
+        writes its version counter sees (not an inference tensor)."""
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != self.shape or t.dtype != self.dtype:
             return False
-        if t.is_neg() or t.layout != torch.strided:
+        if t.is_neg() or t.layout != torch.strided or not _versioned(t):
             return False
         with torch.no_grad():
             return torch.equal(_bits(t), _bits(self.expected(t.device)))
@@ -111,16 +116,22 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(BITS[t.element_size()]) if t.dtype.is_floating_point else t
 
 
+def _versioned(t: torch.Tensor) -> bool:
+    try:
+        t._version  # noqa: B018
+    except RuntimeError:
+        return False
+    return True
+
+
 def band_of(t: torch.Tensor) -> Band | None:
     """The band `t` holds, or None (the module's doc)."""
     shape = tuple(t.shape)
-    if t.dim() < 2 or any(n != 1 for n in shape[:-2]) or min(shape[-2:]) < 1 or t.numel() > MAX_ELEMENTS:
+    if t.dim() < 2 or any(n != 1 for n in shape[:-2]) or min(shape[-2:]) < 2 or t.numel() > MAX_ELEMENTS:
         return None
     if t.dtype not in DTYPES or t.is_neg() or t.layout != torch.strided or t.device.type == "meta":
         return None
-    try:
-        t._version  # noqa: B018 - an inference tensor has none: the guard could not see a write
-    except RuntimeError:
+    if not _versioned(t):  # an inference tensor: the guard could not see a write
         return None
     with torch.no_grad():
         rows, cols = shape[-2:]
@@ -149,6 +160,8 @@ class Held:
         self.proved: dict[tuple[str, str], Band] = {}
 
     def value(self, node: torch.fx.Node) -> Value | None:
+        """The value of the placeholder `node` where it is a buffer or constant holding a band of
+        its traced shape (mask_values.py's `Evaluator` reads it), else None."""
         source = self.sources.get(node.name)
         band = None if source is None else self.band(*source)
         val = node.meta.get("val")
@@ -157,12 +170,14 @@ class Held:
         return band.value()
 
     def read_by_proof(self, nodes: set) -> None:
+        """The placeholders a proof a rewrite used read: their bands are the entry's to check."""
         for node in nodes:
             source = self.sources[node.name]
             self.proved[source] = self.band(*source)
             log.info("mask %s: the proof read %s %s, which holds %s", node.name, *source, self.proved[source])
 
     def record(self) -> list:
+        """`proved` as JSON: [kind, qualified name, band] each (CompiledGraph.held)."""
         return [[kind, name, band.record()] for (kind, name), band in sorted(self.proved.items())]
 
 
@@ -173,6 +188,41 @@ def _read(band: Callable[[str, str], Band | None], kind: str, name: str) -> Band
     except Exception as e:
         log.debug("the %s %s is not read (%s: %s)", kind, name, type(e).__name__, e)
         return None
+
+
+def program_bands(program: Any, module: torch.nn.Module | None) -> dict[tuple[str, str], Band]:
+    """The band each buffer and constant of an ExportedProgram holds, by (kind, qualified name),
+    where it holds one: what a mask's proof may read, and so part of the on-disk cache's key (a
+    module whose mask holds another compiles its own entry). A buffer is read from `module` (the
+    live one; None: the program's own state)."""
+    bands = {}
+    for spec in program.graph_signature.input_specs:
+        kind = {InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "constant"}.get(spec.kind)
+        if kind is None:
+            continue
+
+        def read(kind: str, name: str) -> Band | None:
+            if kind == "constant":
+                t = program.constants[name]
+            elif module is None:  # (a non-persistent buffer is one of the program's constants)
+                t = {**program.constants, **program.state_dict}[name]
+            else:
+                owner, _, attr = name.rpartition(".")
+                t = getattr(module.get_submodule(owner), attr)
+            return band_of(t) if isinstance(t, torch.Tensor) else None
+
+        band = _read(read, kind, spec.target)
+        if band is not None:
+            bands[kind, spec.target] = band
+    return bands
+
+
+def held_inputs(gm: torch.fx.GraphModule, sources: list[tuple[str, Any]], bands: dict) -> Held:
+    """The buffers and constants among `gm`'s placeholders (`sources`: each one's (kind, qualified
+    name), in order, as gjit/capture/export.py's CapturedProgram has them), with their `bands`."""
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    held = {name: source for name, source in zip(names, sources) if source[0] in ("buffer", "constant")}
+    return Held(held, lambda kind, name: bands.get((kind, name)))
 
 
 def bands_from_record(record: list) -> dict[tuple[str, str], Band]:

@@ -86,6 +86,7 @@ def proved_masks(gm: torch.fx.GraphModule, held: Held | None = None) -> int:
         order = dense_order(node.meta["val"])
         if order is None:
             continue
+        proofs.discard()
         found = proofs(mask)
         if found is None:
             continue
@@ -96,6 +97,7 @@ def proved_masks(gm: torch.fx.GraphModule, held: Held | None = None) -> int:
             kwargs["is_causal"] = True
         node.args, node.kwargs = (q, k, v), kwargs
         node.meta[ANY_LAYOUT] = order
+        proofs.commit()  # the held tensors this proof read: the entry's guard checks them
         done += 1
     if done:
         _unread(gm.graph)

@@ -147,17 +147,21 @@ def graph_key(
     options: CompileOptions,
     program: Any = None,
     shape_guards: list[str] = (),
+    held: list = (),
 ) -> str:
     """`symbols`: the sizes the guard binds for the wrapper; `hints`: example sizes codegen chose by;
     `options`: what the compile was asked for (backend, debug, block sizes...); `program`: the
     ExportedProgram (its calling convention: input and output structure, the signature);
-    `shape_guards`: export's own guards (decomposition simplifies with them)."""
+    `shape_guards`: export's own guards (decomposition simplifies with them); `held`: the bands
+    the program's buffers and constants hold, which a mask's proof may read
+    (gjit/lowering/held_masks.py)."""
     # nothing measured: neither the budget nor what is measured changes anything
     untuned = () if _tuned_on(gm) else ("tune_budget", "measure_all_templates")
     parts = {
         "graph": graph_text(gm),
         "call": _call_text(program),
         "shape_guards": sorted(shape_guards),
+        "held": list(held),
         "symbols": [s.name for s in symbols],
         "hints": sorted((str(k), int(v)) for k, v in hints.items()),
         "ranges": sorted(f"{k}: {v}" for k, v in range_constraints.items()),
