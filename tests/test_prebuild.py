@@ -431,6 +431,7 @@ print(sum(map(len, futures.values())), time.time(), flush=True)
 """
 
 
+@pytest.mark.slow  # CI's sweep step: 14 s of a child process
 def test_exit_does_not_wait_for_queued_builds():
     """A process that ends (a crash, Ctrl-C) during a first call's builds ends after the builds
     running or handed to a worker then (here two: at most 6 s), not after the whole queue (18 s)."""

@@ -78,6 +78,7 @@ def test_a_long_compile_shows_one_line_on_a_terminal_and_clears_it():
     assert len(stderr.rstrip(" \r").split("\r")[-1]) > 0
 
 
+@pytest.mark.slow  # CI's sweep step: 16 s of child processes
 def test_nothing_is_written_when_stderr_is_piped_or_the_knob_is_off():
     stdout, stderr = run_child(False)
     assert "compiled 1" in stdout and "gjit: compiling" not in stderr and "\r" not in stderr

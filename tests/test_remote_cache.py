@@ -155,6 +155,7 @@ def counters_of(proc: subprocess.Popen) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # CI's sweep step: 23 s of processes; the default run's two-process test stays
 def test_a_fleet_of_processes(server, tmp_path):
     """Fresh processes, each with its own disk cache: the first compiles, the others hit the
     remote; every output matches eager."""
