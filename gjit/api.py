@@ -440,6 +440,7 @@ class CompiledFunction:
                     nondeterministic=any(k.nondeterministic for k in program.graph.all_kernels()),
                     tf32=tf32_setting(program.graph.all_kernels()),
                     held=held_sources(captured, program.graph.held),
+                    module=captured.module,
                 )
         except GuardBuildError as e:
             return f"cannot guard the exported program: {e}"

@@ -322,6 +322,7 @@ def _entry_from_record(
             nondeterministic=any(k.nondeterministic for k in graph.all_kernels()),
             tf32=tf32_setting(graph.all_kernels()),
             held=held_sources(captured, graph.held),
+            module=captured.module,
         )
     spec = pytree.treespec_loads(record["spec"])
     return Entry(guards, spec, program, names=record["names"], inputs=record["inputs"])

@@ -28,7 +28,7 @@ import torch
 from torch.utils._sympy.numbers import int_oo
 
 from gjit.codegen.printer import pyexpr
-from gjit.guards.state import held_guards, state_guards
+from gjit.guards.state import held_guards, state_guards, tied_guards
 from gjit.lowering.held_masks import Band
 
 
@@ -303,6 +303,7 @@ def build_guards(
     nondeterministic: bool = False,
     tf32: bool | None = None,
     held: Sequence[tuple[Callable[[], Any], Band, str]] = (),
+    module: torch.nn.Module | None = None,
 ) -> GuardSet:
     """The guard set of one entry. `user_vals`: export's placeholder value per flat input (None:
     static, from the example); `assumptions`: (condition, why) the kernels rely on;
@@ -316,7 +317,8 @@ def build_guards(
     torch's deterministic algorithms are off (else the recompile makes those writes externs);
     `tf32`: the TF32 setting a kernel's float32 products were compiled under (None: none has
     one), which the entry then requires, as eager's products follow it call by call; `held`:
-    (reader, band, name) of each buffer or constant whose contents a mask's proof read."""
+    (reader, band, name) of each buffer or constant whose contents a mask's proof read; `module`:
+    the live module `state` is read from (its tied names are guarded to stay tied)."""
     n = len(flat_inputs)
     user_vals = list(user_vals) if user_vals is not None else [None] * n
     b = _Builder(names)
@@ -334,6 +336,7 @@ def build_guards(
     assert set(symbols) == set(b.bound), (symbols, list(b.bound))
     _aliasing(b, flat_inputs, set(mutated))
     state_guards(b, state)
+    tied_guards(b, module, state)
     held_guards(b, held)
     ones = {_expr(user_vals[i].shape[d]) for i, d in from_one if isinstance(user_vals[i], torch.Tensor)}
     _ranges(b, range_constraints or {}, {s for s in ones if isinstance(s, sympy.Symbol)})

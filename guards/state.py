@@ -7,6 +7,7 @@ explain a miss."""
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 import weakref
 from collections.abc import Callable, Sequence
@@ -39,6 +40,51 @@ def state_guards(b: Any, state: Sequence[tuple[Any, str, torch.Tensor, str]]) ->
         code = f"id(read{k}(None)) == state_ids[{k}] or state_fits({k})"
         actual = f"(tuple(owner{k}.{attr}.shape), owner{k}.{attr}.stride(), owner{k}.{attr}.dtype)"
         b.guard(code, f"{fqn} keeps its shape, strides, dtype and device", actual, None, "state", True)
+        b.later[-1].where = "explain"
+
+
+def tied_guards(b: Any, module: torch.nn.Module | None, state: Sequence[tuple[Any, str, Any, str]]) -> None:
+    """One tensor registered under several names (tied weights, a buffer two modules share): the
+    program may read it through one of its inputs for all of them (export gives a shared buffer one
+    placeholder in use), so each other name must still hold the first name's tensor; untied after
+    the compile, the call would read the first for both. Found when the guards are built (the names
+    in `state`, and the other names `module` registers it under); the hot path is one identity
+    check each."""
+    if not state:
+        return
+    first: dict[int, tuple[Any, str, str]] = {}
+    ties = []
+    for owner, attr, _, fqn in state:
+        t = getattr(owner, attr)
+        if id(t) in first:
+            owner0, attr0, fqn0 = first[id(t)]
+            ties.append((state_reader(owner, attr), state_reader(owner0, attr0), fqn, fqn0))
+        else:
+            first[id(t)] = (owner, attr, fqn)
+    names = {fqn for *_, fqn in state}
+    every = dict(remove_duplicate=False)
+    tied = (
+        ()
+        if module is None
+        else itertools.chain(module.named_parameters(**every), module.named_buffers(**every))
+    )
+    for name, t in tied:
+        if name in names or id(t) not in first:
+            continue
+        owner0, attr0, fqn0 = first[id(t)]
+        at, _, attr = name.rpartition(".")
+        ties.append((state_reader(module.get_submodule(at), attr), state_reader(owner0, attr0), name, fqn0))
+        names.add(name)
+    if not ties:
+        return
+    pairs = [(tie, held) for tie, held, _, _ in ties]
+    b.namespace["tied_same"] = lambda: all([tie(None) is held(None) for tie, held in pairs])
+    b.guard("tied_same()", "tied parameters and buffers stay tied", "None", None, "state", True)
+    b.later[-1].where = "hot"
+    for k, (tie, held, name, fqn) in enumerate(ties):
+        b.namespace[f"tie{k}"], b.namespace[f"tied_to{k}"] = tie, held
+        code = f"tie{k}(None) is tied_to{k}(None)"
+        b.guard(code, f"{name} is {fqn} (tied when compiled)", "'another tensor'", None, "state", True)
         b.later[-1].where = "explain"
 
 

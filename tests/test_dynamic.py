@@ -482,6 +482,44 @@ def test_replaced_parameters_are_guarded():
     assert any(g.description.startswith("weight keeps its shape") for g in cm.entries[0].guards.guards)
 
 
+class SharedBuffer(torch.nn.Module):
+    """One buffer registered in two modules, or one weight tied to another (`tie`): the program
+    may read one input for both names."""
+
+    def __init__(self, tie="buffer"):
+        super().__init__()
+        self.a, self.b = torch.nn.Module(), torch.nn.Module()
+        if tie == "buffer":
+            shared = torch.randn(4)
+            self.a.register_buffer("w", shared)
+            self.b.register_buffer("w", shared)
+        else:
+            self.a.w = torch.nn.Parameter(torch.randn(4), requires_grad=False)
+            self.b.w = self.a.w
+
+    def forward(self, x):
+        return x * self.a.w + self.b.w
+
+
+@pytest.mark.parametrize("tie", ["buffer", "parameter"])
+def test_names_tied_when_compiled_are_guarded_to_stay_tied(tie):
+    """Untied after the compile (`b.w` given a tensor of its own), the call must read each name's
+    tensor: the guard says the names are no longer tied, and the recompile reads both."""
+    model = SharedBuffer(tie)
+    cm = gjit.compile(model)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        check_call(cm, x)
+        if tie == "buffer":
+            model.b.w = torch.randn(4)
+        else:
+            model.b.w = torch.nn.Parameter(torch.randn(4), requires_grad=False)
+        why = cm.entries[0].guards.failures([x])
+        assert any(w.startswith("b.w is a.w (tied when compiled)") for w in why), why
+        check_call(cm, x)
+    assert len(cm.entries) == 2
+
+
 def test_parameters_given_new_memory_in_place_are_guarded():
     """`param.data = ...` keeps the Parameter object (its id) and may change its strides: the
     kernels, and the wrapper's views of it (gjit_reinterpret from the traced strides), would read
