@@ -103,7 +103,7 @@ class CompiledProgram:
         settings = [(d, t) for t in choices for d in (current, not current)]
         gm = self.captured.full_graph_module
         bands = bands_from_record(self.graph.held)  # what the compile's proofs read of its buffers
-        library_attention(gm, held_inputs(gm, self.captured.input_sources, bands))
+        library_attention(gm, held_inputs(gm, self.captured.input_sources, bands), self.graph.grouped_kv)
         for deterministic, templates in settings:
             with _deterministic_algorithms(deterministic):
                 loop_graph, steps = schedule_graph(gm, templates, _untimed)
@@ -232,7 +232,8 @@ def compile_program(
     # sdpa: an SDPA call's mask built from sizes, proved causal or keeping every key -> is_causal or
     # none; on a GPU, written-out attention whose score is only scaled -> ATen's SDPA call
     held = held_inputs(gm, captured.input_sources, bands)  # what a mask's proof may read
-    passes("sdpa", library_attention, gm, held)
+    grouped = flash_attention_runs(gm, options.target)  # (stored: a reanalysis decides as this did)
+    passes("sdpa", library_attention, gm, held, grouped)
     why = unmeasurable(gm, symbols, options, example)
     if options.matmul == "auto" and options.matmul_template and why is not None:  # the library,
         # but where the table of kernels/template_wins.py has the region
@@ -259,6 +260,7 @@ def compile_program(
                 loop_graph, steps, graph = compile_graph(gm, symbols, passes, initial_templates(options))
             key = None  # not stored: the next process measures again
     graph.held = held.record()  # the guard checks these keep their contents
+    graph.grouped_kv = grouped
     if key is not None:
         with timed("cache_store", timings):
             extra = {"program": stored, "shape_guards": shape_guards, "symbols": symbols}
@@ -376,17 +378,14 @@ def on_gpu(gm: torch.fx.GraphModule) -> bool:
     return graph_device(gm.graph.nodes).type == "cuda"
 
 
-def flash_attention_runs(gm: torch.fx.GraphModule) -> bool:
-    """Whether ATen's SDPA can run FlashAttention, which takes grouped keys and values, where `gm`
-    runs: a card of sm_80 or later (the memory-efficient kernel, which older ones run, takes no
-    groups: the math path would), or the CPU (the same values either way)."""
-    device = graph_device(gm.graph.nodes)
-    if device.type != "cuda":
-        return True
-    try:
-        return torch.cuda.get_device_capability(device) >= (8, 0)
-    except (RuntimeError, AssertionError):  # no card here: an AOT build is for sm_90
-        return True
+def flash_attention_runs(gm: torch.fx.GraphModule, target: int | None) -> bool:
+    """Whether ATen's SDPA can run FlashAttention, which takes grouped keys and values, on the card
+    the compile is for (`target`, sm_80 or later: the memory-efficient kernel, which older ones run,
+    takes no groups, and the math path would), or where `gm` runs on no card (the CPU: the same
+    values either way)."""
+    if target is not None:
+        return target >= 80
+    return graph_device(gm.graph.nodes).type != "cuda"
 
 
 def attention_as_sdpa(gm: torch.fx.GraphModule) -> bool:
@@ -395,9 +394,9 @@ def attention_as_sdpa(gm: torch.fx.GraphModule) -> bool:
     return on_gpu(gm)
 
 
-def library_attention(gm: torch.fx.GraphModule, held: Held) -> None:
+def library_attention(gm: torch.fx.GraphModule, held: Held, grouped: bool) -> None:
     proved_masks(gm, held)  # exact on every device: no mask's kernels, the causal kernel or bound
-    if flash_attention_runs(gm):  # then unmasked calls read grouped keys and values in place
+    if grouped:  # then unmasked calls read grouped keys and values in place (flash_attention_runs)
         grouped_kv(gm)
     if attention_as_sdpa(gm):
         written_out_as_sdpa(gm, held)

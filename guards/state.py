@@ -128,10 +128,10 @@ def held_guards(b: Any, held: Sequence[tuple[Callable[[], Any], Band, str]]) -> 
             except (AttributeError, RuntimeError, TypeError):  # not a tensor now; an inference tensor
                 return False
             last = admitted[k]
-            if last is None or last[0]() is not t or last[1:] != stamp:
+            if last is None or last[0]() is not t or last[1:5] != stamp:
                 if not band.holds(t):
                     return False
-                admitted[k] = (weakref.ref(t), *stamp)
+                admitted[k] = (weakref.ref(t), *stamp, t.untyped_storage())  # (kept: no reuse of its address)
         return True
 
     b.namespace["held_same"], b.namespace["held_now"] = same, _held_now

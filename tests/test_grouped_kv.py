@@ -25,22 +25,24 @@ def repeat_kv(x, n):
 
 
 class Grouped(torch.nn.Module):
-    """SDPA over 4 query heads and 2 key/value heads, repeated by `repeat` (n = 2)."""
+    """SDPA over 4 query heads and 4 / n key/value heads, repeated n times by `repeat`."""
 
-    def __init__(self, repeat=repeat_kv, causal_mask=False):
+    def __init__(self, repeat=repeat_kv, causal_mask=False, n=2):
         super().__init__()
-        self.repeat, self.causal_mask = repeat, causal_mask
+        self.repeat, self.causal_mask, self.n = repeat, causal_mask, n
 
     def forward(self, q, k, v):
         mask = None
-        if self.causal_mask:  # one a proof drops, or a padding-like one that stays
+        if self.causal_mask:  # one a proof drops
             mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        return F.scaled_dot_product_attention(q, self.repeat(k, 2), self.repeat(v, 2), attn_mask=mask)
+        return F.scaled_dot_product_attention(
+            q, self.repeat(k, self.n), self.repeat(v, self.n), attn_mask=mask
+        )
 
 
-def inputs(dtype=torch.bfloat16, length=7, dim=16):
-    q = torch.randn(2, 4, length, dim, dtype=dtype)
-    return q, *(torch.randn(2, 2, length, dim, dtype=dtype) for _ in "kv")
+def inputs(dtype=torch.bfloat16, length=7, dim=16, heads=4, kv=2):
+    q = torch.randn(2, heads, length, dim, dtype=dtype)
+    return q, *(torch.randn(2, kv, length, dim, dtype=dtype) for _ in "kv")
 
 
 def exported(module, args):
@@ -53,6 +55,7 @@ CASES = {  # module, inputs -> whether the call takes the groups
     "repeat_kv": (Grouped(), inputs(), True),
     "float16": (Grouped(), inputs(torch.float16), True),
     "a causal mask, proved and dropped": (Grouped(causal_mask=True), inputs(), True),
+    "one key/value head (no copy: a view of the expand)": (Grouped(n=4), inputs(kv=1), True),
     "float32 (the math path would take it)": (Grouped(), inputs(torch.float32), False),
     "a head dim over 256": (Grouped(), inputs(dim=272), False),
     "tiled, not interleaved": (Grouped(lambda x, n: x.repeat(1, n, 1, 1)), inputs(), False),
@@ -80,7 +83,7 @@ def test_the_call_takes_the_groups_where_it_reads_them_repeated(case):
         assert [a.op for a in call.args[1:3]] == ["placeholder"] * 2, gm.graph
         assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.expand.default], gm.graph
     assert_same(gm(*args), expected)
-    other = inputs(args[0].dtype, length=11, dim=args[0].shape[-1])
+    other = inputs(args[0].dtype, length=11, dim=args[0].shape[-1], kv=args[1].shape[1])
     assert_same(gm(*other), module(*other))
 
 
@@ -94,6 +97,20 @@ def test_a_mask_that_stays_keeps_the_copies():
 
     gm = exported(Padded(), args)
     assert proved_masks(gm) == 0 and grouped_kv(gm) == 0
+
+
+def test_more_heads_than_a_grid_dim_keep_the_copies():
+    """Over 65535 heads the wrapper's call runs in parts of the query's heads, which the groups'
+    tensors would not follow."""
+    args = inputs(length=3, dim=8, heads=65540, kv=2)
+    gm = exported(Grouped(n=32770), args)
+    assert grouped_kv(gm) == 0
+
+
+def test_the_choice_follows_the_card_the_compile_is_for():
+    gm = exported(Grouped(), inputs())  # a graph on the CPU
+    assert gjit.driver.flash_attention_runs(gm, None)
+    assert not gjit.driver.flash_attention_runs(gm, 75) and gjit.driver.flash_attention_runs(gm, 90)
 
 
 def llama(dtype=torch.bfloat16):
@@ -126,6 +143,22 @@ def test_llama_reads_its_key_and_value_groups_in_place(monkeypatch):
         monkeypatch.setattr(gjit.driver, "grouped_kv", lambda gm: 0)
         _, without = check_against_float64(model, ids, reference_fn=copy.deepcopy(model).double())
     assert len(report.kernels) < len(without.kernels), (report, without)
+
+
+def test_a_cached_entry_is_analysed_as_it_was_compiled(tmp_path, monkeypatch):
+    """explain of an entry from the disk cache lowers again by the compile's choice (stored with
+    it), not by the card of the process that explains it."""
+    torch.manual_seed(0)
+    model = Logits(llama())
+    ids = torch.randint(0, 128, (2, 7))
+    with gjit.config.scope(matmul="auto", cache=True, cache_dir=str(tmp_path / "cache")):
+        cold, cold_report = check_against_float64(model, ids, reference_fn=copy.deepcopy(model).double())
+        warm, _ = check_against_float64(model, ids, reference_fn=copy.deepcopy(model).double())
+        assert gjit.stats()["disk_cache_hits"] >= 1 and warm.entries[0].program.graph.grouped_kv
+        monkeypatch.setattr(gjit.driver, "flash_attention_runs", lambda gm, target: False)
+        with torch.no_grad():
+            report = gjit.explain(warm, ids)
+    assert [k.name for k in report.kernels] == [k.name for k in cold_report.kernels]
 
 
 def test_llama_generate_decodes_on_the_groups():

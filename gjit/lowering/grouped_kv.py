@@ -30,6 +30,7 @@ aten = torch.ops.aten
 VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
+MAX_HEADS = 65535  # gjit/runtime/attention_masks.py's MAX_HEADS: more run in parts of the query's
 END = 2**62  # a slice's end at least this takes its dim to the end (export writes `x[:, :]` to 2**63 - 1)
 
 
@@ -47,6 +48,8 @@ def grouped_kv(gm: torch.fx.GraphModule) -> int:
         if not _fits_flash(*(t.meta["val"] for t in (q, k, v))):
             continue
         heads = q.meta["val"].shape[-3]
+        if not statically_known_true(heads <= MAX_HEADS):
+            continue  # (the wrapper's call cuts more heads in parts, the query's alone)
         groups = [_groups(t, heads) for t in (k, v)]
         if None in groups or groups[0][1] != groups[1][1]:
             continue
@@ -79,17 +82,17 @@ def _fits_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def _groups(node: torch.fx.Node, heads: int | torch.SymInt) -> tuple[torch.fx.Node, int] | None:
     """(x [B, KV, S, D], n) where `node` is x with each of its KV heads repeated n times in a row
-    (KV * n = `heads`): a view of a contiguous clone of x unsqueezed at dim 2 and expanded there to
-    n (through slices that take whole dims), as export decomposes `repeat_kv`; None where it is
-    not so."""
+    (KV * n = `heads`): a view of a contiguous clone (for one head, of no clone) of x unsqueezed at
+    dim 2 and expanded there to n (through slices that take whole dims), as export decomposes
+    `repeat_kv`; None where it is not so."""
     if node.op != "call_function" or node.target not in VIEWS:
         return None
-    clone = node.args[0]
-    if clone.op != "call_function" or clone.target is not aten.clone.default:
-        return None
-    if clone.kwargs.get("memory_format", torch.contiguous_format) != torch.contiguous_format:
-        return None
-    expand = _whole(clone.args[0])
+    clone = node.args[0]  # (one key/value head: the view of the expand needs none)
+    if clone.op == "call_function" and clone.target is aten.clone.default:
+        if clone.kwargs.get("memory_format", torch.contiguous_format) != torch.contiguous_format:
+            return None
+        clone = clone.args[0]
+    expand = _whole(clone)
     if expand.op != "call_function" or expand.target is not aten.expand.default:
         return None
     unsqueezed = _whole(expand.args[0])

@@ -195,26 +195,24 @@ def program_bands(program: Any, module: torch.nn.Module | None) -> dict[tuple[st
     where it holds one: what a mask's proof may read, and so part of the on-disk cache's key (a
     module whose mask holds another compiles its own entry). A buffer is read from `module` (the
     live one; None: the program's own state)."""
-    bands = {}
-    for spec in program.graph_signature.input_specs:
-        kind = {InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "constant"}.get(spec.kind)
-        if kind is None:
-            continue
+    kinds = {InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "constant"}
+    read = functools.partial(_program_band, program, module)
+    found = (
+        (kinds[spec.kind], spec.target) for spec in program.graph_signature.input_specs if spec.kind in kinds
+    )
+    bands = {source: _read(read, *source) for source in found}
+    return {source: band for source, band in bands.items() if band is not None}
 
-        def read(kind: str, name: str) -> Band | None:
-            if kind == "constant":
-                t = program.constants[name]
-            elif module is None:  # (a non-persistent buffer is one of the program's constants)
-                t = {**program.constants, **program.state_dict}[name]
-            else:
-                owner, _, attr = name.rpartition(".")
-                t = getattr(module.get_submodule(owner), attr)
-            return band_of(t) if isinstance(t, torch.Tensor) else None
 
-        band = _read(read, kind, spec.target)
-        if band is not None:
-            bands[kind, spec.target] = band
-    return bands
+def _program_band(program: Any, module: torch.nn.Module | None, kind: str, name: str) -> Band | None:
+    if kind == "constant":
+        t = program.constants[name]
+    elif module is None:  # (a non-persistent buffer is one of the program's constants)
+        t = {**program.constants, **program.state_dict}[name]
+    else:
+        owner, _, attr = name.rpartition(".")
+        t = getattr(module.get_submodule(owner), attr)
+    return band_of(t) if isinstance(t, torch.Tensor) else None
 
 
 def held_inputs(gm: torch.fx.GraphModule, sources: list[tuple[str, Any]], bands: dict) -> Held:

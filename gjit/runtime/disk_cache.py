@@ -299,6 +299,7 @@ def graph_record(graph: CompiledGraph) -> dict:
         # which products are templates (gjit/choice/): a warm start lowers by it, measuring nothing
         "templates": graph.templates.record() if graph.templates is not None else None,
         "held": graph.held,  # what the guard checks of the buffers a proof read
+        "grouped_kv": graph.grouped_kv,
     }
 
 
@@ -310,6 +311,7 @@ def graph_from_record(record: dict, gm: torch.fx.GraphModule) -> CompiledGraph:
         kernels.append(KernelSource(**values))
     graph = CompiledGraph(gm, kernels, str(record["wrapper"]), tuning=list(record.get("tuning", [])))
     graph.held = list(record.get("held", []))
+    graph.grouped_kv = bool(record.get("grouped_kv", False))
     try:
         bands_from_record(graph.held)
     except (TypeError, ValueError, AttributeError) as e:

@@ -177,6 +177,8 @@ class CompiledGraph:
     # [kind, qualified name, band] of each buffer or constant whose contents a mask's proof read
     # (gjit/lowering/held_masks.py): the entry's guard checks they keep them
     held: list = dataclasses.field(default_factory=list)
+    # whether SDPA calls took grouped keys and values (gjit/lowering/grouped_kv.py; the card's choice)
+    grouped_kv: bool = False
     prebuilt: bool = False  # its first call on a GPU started its kernels' builds (gjit/runtime/prebuild.py)
     # that prebuild: its launches' entries in Triton's on-disk cache (gjit.save(binaries=True))
     prebuild_result: prebuild.Prebuild | None = None
