@@ -149,21 +149,20 @@ def band_of(t: torch.Tensor) -> Band | None:
 
 
 class Held:
-    """The buffers and constant tensors of one program a proof may read, by placeholder name: each
-    one's band, read once (`band(kind, name)`: the compile reads the tensor, a cached entry's
-    analysis the band stored with it); `proved` keeps the ones a successful proof read, which the
-    entry's guard then checks."""
+    """The buffers and constant tensors of one program a proof may read, by placeholder name, with
+    the `bands` they hold by (kind, qualified name) (the compile's `program_bands`, or a cached
+    entry's stored ones); `proved` keeps those a proof a rewrite used read, which the entry's guard
+    then checks."""
 
-    def __init__(self, sources: dict[str, tuple[str, str]], band: Callable[[str, str], Band | None]):
+    def __init__(self, sources: dict[str, tuple[str, str]], bands: dict[tuple[str, str], Band]):
         self.sources = sources  # placeholder name -> (kind, qualified name): "buffer" or "constant"
-        self.band = functools.cache(functools.partial(_read, band))
+        self.bands = bands
         self.proved: dict[tuple[str, str], Band] = {}
 
     def value(self, node: torch.fx.Node) -> Value | None:
         """The value of the placeholder `node` where it is a buffer or constant holding a band of
         its traced shape (mask_values.py's `Evaluator` reads it), else None."""
-        source = self.sources.get(node.name)
-        band = None if source is None else self.band(*source)
+        band = self.bands.get(self.sources.get(node.name))
         val = node.meta.get("val")
         if band is None or not isinstance(val, torch.Tensor) or val.shape != band.shape:
             return None
@@ -173,7 +172,7 @@ class Held:
         """The placeholders a proof a rewrite used read: their bands are the entry's to check."""
         for node in nodes:
             source = self.sources[node.name]
-            self.proved[source] = self.band(*source)
+            self.proved[source] = self.bands[source]
             log.info("mask %s: the proof read %s %s, which holds %s", node.name, *source, self.proved[source])
 
     def record(self) -> list:
@@ -220,7 +219,7 @@ def held_inputs(gm: torch.fx.GraphModule, sources: list[tuple[str, Any]], bands:
     name), in order, as gjit/capture/export.py's CapturedProgram has them), with their `bands`."""
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     held = {name: source for name, source in zip(names, sources) if source[0] in ("buffer", "constant")}
-    return Held(held, lambda kind, name: bands.get((kind, name)))
+    return Held(held, bands)
 
 
 def bands_from_record(record: list) -> dict[tuple[str, str], Band]:
