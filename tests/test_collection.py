@@ -39,7 +39,7 @@ def test_the_long_steps_are_deselected_unless_their_variable_is_set():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
 def test_gpu_tests_are_deselected_without_a_gpu_but_skipped_when_asked_for():
-    _, deselected = collect("tests/test_prebuild.py")
+    _, deselected = collect("tests/test_prebuild.py", GJIT_TEST_SLOW="1")  # (its slow tests run: gpu's alone)
     assert deselected >= 1
     argv = [
         sys.executable,
