@@ -97,6 +97,7 @@ def _result(proc: subprocess.Popen) -> tuple[dict, str]:
     return json.loads(out.strip().splitlines()[-1]), err
 
 
+@pytest.mark.slow  # CI's sweep step: 16 s of child processes (the in-process disk hits stay)
 def test_two_processes_at_once_then_a_warm_start(tmp_path):
     root = tmp_path / "cache"
     first, second = _child(root), _child(root)  # started together on an empty cache
