@@ -159,11 +159,21 @@ def _float64(model):
     return copy.deepcopy(model).double()
 
 
-def test_a_write_to_the_mask_recompiles_and_the_guard_says_why():
+def causal_buffer():
+    """A HeldMask over a causal bool buffer, and an input."""
     torch.manual_seed(0)
-    model = HeldMask(ones(32).tril()).requires_grad_(False)
-    x = torch.randn(3, 7, 16)
+    return HeldMask(ones(32).tril()).requires_grad_(False), torch.randn(3, 7, 16)
+
+
+def causal_buffer_compiled():
+    """causal_buffer's model and input, and the model compiled (checked against float64 once)."""
+    model, x = causal_buffer()
     cm, _ = check_against_float64(model, x, reference_fn=_float64(model))
+    return model, x, cm
+
+
+def test_a_write_to_the_mask_recompiles_and_the_guard_says_why():
+    model, x, cm = causal_buffer_compiled()
     check_against_float64(cm, x, reference_fn=_float64(model))
     model.mask[5, 2] = False  # in place: the same tensor, memory and strides; a new version
     why = cm.entries[0].guards.failures([x])
@@ -177,10 +187,7 @@ def test_a_write_to_the_mask_recompiles_and_the_guard_says_why():
 
 
 def test_a_new_tensor_in_the_buffer_is_read_once():
-    torch.manual_seed(0)
-    model = HeldMask(ones(32).tril()).requires_grad_(False)
-    x = torch.randn(3, 7, 16)
-    cm, _ = check_against_float64(model, x, reference_fn=_float64(model))
+    model, x, cm = causal_buffer_compiled()
     model.mask = ones(32).tril()  # another tensor with the same contents: no recompile
     check_against_float64(cm, x, reference_fn=_float64(model))
     assert len(cm.entries) == 1
@@ -204,9 +211,7 @@ def test_mingpt_written_out_runs_the_causal_call(as_on_a_gpu):  # noqa: F811
 
 
 def test_the_on_disk_cache_serves_the_entry_only_where_the_mask_holds(tmp_path):
-    torch.manual_seed(0)
-    model = HeldMask(ones(32).tril()).requires_grad_(False)
-    x = torch.randn(3, 7, 16)
+    model, x = causal_buffer()
     with gjit.config.scope(cache=True, cache_dir=str(tmp_path / "cache")):
         check_against_float64(model, x, reference_fn=_float64(model))
         hits = gjit.stats().get("disk_cache_hits", 0)
@@ -227,10 +232,7 @@ def test_the_on_disk_cache_serves_the_entry_only_where_the_mask_holds(tmp_path):
 
 
 def test_a_package_names_the_mask_its_entry_needs(tmp_path):
-    torch.manual_seed(0)
-    model = HeldMask(ones(32).tril()).requires_grad_(False)
-    x = torch.randn(3, 7, 16)
-    cm, _ = check_against_float64(model, x, reference_fn=_float64(model))
+    model, x, cm = causal_buffer_compiled()
     gjit.save(cm, str(tmp_path / "held.gjit"))
     loaded = gjit.load(str(tmp_path / "held.gjit"), model=model)
     out, _ = run_compiled(loaded, x)
@@ -272,10 +274,7 @@ def test_a_decode_step_after_a_cache_keeps_every_key():
 
 def test_new_strides_under_the_same_tensor_are_read_again():
     """`.data = .data.t()` keeps the tensor, its memory and its version: its strides tell."""
-    torch.manual_seed(0)
-    model = HeldMask(ones(32).tril()).requires_grad_(False)
-    x = torch.randn(3, 7, 16)
-    cm, _ = check_against_float64(model, x, reference_fn=_float64(model))
+    model, x, cm = causal_buffer_compiled()
     model.mask.data = model.mask.data.t()  # triu now
     check_against_float64(cm, x, reference_fn=_float64(model))
     assert len(cm.entries) == 2 and reads_the_mask(cm)
@@ -284,9 +283,7 @@ def test_new_strides_under_the_same_tensor_are_read_again():
 def test_the_knob_keeps_proofs_off_contents():
     """GJIT_HELD_MASKS=0: for a program whose masks change by writes the version counter does not
     see (`.data`, NumPy), no proof reads a buffer."""
-    torch.manual_seed(0)
-    model = HeldMask(ones(32).tril()).requires_grad_(False)
-    x = torch.randn(3, 7, 16)
+    model, x = causal_buffer()
     with gjit.config.scope(held_masks=False):
         cm, _ = check_against_float64(model, x, reference_fn=_float64(model))
     assert reads_the_mask(cm) and not cm.entries[0].program.graph.held
@@ -296,10 +293,7 @@ def test_the_knob_keeps_proofs_off_contents():
 
 
 def test_an_inference_tensor_in_the_buffer_is_a_miss_that_says_so():
-    torch.manual_seed(0)
-    model = HeldMask(ones(32).tril()).requires_grad_(False)
-    x = torch.randn(3, 7, 16)
-    cm, _ = check_against_float64(model, x, reference_fn=_float64(model))
+    model, x, cm = causal_buffer_compiled()
     with torch.inference_mode():
         model.mask = ones(32).tril()  # the same contents; its writes would not be seen
     why = cm.entries[0].guards.failures([x])

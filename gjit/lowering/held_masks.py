@@ -53,7 +53,7 @@ class Band:
 
     def expected(self, device: torch.device) -> torch.Tensor:
         rows, cols = self.shape[-2:]
-        d = torch.arange(cols, device=device)[None, :] - torch.arange(rows, device=device)[:, None]
+        d = _differences(rows, cols, device)
         inside, outside = (torch.tensor(x, dtype=self.dtype, device=device) for x in self.values)
         return torch.where(d <= self.offset, inside, outside).view(self.shape)
 
@@ -111,6 +111,11 @@ def _as_expr(x: bool | int | float) -> sympy.Basic:
     return number
 
 
+def _differences(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """j - i for each row i and column j."""
+    return torch.arange(cols, device=device)[None, :] - torch.arange(rows, device=device)[:, None]
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """A float tensor as integers of its width (-0.0 is not 0.0), any other as it is."""
     return t.view(BITS[t.element_size()]) if t.dtype.is_floating_point else t
@@ -142,7 +147,7 @@ def band_of(t: torch.Tensor) -> Band | None:
         if _bits(m[-1:, :1]).item() == _bits(m[:1, -1:]).item():
             band = Band(shape, t.dtype, 0, inside, inside)
         else:
-            d = torch.arange(cols, device=t.device)[None, :] - torch.arange(rows, device=t.device)[:, None]
+            d = _differences(rows, cols, t.device)
             offset = int(d[_bits(m) == _bits(m[-1:, :1])].max().item())
             band = Band(shape, t.dtype, offset, inside, outside)
         return band if band.holds(t) else None

@@ -57,11 +57,6 @@ class CacheError(Exception):
     """An entry that cannot be trusted or cannot be stored; the caller recompiles."""
 
 
-class StaleEntry(CacheError):
-    """An entry sound in itself that does not fit this module's state (a buffer whose contents a
-    proof read holds others now): a miss, recompiled and overwritten."""
-
-
 # ----------------------------------------------------------------------------------------------
 # The key
 # ----------------------------------------------------------------------------------------------
@@ -390,11 +385,6 @@ def load(key: str, build: Callable[[dict], T]) -> T | None:
         text, where = f"unreadable: {e}", "on-disk"
     try:
         result = build(verified(text, key))
-    except StaleEntry as e:
-        cache_log.info("%s miss: the compiled graph %s does not fit (%s)", where, path, e)
-        if where == "on-disk":  # (a remote entry: the disk's miss is counted)
-            stats.count("disk_cache_misses")
-        return None
     except Exception as e:  # any damage means recompile, never a crash or a wrong answer
         cache_log.warning("gjit: ignoring the damaged cache entry %s (%s: %s); recompiling", path, where, e)
         stats.count("disk_cache_errors" if where == "on-disk" else "remote_cache_errors")
