@@ -35,7 +35,7 @@ from gjit.fusion.rows import fold_rows
 from gjit.fusion.statistics import absorb_row_statistics
 from gjit.guards.builder import input_symbols
 from gjit.ir import LoopGraph
-from gjit.lowering.attention_library import written_out_as_sdpa
+from gjit.lowering.attention_call import written_out_as_sdpa
 from gjit.lowering.attention_pattern import match_attention
 from gjit.lowering.graph import lower_graph
 from gjit.lowering.grouped_kv import grouped_kv

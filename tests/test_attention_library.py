@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import gjit
 import gjit.driver
-from gjit.lowering.attention_library import written_out_as_sdpa
+from gjit.lowering.attention_call import written_out_as_sdpa
 from helpers import assert_same, check_against_float64, run_compiled, upcast
 
 pytestmark = [pytest.mark.cpu]

@@ -203,7 +203,7 @@ def eager_attention(mask):
 def test_written_out_attention_with_a_proved_mask_is_one_sdpa_call_without_it(case):
     """On a GPU, the written-out form's SDPA call (gjit/lowering/attention_library.py) takes the
     same proofs: causal, or no mask."""
-    from gjit.lowering.attention_library import written_out_as_sdpa
+    from gjit.lowering.attention_call import written_out_as_sdpa
 
     mask, becomes = MASKS[case]
 
@@ -270,7 +270,7 @@ def test_a_size_that_may_be_0_is_not_taken_as_positive():
 def test_a_boolean_tril_added_to_the_scores_is_no_causal_mask():
     """`scores + tril(ones(bool))` adds 1 where j <= i (eager promotes the bool): not the causal
     mask, whatever the proof says of the boolean tensor."""
-    from gjit.lowering.attention_library import written_out_as_sdpa
+    from gjit.lowering.attention_call import written_out_as_sdpa
 
     class Added(torch.nn.Module):
         def forward(self, q, k, v):
@@ -292,7 +292,7 @@ def test_a_boolean_tril_added_to_the_scores_is_no_causal_mask():
 def test_a_float64_mask_added_keeps_the_written_out_form(mask):
     """A float64 mask added to float32 scores makes the softmax float64, as a cast to float64
     would, which the written-out form keeps: proved or not, the attention stays as it is."""
-    from gjit.lowering.attention_library import written_out_as_sdpa
+    from gjit.lowering.attention_call import written_out_as_sdpa
 
     class Added(torch.nn.Module):
         def forward(self, q, k, v):

@@ -51,19 +51,15 @@ float16; -inf is taken), or with a mask keeps the written-out form.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 import numbers
-from collections.abc import Callable
 
 import torch
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import maybe_get_fake_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from gjit.lowering.causal import CAUSAL, Proofs
-from gjit.lowering.held_masks import Held
 
 log = logging.getLogger("gjit.lowering")
 aten = torch.ops.aten
@@ -97,17 +93,6 @@ FAR = -(2.0**100)
 FILL_LIMIT = -1e3
 
 
-def _attention_value(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The SDPA call's value: [1, N, L, Ev] or [B, H, L, Ev], contiguous, as the product it replaces
-    was [N, L, Ev], so the values export traced for the nodes that read it hold. Not traced through
-    the op: its backend choice would add guards to the shape environment (the head dims equal, a
-    layout) that no input checks. ATen's fused kernels on a GPU return [B, L, H, Ev] in memory
-    (FlashAttention, cuDNN, the memory-efficient kernel): the wrapper copies such an output into
-    these strides (ANY_LAYOUT), a copy of the output the program's next kernels could read in place
-    (a later step: the values of those nodes traced again)."""
-    return q.new_empty((*q.shape[:-1], v.shape[-1]))
-
-
 @dataclasses.dataclass(frozen=True)
 class Fill:
     """Keys hidden by a boolean tensor: the scores where `cond` is not `keep` are `value` (-inf, or
@@ -135,7 +120,7 @@ class WrittenOut:
     asserts: list[torch.fx.Node] = dataclasses.field(default_factory=list)  # of replaced nodes
 
 
-def _val(node: torch.fx.Node) -> torch.Tensor | None:
+def tensor_val(node: torch.fx.Node) -> torch.Tensor | None:
     val = node.meta.get("val")
     return val if isinstance(val, torch.Tensor) else None
 
@@ -155,7 +140,7 @@ def _same_sizes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _rows_and_keys(node: torch.fx.Node, rows_keys: tuple) -> bool:
     """`node` has a batch dim or more and its last two dims are (L, S)."""
-    val = _val(node)
+    val = tensor_val(node)
     if val is None or val.dim() < 3:
         return False
     return all(statically_known_true(x == y) for x, y in zip(val.shape[-2:], rows_keys))
@@ -165,7 +150,7 @@ def _through(node: torch.fx.Node, kinds: tuple, user: torch.fx.Node, visited: li
     """Back from `node` (read only by `user`) through nodes of `kinds` read only by what follows."""
     while node.op == "call_function" and node.target in kinds and _only_user(node, user):
         if node.target is aten.expand.default:
-            sizes = _val(node), _val(node.args[0])
+            sizes = tensor_val(node), tensor_val(node.args[0])
             if None in sizes or not _same_sizes(*sizes):
                 break  # a broadcast: not the same elements
         visited.append(node)
@@ -177,7 +162,7 @@ def _float_cast(node: torch.fx.Node) -> bool:
     """A cast between float dtypes only (no layout, device or memory format change)."""
     if node.target is torch.ops.prims.convert_element_type.default:
         return node.args[1] in FLOATS
-    kwargs, source = node.kwargs, _val(node.args[0])
+    kwargs, source = node.kwargs, tensor_val(node.args[0])
     return (
         len(node.args) == 1
         and kwargs.get("dtype") in FLOATS
@@ -196,11 +181,11 @@ def match(out: torch.fx.Node, proofs: Proofs | None = None) -> WrittenOut | None
     if out.target is not aten.bmm.default:
         return None
     probs, values = out.args
-    val = _val(out)
-    if val is None or val.dtype not in FLOATS or _val(probs) is None:
+    val = tensor_val(out)
+    if val is None or val.dtype not in FLOATS or tensor_val(probs) is None:
         return None
     replaced: list[torch.fx.Node] = []
-    rows_keys = tuple(_val(probs).shape[-2:])
+    rows_keys = tuple(tensor_val(probs).shape[-2:])
     node, user = probs, out
     while True:  # views back to the softmax's rows, casts between float dtypes
         before = _through(node, SAME_ELEMENTS, user, replaced)
@@ -221,7 +206,7 @@ def match(out: torch.fx.Node, proofs: Proofs | None = None) -> WrittenOut | None
     if softmax.target is not aten._softmax.default or not _only_user(softmax, user):
         return None
     x, dim = softmax.args[:2]
-    if not _rows_and_keys(softmax, rows_keys) or dim not in (-1, _val(softmax).dim() - 1):
+    if not _rows_and_keys(softmax, rows_keys) or dim not in (-1, tensor_val(softmax).dim() - 1):
         return None
     replaced.append(softmax)
     scale, mask, fill, narrowed, node, user = 1.0, None, None, False, x, softmax
@@ -241,13 +226,15 @@ def match(out: torch.fx.Node, proofs: Proofs | None = None) -> WrittenOut | None
             if leads.count(True) != 1:
                 return None
             chain, mask = (lhs, rhs) if leads[0] else (rhs, lhs)
-            if not isinstance(mask, torch.fx.Node) or _val(mask) is None or _val(chain) is None:
+            if not isinstance(mask, torch.fx.Node) or tensor_val(mask) is None or tensor_val(chain) is None:
                 return None
-            if not _same_sizes(_val(node), _val(chain)):
+            if not _same_sizes(tensor_val(node), tensor_val(chain)):
                 return None  # the mask broadcasts the scores up
-            fill = _added_fill(mask, _val(node).dtype, later)
+            fill = _added_fill(mask, tensor_val(node).dtype, later)
             # (a bool added is no mask; a float64 one makes the softmax float64, as a cast would)
-            additive = fill is None and _val(mask).dtype.is_floating_point and _val(node).dtype in FLOATS
+            additive = (
+                fill is None and tensor_val(mask).dtype.is_floating_point and tensor_val(node).dtype in FLOATS
+            )
             kind = known(mask, True) if additive else None  # causal, or zeros: no mask
             if fill is not None or kind is not None:
                 causal, mask = kind == CAUSAL, None
@@ -258,9 +245,9 @@ def match(out: torch.fx.Node, proofs: Proofs | None = None) -> WrittenOut | None
             if found is None or mask is not None or fill is not None or causal or not scale > 0:
                 return None  # a fill by a tensor, a second term, a scale that reverses the fill
             chain, cond, keep, value = found
-            if not _same_sizes(_val(node), _val(chain)):
+            if not _same_sizes(tensor_val(node), tensor_val(chain)):
                 return None  # the condition broadcasts the scores up
-            value = _as_eager(value, _val(node).dtype, later)
+            value = _as_eager(value, tensor_val(node).dtype, later)
             fill = _replacing_fill(cond, keep, value)
             if fill is None:
                 log.debug("attention %s: stays written out: a fill of %g", out.name, value)
@@ -287,7 +274,7 @@ def match(out: torch.fx.Node, proofs: Proofs | None = None) -> WrittenOut | None
     if scores is not node and not _rows_and_keys(node, rows_keys):
         return None
     queries, keys = scores.args
-    tensors = [_val(n) for n in (queries, keys, values)]
+    tensors = [tensor_val(n) for n in (queries, keys, values)]
     if (
         any(t is None for t in tensors)
         or len({t.dtype for t in tensors}) != 1
@@ -307,9 +294,11 @@ def match(out: torch.fx.Node, proofs: Proofs | None = None) -> WrittenOut | None
     view = node if scores is not node else None
     why = None
     if mask is not None:
-        why = _mask_dtype_reason(_val(mask), tensors[0].dtype) or _mask_shape_reason(_val(mask), view)
+        why = _mask_dtype_reason(tensor_val(mask), tensors[0].dtype) or _mask_shape_reason(
+            tensor_val(mask), view
+        )
     elif fill is not None:
-        why = _fill_reason(fill, tensors[0].dtype) or _mask_shape_reason(_val(fill.cond), view)
+        why = _fill_reason(fill, tensors[0].dtype) or _mask_shape_reason(tensor_val(fill.cond), view)
     if why is not None:
         log.debug("attention %s: stays written out: %s", out.name, why)
         return None
@@ -320,7 +309,7 @@ def match(out: torch.fx.Node, proofs: Proofs | None = None) -> WrittenOut | None
 def _narrows(cast: torch.fx.Node) -> bool:
     """A cast to a float of fewer bits (or bfloat16's other rounding) than its input's."""
     target = _cast_dtype(cast)
-    return _val(cast.args[0]).dtype != target and target != torch.float32
+    return tensor_val(cast.args[0]).dtype != target and target != torch.float32
 
 
 def _tensor_arg(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -374,7 +363,7 @@ def _mask_shape_reason(mask: torch.Tensor, view: torch.fx.Node | None) -> str | 
     if view is None:
         return None if mask.dim() <= 3 else "a mask of more dims than the scores"
     sizes = view.args[1] if len(view.args) > 1 else None
-    if _val(view).dim() != 4 or not isinstance(sizes, (list, tuple)) or len(sizes) != 4:
+    if tensor_val(view).dim() != 4 or not isinstance(sizes, (list, tuple)) or len(sizes) != 4:
         return "scores not viewed as [B, H, L, S]"
     if any(isinstance(s, int) and s < 0 for s in sizes[:2]) or mask.dim() > 4:
         return "batch and heads not sizes"
@@ -386,7 +375,7 @@ def _constant(node: object, dtype: torch.dtype) -> float | None:
     then to `dtype` (where it goes); None for any other node."""
     if not isinstance(node, torch.fx.Node) or node.op != "call_function":
         return None
-    val = _val(node)
+    val = tensor_val(node)
     if val is None or val.dim() != 0 or not val.dtype.is_floating_point:
         return None
     if node.target is aten.scalar_tensor.default:
@@ -404,10 +393,14 @@ def _where_fill(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, bool
     """For `where(cond, a, b)` with one side the scores and the other a constant: (the scores' side,
     cond, the value of cond where a key is kept, the constant in the where's dtype); else None."""
     cond, a, b = node.args
-    if not isinstance(cond, torch.fx.Node) or _val(cond) is None or _val(cond).dtype != torch.bool:
+    if (
+        not isinstance(cond, torch.fx.Node)
+        or tensor_val(cond) is None
+        or tensor_val(cond).dtype != torch.bool
+    ):
         return None
     for chain, other, keep in ((b, a, False), (a, b, True)):
-        value = _constant(other, _val(node).dtype)
+        value = _constant(other, tensor_val(node).dtype)
         if value is not None and isinstance(chain, torch.fx.Node) and _leads_to_product(chain, node):
             return chain, cond, keep, value
     return None
@@ -449,13 +442,17 @@ def _added_fill(mask: torch.fx.Node, dtype: torch.dtype, later: list[torch.fx.No
     if mask.op != "call_function" or mask.target is not aten.where.self or mask.kwargs:
         return None
     cond, a, b = mask.args
-    if not isinstance(cond, torch.fx.Node) or _val(cond) is None or _val(cond).dtype != torch.bool:
+    if (
+        not isinstance(cond, torch.fx.Node)
+        or tensor_val(cond) is None
+        or tensor_val(cond).dtype != torch.bool
+    ):
         return None
-    a, b = (_constant(x, _val(mask).dtype) for x in (a, b))
+    a, b = (_constant(x, tensor_val(mask).dtype) for x in (a, b))
     if a is None or b is None or 0.0 not in (a, b):
         return None
     keep, value = (True, b) if a == 0.0 else (False, a)
-    value = torch.tensor(value, dtype=_val(mask).dtype).to(dtype).item()  # in the sum's dtype
+    value = torch.tensor(value, dtype=tensor_val(mask).dtype).to(dtype).item()  # in the sum's dtype
     if value != float("-inf") and not (math.isfinite(value) and value <= FAR):
         return None
     return Fill(cond, keep, FAR if math.isfinite(_as_eager(value, dtype, later)) else float("-inf"))
@@ -470,7 +467,7 @@ def _size_sources(m: WrittenOut) -> bool:
     for node in m.scores.graph.nodes:
         if node is m.scores:
             break
-        if node not in gone and _val(node) is not None:
+        if node not in gone and tensor_val(node) is not None:
             earlier.append(node)
     for node in m.replaced:
         for user in node.users:
@@ -481,117 +478,10 @@ def _size_sources(m: WrittenOut) -> bool:
                 continue
             if user.target is not SIZE:
                 return False
-            size = _val(node).shape[user.args[1]]
-            source = next(((n, d) for n in reversed(earlier) for d, s in enumerate(_val(n).shape)
+            size = tensor_val(node).shape[user.args[1]]
+            source = next(((n, d) for n in reversed(earlier) for d, s in enumerate(tensor_val(n).shape)
                            if statically_known_true(s == size)), None)  # fmt: skip
             if source is None:
                 return False
             m.sizes[user] = source
     return True
-
-
-def _call(graph: torch.fx.Graph, op, args: tuple, kwargs: dict, *, like: torch.fx.Node) -> torch.fx.Node:
-    """A new node computing `op`, its value traced on the graph's fake tensors (an SDPA call's: see
-    `_attention_value`), `like`'s source line."""
-    node = graph.call_function(op, args, kwargs)
-    fake = pytree.tree_map_only(torch.fx.Node, lambda a: a.meta["val"], args)
-    mode = maybe_get_fake_mode(_val(like))
-    with mode if mode is not None else torch._subclasses.FakeTensorMode():
-        if op is aten.scaled_dot_product_attention.default:
-            node.meta["val"] = _attention_value(*fake[:3])
-            node.meta[ANY_LAYOUT], node.meta[STANDS_FOR] = tuple(range(node.meta["val"].dim())), True
-        else:
-            node.meta["val"] = op(*fake, **kwargs)
-    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-        if key in like.meta:
-            node.meta[key] = like.meta[key]
-    return node
-
-
-def _fill_mask(call: Callable, fill: Fill, dtype: torch.dtype, built: dict) -> torch.fx.Node:
-    """The additive mask of `fill` in `dtype` (SDPA's: the operands'): 0 where a key is kept and
-    the fill's value where not; one node per condition, value and dtype (`built`), which the
-    attentions that read it share, as the wrapper shares its rows that keep no key."""
-    key = (fill.cond, fill.keep, fill.value, dtype)
-    if key not in built:
-        device = _val(fill.cond).device
-        zero, hide = (call(aten.scalar_tensor.default, (x,), {"dtype": dtype, "device": device})
-                      for x in (0.0, fill.value))  # fmt: skip
-        args = (fill.cond, zero, hide) if fill.keep else (fill.cond, hide, zero)
-        built[key] = call(aten.where.self, args, {})
-    return built[key]
-
-
-def rewrite(gm: torch.fx.GraphModule, m: WrittenOut, built: dict | None = None) -> None:
-    """`m` as one SDPA call, in place; `built`: the masks built for fills so far (`_fill_mask`)."""
-    graph = gm.graph
-    queries, keys_t = m.scores.args
-    values = m.out.args[1]
-    call = functools.partial(_call, graph, like=m.out)
-    mask = m.mask
-
-    @functools.cache
-    def size(node: torch.fx.Node, dim: int) -> int | torch.fx.Node:
-        """A dim of `node`: the number, or one size node read wherever the rewrite needs it."""
-        n = _val(node).shape[dim]
-        return n if isinstance(n, int) else call(SIZE, (node, dim), {})
-
-    with graph.inserting_before(m.out):
-        if m.fill is not None:
-            mask = _fill_mask(call, m.fill, _val(queries).dtype, {} if built is None else built)
-        kwargs: dict = {"scale": m.scale}
-        if m.causal:
-            kwargs["is_causal"] = True
-        if mask is not None and m.view is not None:  # [B, H] from the scores' view: the mask's
-            batch = list(m.view.args[1][:2])
-            q, k, v = (call(aten.view.default, (t, [*batch, size(t, 1), size(t, 2)]), {})
-                       for t in (queries, keys_t, values))  # fmt: skip
-            k = call(aten.permute.default, (k, [0, 1, 3, 2]), {})
-            kwargs["attn_mask"] = mask
-        else:  # [1, N]
-            q = call(aten.unsqueeze.default, (queries, 0), {})
-            k = call(aten.permute.default, (keys_t, [0, 2, 1]), {})
-            k = call(aten.unsqueeze.default, (k, 0), {})
-            v = call(aten.unsqueeze.default, (values, 0), {})
-            if mask is not None:
-                if _val(mask).dim() == 3:
-                    mask = call(aten.unsqueeze.default, (mask, 0), {})
-                kwargs["attn_mask"] = mask
-        sdpa = call(aten.scaled_dot_product_attention.default, (q, k, v), kwargs)
-        if m.fill is not None:
-            sdpa.meta[MASK_FILL] = m.fill.value
-        sizes = [size(queries, 0), size(queries, 1), size(values, 2)]
-    # the product's node becomes the view of the call as [N, L, Ev], under its name (the program's
-    # signature may name it an output) and with its value (contiguous, as the call's)
-    m.out.target, m.out.args, m.out.kwargs = aten.view.default, (sdpa, sizes), {}
-    for node in m.asserts:
-        graph.erase_node(node)
-    for user, (source, dim) in m.sizes.items():
-        user.args = (source, dim)
-    for node in m.replaced:  # from the softmax's readers back to the scores
-        graph.erase_node(node)
-
-
-def written_out_as_sdpa(gm: torch.fx.GraphModule, held: Held | None = None) -> int:
-    """Each written-out attention of `gm` whose score is scaled and at most masked (the module's
-    docstring) as one SDPA call, in place; how many. The caller runs it on graphs for a GPU;
-    `held`: the buffers and constants whose contents a proof may read (held_masks.py)."""
-    done, gone, built, proofs = 0, set(), {}, Proofs(held)
-    for node in [n for n in gm.graph.nodes if n.target is aten.bmm.default]:
-        if node in gone:  # the scores of an attention replaced already
-            continue
-        m = match(node, proofs)
-        if m is None:
-            proofs.discard()  # (nothing its proofs read is read by the program now)
-            continue
-        log.info("attention %s: %s as ATen's scaled_dot_product_attention (scale %g)",
-                 node.name, ", ".join(n.name for n in reversed(m.replaced)), m.scale)  # fmt: skip
-        rewrite(gm, m, built)
-        proofs.commit()
-        gone.update(m.replaced)
-        done += 1
-    if done:  # what only the replaced nodes read (a fill's constants, a mask left for a causal call)
-        gm.graph.eliminate_dead_code()
-        gm.graph.lint()
-        gm.recompile()
-    return done
