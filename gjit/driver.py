@@ -36,6 +36,7 @@ from gjit.fusion.statistics import absorb_row_statistics
 from gjit.guards.builder import input_symbols
 from gjit.ir import LoopGraph
 from gjit.lowering.attention_call import written_out_as_sdpa
+from gjit.lowering.attention_layout import attention_layouts
 from gjit.lowering.attention_pattern import match_attention
 from gjit.lowering.graph import lower_graph
 from gjit.lowering.grouped_kv import grouped_kv
@@ -230,7 +231,8 @@ def compile_program(
     symbols = input_symbols(captured.user_vals)  # after decomposition's replacements
     passes = Passes(options, timings)
     # sdpa: an SDPA call's mask built from sizes, proved causal or keeping every key -> is_causal or
-    # none; on a GPU, written-out attention whose score is only scaled -> ATen's SDPA call
+    # none; on a GPU, written-out attention whose score is only scaled -> ATen's SDPA call; each
+    # call's output in the layout ATen's kernel returns, where the program only permutes it
     held = held_inputs(gm, captured.input_sources, bands)  # what a mask's proof may read
     grouped = flash_attention_runs(gm, options.target)  # (stored: a reanalysis decides as this did)
     passes("sdpa", library_attention, gm, held, grouped)
@@ -393,6 +395,7 @@ def library_attention(gm: torch.fx.GraphModule, held: Held, grouped: bool) -> No
         grouped_kv(gm)
     if attention_as_sdpa(gm):
         written_out_as_sdpa(gm, held)
+    attention_layouts(gm, grouped)  # outputs in the layout ATen's kernel returns: no copies
 
 
 def unmeasurable(

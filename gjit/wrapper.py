@@ -23,7 +23,7 @@ from gjit.codegen.common import KernelSource
 from gjit.codegen.printer import pyexpr
 from gjit.fusion.regions import Region, Step
 from gjit.fusion.schedule import step_reads
-from gjit.lowering.attention_library import ANY_LAYOUT, MASK_FILL
+from gjit.lowering.attention_library import ANY_LAYOUT, MASK_FILL, STANDS_FOR
 from gjit.lowering.registry import meta_layout, to_sympy
 
 # Two externs the wrapper calls otherwise on a GPU; the functions are gjit/runtime/padded_mm.py's and
@@ -281,6 +281,8 @@ class WrapperWriter:
         FAR: gjit/lowering/attention_library.py), the call's `dead`: its queries that keep no key,
         found once per call for the attentions that share the mask (under FAR, none: eager's
         softmax averages the values there, as SDPA's does)."""
+        if not node.meta.get(STANDS_FOR):  # the program's own call: ATen's rows where no key is kept
+            return ["dead=None"] if node.kwargs.get("attn_mask") is not None else []
         fill = node.meta.get(MASK_FILL)
         if fill is None:
             return []

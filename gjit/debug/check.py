@@ -75,8 +75,7 @@ class RegionChecker:
                     # an in-place op (index_put_): replayed on copies, never on the kernels' buffers
                     args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
                 if node.meta.get(ANY_LAYOUT):  # the wrapper's call: its value's layout, eager's rows
-                    stride = attention_masks.in_order(args[0], args[2], node.meta[ANY_LAYOUT])
-                    result = attention_masks.written_out(target, stride, *args, **kwargs)
+                    result = attention_masks.interpreted(node, args, kwargs)
                 elif target is operator.getitem:
                     result = args[0][args[1]]
                 else:

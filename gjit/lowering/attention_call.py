@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 from collections.abc import Callable
 
 import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import maybe_get_fake_mode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from gjit.lowering.attention_library import (
     ANY_LAYOUT,
@@ -28,6 +30,7 @@ from gjit.lowering.held_masks import Held
 
 log = logging.getLogger("gjit.lowering")
 aten = torch.ops.aten
+RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 def _attention_value(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -36,8 +39,8 @@ def _attention_value(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     the op: its backend choice would add guards to the shape environment (the head dims equal, a
     layout) that no input checks. ATen's fused kernels on a GPU return [B, L, H, Ev] in memory
     (FlashAttention, cuDNN, the memory-efficient kernel): the wrapper copies such an output into
-    these strides (ANY_LAYOUT), a copy of the output the program's next kernels could read in place
-    (a later step: the values of those nodes traced again)."""
+    these strides (ANY_LAYOUT), until gjit/lowering/attention_layout.py gives the call the layout
+    its kernel returns."""
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
@@ -85,6 +88,8 @@ def rewrite(gm: torch.fx.GraphModule, m: WrittenOut, built: dict | None = None) 
     def size(node: torch.fx.Node, dim: int) -> int | torch.fx.Node:
         """A dim of `node`: the number, or one size node read wherever the rewrite needs it."""
         n = tensor_val(node).shape[dim]
+        if isinstance(n, torch.SymInt) and n.node.expr.is_number:
+            n = int(n.node.expr)
         return n if isinstance(n, int) else call(SIZE, (node, dim), {})
 
     with graph.inserting_before(m.out):
@@ -93,7 +98,13 @@ def rewrite(gm: torch.fx.GraphModule, m: WrittenOut, built: dict | None = None) 
         kwargs: dict = {"scale": m.scale}
         if m.causal:
             kwargs["is_causal"] = True
-        if mask is not None and m.view is not None:  # [B, H] from the scores' view: the mask's
+        heads = _heads_of(queries, keys_t, values, mask, m.view)
+        if heads is not None:  # [B, H]: the tensors matmul merged the dims of (and copied)
+            q, k_t, v = heads
+            k = call(aten.permute.default, (k_t, [0, 1, 3, 2]), {})
+            if mask is not None:
+                kwargs["attn_mask"] = mask
+        elif mask is not None and m.view is not None:  # [B, H] from the scores' view: the mask's
             batch = list(m.view.args[1][:2])
             q, k, v = (call(aten.view.default, (t, [*batch, size(t, 1), size(t, 2)]), {})
                        for t in (queries, keys_t, values))  # fmt: skip
@@ -111,7 +122,15 @@ def rewrite(gm: torch.fx.GraphModule, m: WrittenOut, built: dict | None = None) 
         sdpa = call(aten.scaled_dot_product_attention.default, (q, k, v), kwargs)
         if m.fill is not None:
             sdpa.meta[MASK_FILL] = m.fill.value
-        sizes = [size(queries, 0), size(queries, 1), size(values, 2)]
+        if heads is not None:  # (no size of the merged operands: nothing reads them now)
+            batch, per_batch = size(heads[0], 0), size(heads[0], 1)
+            if isinstance(batch, int) and isinstance(per_batch, int):
+                merged = batch * per_batch
+            else:
+                merged = call(operator.mul, (batch, per_batch), {})
+            sizes = [merged, size(heads[0], 2), size(heads[2], 3)]
+        else:
+            sizes = [size(queries, 0), size(queries, 1), size(values, 2)]
     # the product's node becomes the view of the call as [N, L, Ev], under its name (the program's
     # signature may name it an output) and with its value (contiguous, as the call's)
     m.out.target, m.out.args, m.out.kwargs = aten.view.default, (sdpa, sizes), {}
@@ -121,6 +140,54 @@ def rewrite(gm: torch.fx.GraphModule, m: WrittenOut, built: dict | None = None) 
         user.args = (source, dim)
     for node in m.replaced:  # from the softmax's readers back to the scores
         graph.erase_node(node)
+
+
+def _heads_of(
+    queries: torch.fx.Node,
+    keys_t: torch.fx.Node,
+    values: torch.fx.Node,
+    mask: torch.fx.Node | None,
+    view: torch.fx.Node | None,
+) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
+    """The [B, H, ...] tensors whose batch and head dims the products' operands merge (`_heads`),
+    where all three have the same B and H and the mask broadcasts to [B, H, L, S] as it did to the
+    scores (it has at most 2 dims, or it was the scores' view's [B, H, L, S]); None otherwise."""
+    heads = [_heads(t) for t in (queries, keys_t, values)]
+    if None in heads:
+        return None
+    lead = [tensor_val(t).shape[:2] for t in heads]
+    if not all(_same(a, lead[0]) for a in lead[1:]):
+        return None
+    if mask is not None and tensor_val(mask).dim() > 2:
+        if view is None or not _same(tensor_val(view).shape[:2], lead[0]):
+            return None
+    return heads[0], heads[1], heads[2]
+
+
+def _heads(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The [B, H, a, b] tensor the products' operand `node` ([B * H, a, b]) holds the elements of,
+    where matmul's decomposition made it so: a view (or reshape) of a clone of an expand to the
+    tensor's own sizes, of a clone, or of the tensor itself; None otherwise."""
+    if node.target not in RESHAPES:
+        return None
+    source = node.args[0]
+    if isinstance(source, torch.fx.Node) and source.target is aten.clone.default:
+        source = source.args[0]
+    if isinstance(source, torch.fx.Node) and source.target is aten.expand.default:
+        expanded, inner = tensor_val(source), tensor_val(source.args[0])
+        if expanded is None or inner is None or not _same(expanded.shape, inner.shape):
+            return None  # (a broadcast: matmul's operand repeats the tensor's elements)
+        source = source.args[0]
+    val, merged = tensor_val(source), tensor_val(node)
+    if val is None or merged is None or val.dim() != 4 or merged.dim() != 3:
+        return None
+    if not statically_known_true(val.shape[0] * val.shape[1] == merged.shape[0]):
+        return None
+    return source if _same(val.shape[2:], merged.shape[1:]) else None
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
 
 
 def written_out_as_sdpa(gm: torch.fx.GraphModule, held: Held | None = None) -> int:

@@ -9,9 +9,11 @@ additive mask, minGPT's `masked_fill(bias == 0, -inf)`):
                                            casts; a view to [..., L, S] after the product
     probs  = softmax(x, -1)                its input and output cast between float dtypes or not
     out    = bmm(probs, V)                 probs through views back to [N, L, S]; V: [N, S, Ev]
- -> out    = sdpa(Q, K, V, attn_mask=M, scale=c) on [1, N, ...], or with a mask on the [B, H, ...]
-             of the scores' view (the mask broadcasts over those), viewed back as [N, L, Ev]; for a
-             fill, M = where(C, 0, F) (or where(C, F, 0)) in the operands' dtype, F = -inf or FAR
+ -> out    = sdpa(Q, K, V, attn_mask=M, scale=c) on the [B, H, ...] tensors matmul merged into Q,
+             K and V (and copied: their copies go), or on [1, N, ...], or with a mask on the [B, H,
+             ...] of the scores' view (the mask broadcasts over those), viewed back as [N, L, Ev];
+             for a fill, M = where(C, 0, F) (or where(C, F, 0)) in the operands' dtype, F = -inf
+             or FAR (the rewrite: attention_call.py)
 
 On a GPU the library's side of the choice for such an attention was then two products and a softmax
 kernel that writes and reads the score matrix; ATen's fused kernels (FlashAttention, cuDNN, the

@@ -12,7 +12,8 @@ template. Taken where the operands are 16-bit (FlashAttention's dtypes; float32 
 path) with one head dim of at most 256.
 
 The call's value keeps the layout it was traced in (ANY_LAYOUT, as for a dropped mask: the
-wrapper's `written_out` copies the output into it where the kernel returns another).
+wrapper's `written_out` copies the output into it where the kernel returns another), until
+gjit/lowering/attention_layout.py gives it the kernel's.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def grouped_kv(gm: torch.fx.GraphModule) -> int:
             continue  # (a mask: ATen's memory-efficient kernel, which takes no groups)
         if kwargs.get("enable_gqa"):
             continue
-        if not _fits_flash(*(t.meta["val"] for t in (q, k, v))):
+        if not fits_flash(*(t.meta["val"] for t in (q, k, v))):
             continue
         heads = q.meta["val"].shape[-3]
         if not statically_known_true(heads <= MAX_HEADS):
@@ -69,7 +70,7 @@ def grouped_kv(gm: torch.fx.GraphModule) -> int:
     return done
 
 
-def _fits_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def fits_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """16-bit operands of 4 dims, one head dim (a number) of at most MAX_HEAD_DIM."""
     dims = [t.shape[-1] for t in (q, k, v)]
     return (

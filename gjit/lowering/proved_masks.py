@@ -11,10 +11,11 @@ written B x L x S of it; causal, it runs FlashAttention with the causal loop bou
 the flash or cuDNN kernel, and the mask's kernels are gone. The template takes the causal bound
 too, where it read the mask.
 
-The call's value keeps the strides export traced for it with its mask; the kernel ATen picks
-without one may return others, so the wrapper copies its output into them where they differ
-(ANY_LAYOUT: gjit/runtime/attention_masks.py's `written_out`, which also gives zeros where there
-are no keys or no queries, as eager's math does).
+The call's value keeps the strides export traced for it with its mask (until
+gjit/lowering/attention_layout.py gives it the layout the kernel returns); the kernel ATen picks
+may return others, so the wrapper copies its output into them where they differ (ANY_LAYOUT:
+gjit/runtime/attention_masks.py's `written_out`, which also gives zeros where there are no keys or
+no queries, as eager's math does).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch._prims_common import make_contiguous_strides_for
 
-from gjit.lowering.attention_library import FAR
+from gjit.lowering.attention_library import ANY_LAYOUT, FAR, STANDS_FOR
 
 
 def additive(mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,6 +106,16 @@ def written_out(
     if mask is not None and dead is not None:
         out.masked_fill_(dead, float("nan"))
     return out
+
+
+def interpreted(node: torch.fx.Node, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
+    """The SDPA call `node` (ANY_LAYOUT) as the wrapper makes it, on the values `args` and `kwargs`
+    of its arguments: for an interpreter (the eager fallback, GJIT_CHECK's replay). A call of the
+    program's own (not STANDS_FOR) keeps ATen's rows where its mask hides every key."""
+    stride = in_order(args[0], args[2], node.meta[ANY_LAYOUT])
+    if not node.meta.get(STANDS_FOR):
+        kwargs = kwargs | {"dead": None}
+    return written_out(node.target, stride, *args, **kwargs)
 
 
 def _parts(

@@ -98,9 +98,7 @@ class FallbackInterpreter(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node) -> Any:
         try:
             if n.meta.get(ANY_LAYOUT):  # the wrapper's call: its value's layout, eager's rows
-                args, kwargs = self.fetch_args_kwargs_from_env(n)
-                stride = attention_masks.in_order(args[0], args[2], n.meta[ANY_LAYOUT])
-                return attention_masks.written_out(n.target, stride, *args, **kwargs)
+                return attention_masks.interpreted(n, *self.fetch_args_kwargs_from_env(n))
             return super().run_node(n)
         except Exception as e:
             trace = (n.meta.get("stack_trace") or "").strip()
