@@ -39,7 +39,7 @@ from gjit.lowering.attention_call import written_out_as_sdpa
 from gjit.lowering.attention_layout import attention_layouts
 from gjit.lowering.attention_pattern import match_attention
 from gjit.lowering.graph import lower_graph
-from gjit.lowering.grouped_kv import grouped_kv
+from gjit.lowering.grouped_kv import grouped_kv, packed_queries
 from gjit.lowering.held_masks import Held, bands_from_record, held_inputs, program_bands
 from gjit.lowering.proved_masks import proved_masks
 from gjit.lowering.registry import EXTERN_REASONS, LOWERINGS, size_reason
@@ -393,6 +393,7 @@ def library_attention(gm: torch.fx.GraphModule, held: Held, grouped: bool) -> No
     proved_masks(gm, held)  # exact on every device: no mask's kernels, the causal kernel or bound
     if grouped:  # then unmasked calls read grouped keys and values in place (flash_attention_runs)
         grouped_kv(gm)
+    packed_queries(gm)  # one query a head: a group's query heads as rows of one call on its keys
     if attention_as_sdpa(gm):
         written_out_as_sdpa(gm, held)
     attention_layouts(gm, grouped)  # outputs in the layout ATen's kernel returns: no copies

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 import gjit
 from gjit.capture.decompose import decompose_program
-from gjit.lowering.grouped_kv import grouped_kv
+from gjit.lowering.grouped_kv import grouped_kv, packed_queries
 from gjit.lowering.proved_masks import proved_masks
+from gjit.runtime.graph import FallbackInterpreter
 from helpers import assert_same, check_against_float64
 
 pytestmark = [pytest.mark.cpu]
@@ -190,3 +191,100 @@ def test_on_a_gpu_the_grouped_call_matches_eager():
     source = cm.entries[0].program.graph.wrapper_source
     takes = torch.cuda.get_device_capability() >= (8, 0)
     assert (source.count("enable_gqa=True") == 2) == takes, source
+
+
+class Decoding(torch.nn.Module):
+    """One query a head over a cache of 4 / n key/value heads, repeated n times, under `mask`."""
+
+    def __init__(self, mask_kind, n=2):
+        super().__init__()
+        self.mask_kind, self.n = mask_kind, n
+
+    def forward(self, q, k, v, mask):
+        keep = None if self.mask_kind == "none" else mask
+        o = F.scaled_dot_product_attention(q, repeat_kv(k, self.n), repeat_kv(v, self.n), attn_mask=keep)
+        return o.transpose(1, 2).reshape(q.shape[0], 1, -1)
+
+
+def decoding_inputs(mask_kind, dtype, length=9, heads=4, kv=2):
+    q = torch.randn(2, 1, heads, 16, dtype=dtype).transpose(1, 2)  # a linear layer's, split in heads
+    k, v = (torch.randn(2, kv, length, 16, dtype=dtype) for _ in "kv")
+    keep = torch.ones(2, 1, 1, length, dtype=torch.bool)
+    keep[1, ..., length - 3 :] = False  # the static cache's empty places
+    masks = {
+        "none": keep,
+        "boolean": keep,
+        "additive": torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, float("-inf")),
+        "per head": torch.randn(2, heads, 1, length, dtype=dtype),  # (an ALiBi-like bias)
+    }
+    return q, k, v, masks[mask_kind]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mask_kind", ["boolean", "additive", "per head", "none"])
+def test_one_query_a_head_reads_the_groups_as_rows(mask_kind, dtype):
+    """A decode step: the query heads of a group are the rows of one call on the group's keys and
+    values, under its mask (every kernel takes that: the memory-efficient one and float32 too);
+    the copies are gone, the results eager's."""
+    torch.manual_seed(0)
+    module, args = Decoding(mask_kind), decoding_inputs(mask_kind, dtype)
+    gm = exported(module, args)
+    expected = gm(*args)
+    grouped_kv(gm)  # (first, as in the compile: FlashAttention's groups where it takes the call)
+    takes = packed_queries(gm) == 1
+    assert takes == (mask_kind != "none" or dtype is torch.float32), gm.graph
+    if takes:
+        (call,) = [n for n in gm.graph.nodes if n.target is SDPA]
+        assert [a.op for a in call.args[1:3]] == ["placeholder"] * 2, gm.graph
+        assert call.args[0].meta["val"].shape == (2, 2, 2, 16), gm.graph
+        assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.expand.default], gm.graph
+        assert_same(FallbackInterpreter(gm).run(*args), expected)
+    with gjit.config.scope(matmul="auto"):
+        cm, report = check_against_float64(module, *args)
+    assert not report.kernels, report  # (no copies: the output's transpose and reshape are views)
+
+
+def test_a_causal_call_or_more_queries_keep_the_copies():
+    """is_causal with one query sees the first key alone (as rows the heads would see more), and
+    more queries than one are not the rows of one block."""
+
+    class Causal(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), is_causal=True)
+
+    q, k, v, mask = decoding_inputs("boolean", torch.float32)
+    assert packed_queries(exported(Causal(), (q, k, v))) == 0
+    prefill = (torch.randn(2, 4, 3, 16), k, v, mask.expand(2, 1, 3, 9))
+    assert packed_queries(exported(Decoding("boolean"), prefill)) == 0
+
+
+def test_llama_generate_with_the_static_cache_decodes_on_the_groups():
+    """generate() with transformers' static cache: each decode step's mask is an input (no proof),
+    so the call keeps it, and reads the cache's groups in place, the query heads of a group as
+    rows; the tokens are eager's."""
+    torch.manual_seed(0)
+    model = llama()
+    ids = torch.randint(0, 128, (2, 7))
+    settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static")
+    with torch.no_grad():
+        expected = model.generate(ids, **settings)
+        model.forward = gjit.compile(model.forward)
+        with gjit.config.scope(interpret=True, debug=True, matmul="auto"):
+            got = model.generate(ids, **settings)
+    assert torch.equal(got, expected)
+    prefill, decode = (entry.program.graph.wrapper_source for entry in model.forward.entries)
+    assert prefill.count("enable_gqa=True") == 2, prefill
+    calls = [line for line in decode.splitlines() if "gjit_written_out(" in line]
+    assert len(calls) == 2 and all("attn_mask=" in c and "enable_gqa" not in c for c in calls), decode
+    assert "clone" not in decode and "expand" not in decode, decode
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_kind", ["boolean", "additive"])
+def test_on_a_gpu_a_decode_step_reads_the_groups_as_rows(mask_kind):
+    """On the card (the memory-efficient kernel with the mask): eager's values within its rounding."""
+    torch.manual_seed(0)
+    args = tuple(t.cuda() for t in decoding_inputs(mask_kind, torch.bfloat16, length=300, heads=32, kv=4))
+    with gjit.config.scope(matmul="auto"):
+        cm, report = check_against_float64(Decoding(mask_kind, n=8), *args)
+    assert not report.kernels, report
