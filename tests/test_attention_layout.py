@@ -264,7 +264,13 @@ def pure_copies_of_attention(source):
     return [line for line in source.splitlines() if copy.search(line) and reads in line]
 
 
-@pytest.mark.parametrize("name", ["gpt2-sdpa", "bert-sdpa", "llama-sdpa", "bert-eager"])
+SLOW = pytest.mark.slow  # (CI's sweep step)
+
+
+MODELS = ["gpt2-sdpa", "bert-eager", *(pytest.param(n, marks=SLOW) for n in ("bert-sdpa", "llama-sdpa"))]
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_transformers_models_traced_as_on_a_gpu_copy_no_attention_output(name, monkeypatch):
     """transformers' models (their eager attention as the SDPA call a GPU makes of it): no kernel
     copies an attention's output, and the outputs are eager's."""

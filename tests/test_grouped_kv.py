@@ -258,6 +258,7 @@ def test_a_causal_call_or_more_queries_keep_the_copies():
     assert packed_queries(exported(Decoding("boolean"), prefill)) == 0
 
 
+@pytest.mark.slow
 def test_llama_generate_with_the_static_cache_decodes_on_the_groups():
     """generate() with transformers' static cache: each decode step's mask is an input (no proof),
     so the call keeps it, and reads the cache's groups in place, the query heads of a group as
