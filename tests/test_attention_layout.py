@@ -289,3 +289,25 @@ def test_transformers_models_traced_as_on_a_gpu_copy_no_attention_output(name, m
     source = cm.entries[-1].program.graph.wrapper_source
     assert source.count("gjit_written_out(") == 2, source  # two layers
     assert not pure_copies_of_attention(source), source
+
+
+@pytest.mark.parametrize("written", [False, True], ids=["read", "written in place"])
+def test_a_clone_an_op_writes_in_place_stays_a_copy(written):
+    """A clone the program writes in place (an in-place op gjit's capture keeps) is not the call's
+    output: the copy stays."""
+    from gjit.capture.decompose import decompose_program
+    from gjit.lowering.attention_layout import attention_layouts
+    from gjit.lowering.proved_masks import proved_masks
+
+    model, x = Attention(out_transposed).requires_grad_(False), torch.randn(3, 7, 32)
+    with sdpa_kernel(SDPBackend.MATH):
+        gm = decompose_program(torch.export.export(model, (x,)))[0].module()
+    proved_masks(gm)
+    (clone,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default]
+    if written:
+        with gm.graph.inserting_after(clone):
+            add = gm.graph.call_function(torch.ops.aten.add_.Tensor, (clone, 1.0))
+            add.meta["val"] = clone.meta["val"]
+    assert attention_layouts(gm, True) == 1
+    clones = [n for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default]
+    assert len(clones) == written, gm.graph

@@ -169,15 +169,32 @@ def _aliases(target: object) -> bool:
 
 def _clones_in_place(node: torch.fx.Node) -> int:
     """Replace each clone of `node` or of a permute of it whose value is laid out as its input's now
-    by its input; how many. (The program writes neither: an exported graph is functional.)"""
+    by its input; how many. Not where an op that writes its input (index_put_: gjit's in-place
+    capture) reads either, or a view of either: the two would be one tensor."""
     done = 0
+    if _written(node):
+        return 0
     for source in [node, *(u for u in _permutes(node) or [])]:
         for user in list(source.users):
-            if user.target is aten.clone.default and _same_layout(user.meta["val"], source.meta["val"]):
+            if user.target is not aten.clone.default or _written(user):
+                continue
+            if _same_layout(user.meta["val"], source.meta["val"]):
                 user.replace_all_uses_with(source)
                 source.graph.erase_node(user)
                 done += 1
     return done
+
+
+def _written(node: torch.fx.Node) -> bool:
+    """Whether an op that writes its input reads `node` or a view of it."""
+    todo = [node]
+    while todo:
+        for user in todo.pop().users:
+            if isinstance(user.target, torch._ops.OpOverload) and user.target._schema.is_mutable:
+                return True
+            if user.op != "output" and _aliases(user.target):
+                todo.append(user)
+    return False
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
