@@ -114,18 +114,26 @@ def test_the_attention_template_writes_the_kernels_layout():
     assert "clone" not in source, source
 
 
-def test_a_kernel_reading_the_permuted_output_reads_it_in_place():
+def test_an_op_reading_the_permuted_output_keeps_the_traced_layout():
+    """An op other than a clone lays out its output by its input's in eager (and in the fallback
+    interpreter, which runs ATen): its traced value holds the traced layout, so the call keeps it."""
     torch.manual_seed(0)
     source = check(Attention(out_added), torch.randn(3, 7, 32))
-    assert written_out_strides(source) == "32 * s27, 16, 32, 1", source
-    kernels = [line for line in source.splitlines() if "[(" in line]
-    assert len(kernels) == 1 and "(scaled_dot_product_attention, " in kernels[0], source
+    assert written_out_strides(source) == "32 * s27, 16 * s27, 16, 1", source
+
+
+def sorted_rows(o, b, s, w):  # an extern (ATen's sort) and a kernel after it
+    return out_transposed(o, b, s, w) + torch.sort(o, -1)[0].transpose(1, 2).reshape(b, s, w) * 2
 
 
 @pytest.mark.parametrize(
     "model",
-    [Attention(out_heads_merged), Attention(out_transposed, returns_attention=True)],
-    ids=["a view of another kind", "returned"],
+    [
+        Attention(out_heads_merged),
+        Attention(out_transposed, returns_attention=True),
+        Attention(sorted_rows),
+    ],
+    ids=["a view of another kind", "returned", "an extern reads it"],
 )
 def test_an_output_viewed_otherwise_or_returned_keeps_the_traced_layout(model):
     """A view other than a permute needs the traced layout (export checked it may view it so); the
@@ -150,6 +158,66 @@ def test_written_out_attention_as_one_sdpa_call_takes_the_kernels_layout(monkeyp
     source = check(Written(), q, k, v)
     assert written_out_strides(source) == "s0 * s25 * s3, s3, s25 * s3, 1", source  # [B, L, H, E]
     assert "clone" not in source and "[(" in source, source  # the add's kernel alone
+
+
+def test_two_contiguous_copies_returned_stay_two_tensors():
+    """Clones the program returns stay copies: two outputs must not be one tensor."""
+
+    class Twice(Attention):
+        def forward(self, x):
+            b, s, w = x.shape
+            q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(w, -1))
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal(s))
+            return o.transpose(1, 2).contiguous(), o.transpose(1, 2).contiguous()
+
+    torch.manual_seed(0)
+    model, x = Twice(out_transposed), torch.randn(3, 7, 32)
+    check(model, x)
+    cm = gjit.compile(model)
+    with sdpa_kernel(SDPBackend.MATH):
+        run_compiled(cm, x)
+    for interpret in (True, False):
+        with gjit.config.scope(interpret=interpret):
+            a, b = cm(x)
+        assert a.data_ptr() != b.data_ptr()
+
+
+def test_the_value_head_dim_of_its_own_takes_the_math_paths_layout_on_the_cpu():
+    """On the CPU a value head dim other than the query's runs the math path ([B, H, L, Ev]
+    contiguous): no layout is guessed for it, and a view the trace allowed holds (the fallback
+    interpreter runs it as eager does)."""
+
+    def attention(q, k, v):
+        o = F.scaled_dot_product_attention(q, k, v)
+        b, h, length, e = o.shape
+        return o.transpose(1, 2).reshape(b, length, h * e), (o * 2).view(b, -1)
+
+    torch.manual_seed(0)
+    q, k = (torch.randn(3, 7, 2, 16).transpose(1, 2) for _ in "qk")
+    v = torch.randn(3, 7, 2, 8).transpose(1, 2)
+    expected = attention(q, k, v)
+    for interpret in (True, False):
+        cm = gjit.compile(attention)
+        with gjit.config.scope(interpret=interpret):
+            got = cm(q, k, v)
+        for a, e in zip(got, expected):
+            assert_same(a, e)
+
+
+def test_grouped_heads_past_a_grid_dim_run_in_parts_of_whole_groups():
+    """A call of the program's own with enable_gqa and more query heads than a grid dim takes runs in
+    parts: each with its groups' keys and values."""
+
+    def attention(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True) * 1.0
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 3 * 65536, 1, 4), torch.randn(1, 3, 2, 4), torch.randn(1, 3, 2, 4)
+    expected = attention(q, k, v)
+    for interpret in (True, False):
+        cm = gjit.compile(attention)
+        with gjit.config.scope(interpret=interpret, matmul="auto"):  # (ATen's call, not the template)
+            assert_same(cm(q, k, v), expected)
 
 
 def test_a_kernel_that_returns_another_layout_is_copied_into_the_chosen_one(request):

@@ -12,10 +12,12 @@ traced layout (`written_out`), and the program's `transpose(1, 2).contiguous()` 
 after it) copied it back: two copies of the output a layer, one of them a kernel launch.
 
 Here the call's value takes the order the kernel returns (`returned_order`), the values of the
-permutes that read it are traced again, and a clone of one that is now laid out as the clone's
-own value reads the call's output in place. Only permutes are traced again: they add no guard to
-the shape environment, and every layout is theirs to take; a call with any other view of its
-output (a `view(B * H, L, E)`, a slice) or read by the program's output keeps the traced layout.
+permutes that read it are traced again, and a contiguous clone of one that is now laid out as the
+clone's own value reads the call's output in place. Only permutes are traced again: they add no
+guard to the shape environment, and every layout is theirs to take. Any other op reading the
+output or a permute of it (a `view(B * H, L, E)`, a slice, a product, an extern) keeps the traced
+layout for the call: in eager and in the fallback interpreter, which runs ATen, such an op lays its
+output out by its input's, and its traced value holds the traced one; so does the program's output.
 Where the kernel returns another layout after all, the wrapper's copy puts it in this one: a
 missed guess costs the copy it saves.
 """
@@ -26,7 +28,7 @@ import logging
 
 import torch
 from torch._subclasses.fake_tensor import maybe_get_fake_mode
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
 
 from gjit.lowering.attention_library import ANY_LAYOUT
 from gjit.lowering.grouped_kv import fits_flash
@@ -36,8 +38,9 @@ log = logging.getLogger("gjit.lowering")
 aten = torch.ops.aten
 PERMUTES = (aten.permute.default, aten.transpose.int)
 RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-STRIDES = (aten.sym_stride.int, aten._assert_tensor_metadata.default)  # read a value's strides
 HEADS_INSIDE = (0, 2, 1, 3)  # [B, L, H, Ev] in memory: the memory-efficient kernel's output
+CONTIGUOUS = (0, 1, 2, 3)
+SIZES = (aten.sym_size.int, aten.sym_numel.default)  # read a value's sizes alone
 
 
 def attention_layouts(gm: torch.fx.GraphModule, flash: bool) -> int:
@@ -81,17 +84,32 @@ def returned_order(node: torch.fx.Node, flash: bool) -> tuple[int, ...] | None:
     """The order of dims (outermost first) ATen's kernel returns the 4-dim output of the SDPA call
     `node` in, by the rules of its kernels: on the CPU and in FlashAttention (and cuDNN), the
     query's where it is dense, else [B, L, H, Ev]; in the memory-efficient kernel (a mask, float32,
-    a card before sm_80) [B, L, H, Ev]. None: not 4 dims, keep the traced order."""
+    a card before sm_80) [B, L, H, Ev]; in the math path (an operand whose last dim is strided, on
+    the CPU a value head dim of its own) [B, H, L, Ev]. None: not 4 dims, keep the traced order."""
     q, k, v, *rest = node.args
     kwargs = dict(zip(PARAMETERS, rest)) | dict(node.kwargs)
     vals = [t.meta["val"] for t in (q, k, v)]
     if node.meta["val"].dim() != 4 or any(t.dim() != 4 for t in vals):
         return None
+    if not _fused(*vals):
+        return CONTIGUOUS  # the math path: its last product's [B, H, L, Ev]
     follows_query = vals[0].device.type == "cpu" or (
         flash and fits_flash(*vals) and kwargs.get("attn_mask") is None and not kwargs.get("dropout_p")
     )
     order = dense_order(vals[0]) if follows_query else None
     return order if order is not None else HEADS_INSIDE
+
+
+def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a fused kernel will likely take the operands (else ATen runs the math path): each
+    with its last dim's stride 1, and on the CPU the value's head dim the query's. By the sizes of
+    the example the compile traced where they are symbolic: a guess, never a guard (a wrong one
+    costs the copy `written_out` makes)."""
+    if not all(optimization_hint(t.stride()[-1], fallback=0) == 1 for t in (q, k, v)):
+        return False
+    return q.device.type != "cpu" or optimization_hint(q.shape[-1], fallback=0) == optimization_hint(
+        v.shape[-1], fallback=-1
+    )
 
 
 def _round_trips(node: torch.fx.Node) -> bool:
@@ -141,22 +159,25 @@ def _relayout(node: torch.fx.Node, order: tuple[int, ...]) -> bool:
 
 
 def _permutes(node: torch.fx.Node) -> list[torch.fx.Node] | None:
-    """The permutes that read `node`, and those that read them (in the graph's order); None where a
-    view of another kind reads one of them, or the program's output does."""
+    """The permutes that read `node`, and those that read them (in the graph's order); None where
+    anything but a permute, a contiguous clone or a read of sizes reads one of them: any other op
+    lays out its output by its input's in eager (and in the fallback interpreter, which runs
+    ATen), and its traced value holds the traced layout."""
     chain, todo = [], [node]
     while todo:
         for user in todo.pop().users:
-            if (
-                user.op == "output"
-                or user.target in STRIDES
-                or (_aliases(user.target) and user.target not in PERMUTES)
-            ):
-                return None
             if user.target in PERMUTES:
                 chain.append(user)
                 todo.append(user)
+            elif not (user.target in SIZES or _contiguous_clone(user)):
+                return None
     order = {n: i for i, n in enumerate(node.graph.nodes)}
     return sorted(chain, key=order.__getitem__)
+
+
+def _contiguous_clone(node: torch.fx.Node) -> bool:
+    """A clone into the contiguous layout (`.contiguous()`, or a reshape's copy), whatever its input's."""
+    return node.target is aten.clone.default and node.kwargs.get("memory_format") == torch.contiguous_format
 
 
 def _aliases(target: object) -> bool:
@@ -176,13 +197,25 @@ def _clones_in_place(node: torch.fx.Node) -> int:
         return 0
     for source in [node, *(u for u in _permutes(node) or [])]:
         for user in list(source.users):
-            if user.target is not aten.clone.default or _written(user):
-                continue
+            if not _contiguous_clone(user) or _written(user) or _returned(user):
+                continue  # (a clone the program returns stays its own tensor)
             if _same_layout(user.meta["val"], source.meta["val"]):
                 user.replace_all_uses_with(source)
                 source.graph.erase_node(user)
                 done += 1
     return done
+
+
+def _returned(node: torch.fx.Node) -> bool:
+    """Whether the program returns `node` or a view of it."""
+    todo = [node]
+    while todo:
+        for user in todo.pop().users:
+            if user.op == "output":
+                return True
+            if _aliases(user.target):
+                todo.append(user)
+    return False
 
 
 def _written(node: torch.fx.Node) -> bool:

@@ -122,17 +122,25 @@ def _parts(
     sdpa: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any]
 ) -> torch.Tensor:
     """`sdpa` over batch dim 0 and head dim 1 in parts of at most MAX_HEADS (a mask's dims that
-    broadcast are not split)."""
+    broadcast are not split; with grouped keys and values, `enable_gqa`, whole groups of query heads
+    with their key/value heads, or parts of one group's)."""
     for dim in (0, 1):
         n = q.shape[dim]
-        if n > MAX_HEADS:
-            parts = []
-            for i in range(0, n, MAX_HEADS):
-                cut = [t.narrow(dim, i, min(MAX_HEADS, n - i)) if t.shape[dim] == n else t for t in (q, k, v)]
-                mask, part = kwargs.get("attn_mask"), kwargs
-                at = dim - (q.dim() - mask.dim()) if mask is not None else -1  # broadcast from the right
-                if at >= 0 and mask.shape[at] == n:
-                    part = kwargs | {"attn_mask": mask.narrow(at, i, min(MAX_HEADS, n - i))}
-                parts.append(_parts(sdpa, *cut, part))
-            return torch.cat(parts, dim)
+        if n <= MAX_HEADS:
+            continue
+        groups = k.shape[dim] if dim == 1 and kwargs.get("enable_gqa") and k.shape[dim] not in (1, n) else 0
+        size = n // groups if groups else 1  # query heads a group
+        step = size * max(1, MAX_HEADS // size) if groups else MAX_HEADS
+        parts = []
+        for i in range(0, n, step):
+            m = min(step, n - i)
+            cut = [t.narrow(dim, i, m) if t.shape[dim] == n else t for t in (q, k, v)]
+            if groups:  # the keys and values of the part's groups
+                cut[1:] = (t.narrow(dim, i // size, m // size) for t in cut[1:])
+            mask, part = kwargs.get("attn_mask"), kwargs
+            at = dim - (q.dim() - mask.dim()) if mask is not None else -1  # broadcast from the right
+            if at >= 0 and mask.shape[at] == n:
+                part = kwargs | {"attn_mask": mask.narrow(at, i, m)}
+            parts.append(_parts(sdpa, *cut, part))
+        return torch.cat(parts, dim)
     return sdpa(q, k, v, **kwargs)
