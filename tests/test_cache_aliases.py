@@ -161,6 +161,7 @@ def test_an_output_a_skeleton_cannot_stand_for_falls_back_to_restore(monkeypatch
     assert state(given)[0] == state(returned)[0]
 
 
+@pytest.mark.slow  # (CI's sweep step: 12 s)
 def test_a_compiled_decode_loop_rebuilds_its_cache_in_place(monkeypatch):
     """The compiled path: each decode call's output holds the caller's cache, rebuilt (not restored)."""
     model = transformers.LlamaForCausalLM(

@@ -146,6 +146,7 @@ def test_llama_reads_its_key_and_value_groups_in_place(monkeypatch):
     assert len(report.kernels) < len(without.kernels), (report, without)
 
 
+@pytest.mark.slow  # (CI's sweep step: 9 s)
 def test_a_cached_entry_is_analysed_as_it_was_compiled(tmp_path, monkeypatch):
     """explain of an entry from the disk cache lowers again by the compile's choice (stored with
     it), not by the card of the process that explains it."""

@@ -128,7 +128,7 @@ SWEEP = pytest.mark.slow
 @pytest.mark.parametrize(
     "name",
     [
-        "gpt2",
+        pytest.param("gpt2", marks=SWEEP),  # the default run's GPT-2 generate(): test_proved_masks.py's
         pytest.param("llama", marks=SWEEP),  # the default run's Llama: the manual decode loop below
         pytest.param("t5", marks=SWEEP),  # the default run's T5: the encoder-decoder loop below
         pytest.param("mistral", marks=SWEEP),

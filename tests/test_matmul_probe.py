@@ -11,6 +11,7 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "bench")
 
 
 @pytest.mark.cpu
+@pytest.mark.slow  # (CI's sweep step: 9 s in Triton's interpreter)
 def test_probe_kernels_compute_the_linear_layer():
     """Every variant, on a tile-aligned and a ragged shape, against torch (in the script: a wrong
     output or a variant that does not run prints instead of a time)."""

@@ -64,6 +64,7 @@ def run_child(stderr_on_terminal: bool, **env: str) -> tuple[str, str]:
     return stdout, b"".join(chunks).decode()
 
 
+@pytest.mark.slow  # (CI's sweep step: a fresh process on a terminal)
 def test_a_long_compile_shows_one_line_on_a_terminal_and_clears_it():
     stdout, stderr = run_child(True)
     assert "compiled 1" in stdout

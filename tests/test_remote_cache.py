@@ -165,6 +165,7 @@ def test_a_fleet_of_processes(server, tmp_path):
         assert r.get("remote_cache_hits", 0) >= 1 and r.get("decompositions", 0) == 0, r
 
 
+@pytest.mark.slow  # (CI's sweep step: two fresh processes)
 def test_two_processes_at_once_both_succeed_and_the_value_is_written_once(server, tmp_path):
     procs = [start_process(tmp_path / f"p{k}", server.url()) for k in range(2)]
     results = [counters_of(proc) for proc in procs]

@@ -50,9 +50,12 @@ def attention_layouts(gm: torch.fx.GraphModule, flash: bool) -> int:
     into itself read the output in place. How many calls changed."""
     done, changed = 0, False
     for node in gm.graph.find_nodes(op="call_function", target=SDPA):
-        order = node.meta.get(ANY_LAYOUT) or _traced_order(node)
-        if order is None:
-            continue
+        order = node.meta.get(ANY_LAYOUT)
+        if order is None:  # a call of the program's own, its mask kept
+            order = _traced_order(node)
+            if order is None:
+                continue
+            changed = True
         changed |= _round_trips(node)
         new = returned_order(node, flash)
         if new is None or new == order or not _relayout(node, new):
