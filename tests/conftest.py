@@ -143,3 +143,21 @@ def null_cuda(tmp_path, monkeypatch):
     for obj in gc.get_objects():
         if type(obj) is CompiledKernel and obj.module is not None:
             obj.__del__()
+
+
+@pytest.fixture
+def contiguous_output():
+    """ATen's SDPA on this CPU returning [B, H, L, E] contiguous, as the math path: another layout
+    than the one export traced for the masked call ([B, L, H, E] in memory, as a fused kernel's)."""
+    math_sdpa = torch.ops.aten._scaled_dot_product_attention_math.default
+    lib = torch.library.Library("aten", "IMPL")
+
+    def contiguous(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+        out = math_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
+        return out.contiguous()
+
+    lib.impl("scaled_dot_product_attention", contiguous, "CPU")
+    try:
+        yield
+    finally:
+        lib._destroy()

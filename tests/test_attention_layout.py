@@ -283,23 +283,6 @@ def test_the_order_follows_the_kernel_aten_picks(device, q_layout, kwargs, flash
     assert returned_order(_sdpa_node(device, q_layout, **kwargs), flash) == order
 
 
-@pytest.fixture
-def contiguous_output():
-    """ATen's SDPA on this CPU returning [B, H, L, E] contiguous, as the math path does."""
-    math_sdpa = torch.ops.aten._scaled_dot_product_attention_math.default
-    lib = torch.library.Library("aten", "IMPL")
-
-    def contiguous(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
-        out = math_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
-        return out.contiguous()
-
-    lib.impl("scaled_dot_product_attention", contiguous, "CPU")
-    try:
-        yield
-    finally:
-        lib._destroy()
-
-
 def padded(length, batch=3):
     """A padding mask from an input (kept: no proof): the last sequence's last two keys hidden."""
     keep = torch.ones(batch, 1, 1, length, dtype=torch.bool)

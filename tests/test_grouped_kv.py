@@ -163,19 +163,24 @@ def test_a_cached_entry_is_analysed_as_it_was_compiled(tmp_path, monkeypatch):
     assert [k.name for k in report.kernels] == [k.name for k in cold_report.kernels]
 
 
-def test_llama_generate_decodes_on_the_groups():
-    """generate() with the dynamic cache: the prompt and each decode step (the cache's keys and
-    values, whole) read the groups; the tokens are eager's."""
-    torch.manual_seed(0)
-    model = llama()
-    ids = torch.randint(0, 128, (2, 7))
-    settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+def assert_generates_as_eager(model, ids, **settings):
+    """4 greedy tokens of `model.generate` with its forward compiled (kernels interpreted) are eager's."""
+    settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, **settings)
     with torch.no_grad():
         expected = model.generate(ids, **settings)
         model.forward = gjit.compile(model.forward)
         with gjit.config.scope(interpret=True, debug=True, matmul="auto"):
             got = model.generate(ids, **settings)
     assert torch.equal(got, expected)
+
+
+def test_llama_generate_decodes_on_the_groups():
+    """generate() with the dynamic cache: the prompt and each decode step (the cache's keys and
+    values, whole) read the groups; the tokens are eager's."""
+    torch.manual_seed(0)
+    model = llama()
+    ids = torch.randint(0, 128, (2, 7))
+    assert_generates_as_eager(model, ids)
     for entry in model.forward.entries:
         source = entry.program.graph.wrapper_source
         assert source.count("enable_gqa=True") == 2, source
@@ -267,13 +272,7 @@ def test_llama_generate_with_the_static_cache_decodes_on_the_groups():
     torch.manual_seed(0)
     model = llama()
     ids = torch.randint(0, 128, (2, 7))
-    settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static")
-    with torch.no_grad():
-        expected = model.generate(ids, **settings)
-        model.forward = gjit.compile(model.forward)
-        with gjit.config.scope(interpret=True, debug=True, matmul="auto"):
-            got = model.generate(ids, **settings)
-    assert torch.equal(got, expected)
+    assert_generates_as_eager(model, ids, cache_implementation="static")
     prefill, decode = (entry.program.graph.wrapper_source for entry in model.forward.entries)
     assert prefill.count("enable_gqa=True") == 2, prefill
     calls = [line for line in decode.splitlines() if "gjit_written_out(" in line]

@@ -122,24 +122,6 @@ def in_float64(model):
     return copy.deepcopy(model).double()
 
 
-@pytest.fixture
-def contiguous_output():
-    """ATen's SDPA on this CPU returning [B, H, L, E] contiguous, as the math path: another layout
-    than the one export traced for the masked call ([B, L, H, E] in memory, as a fused kernel's)."""
-    math_sdpa = aten._scaled_dot_product_attention_math.default
-    lib = torch.library.Library("aten", "IMPL")
-
-    def contiguous(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
-        out = math_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
-        return out.contiguous()
-
-    lib.impl("scaled_dot_product_attention", contiguous, "CPU")
-    try:
-        yield
-    finally:
-        lib._destroy()
-
-
 @pytest.mark.parametrize("interpret", [True, False], ids=["kernels", "fallback interpreter"])
 def test_the_calls_output_is_put_in_the_layout_traced_with_the_mask(interpret, request):
     """Without its mask ATen may pick a kernel whose output has another layout than the one export

@@ -74,9 +74,7 @@ def grouped_kv(gm: torch.fx.GraphModule) -> int:
         node.meta[ANY_LAYOUT] = order
         done += 1
     if done:
-        gm.graph.eliminate_dead_code()
-        gm.graph.lint()
-        gm.recompile()
+        _tidy(gm)
     return done
 
 
@@ -106,10 +104,15 @@ def packed_queries(gm: torch.fx.GraphModule) -> int:
         _pack(gm.graph, node, (k_groups, v_groups), mask, kwargs, n)
         done += 1
     if done:
-        gm.graph.eliminate_dead_code()
-        gm.graph.lint()
-        gm.recompile()
+        _tidy(gm)
     return done
+
+
+def _tidy(gm: torch.fx.GraphModule) -> None:
+    """After a rewrite: the copies nothing reads now go, and the module's code follows the graph."""
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
 
 
 def _rows_of(mask: torch.fx.Node | None, kv: int, n: int) -> torch.fx.Node | tuple | None | bool:
