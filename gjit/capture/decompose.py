@@ -45,6 +45,7 @@ from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_modu
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from gjit import logs, stats
+from gjit.capture.attention_sizes import guard_attention_sizes
 from gjit.capture.export import DecompositionError, Exported, shape_env_of, size_oblivious
 from gjit.capture.traces import Arg, Traces, writes_in_place
 from gjit.stats import timed
@@ -93,8 +94,9 @@ def decompose(
 ) -> tuple[ExportedProgram, list[sympy.Basic]]:
     """Core ATen, SDPA kept whole (node by node, else `run_decompositions()`), timed as "decompose".
     Returns the decomposed program and the shape guards decomposition added to export's shape
-    environment (a decomposition that branches on a size): a warm start, which does not
-    decompose, gets them from the on-disk entry. `lowered` (the driver's: whether gjit lowers a
+    environment (a decomposition that branches on a size; the sizes SDPA needs equal,
+    gjit/capture/attention_sizes.py): a warm start, which does not decompose, gets them from
+    the on-disk entry. `lowered` (the driver's: whether gjit lowers a
     node or keeps it an extern on purpose): any other is then decomposed with torch.compile's
     table where it has an entry."""
     env = shape_env_of(exported.user_vals)
@@ -109,6 +111,7 @@ def decompose(
         raise DecompositionError(f"run_decompositions failed: {type(e).__name__}: {e}") from e
     stats.count("decompositions")
     stats.count("decompositions_by_node" if how == "nodes" else "decompositions_whole")
+    guard_attention_sizes(decomposed.graph_module)  # its guards are the entry's shape guards too
     added = [g.expr for g in env.guards[before:]] if env is not None else []
     return decomposed, added
 
