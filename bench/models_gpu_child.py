@@ -232,6 +232,8 @@ class Child:
                 attempt(figures, "syncs", lambda: {"syncs_per_call": gp.syncs_in(call, self.device)[1]})
         calls = 1 if self.new_tokens or self.small else PROFILED_CALLS
         attempt(figures, "profile", lambda: {"profile": self.profile(call, calls)})
+        if has_compiled:  # where the compiled call's host time goes (Python's profiler)
+            attempt(figures, "host_profile", lambda: {"host_profile": gp.host_profile(call, calls, self.per)})
         if "profile" in figures and "host_ms" in figures:
             figures["verdict"] = gp.verdict(figures["host_ms"], figures["profile"]["gpu_ms_per_call"])
         if has_compiled:  # a compile while measuring would be in the figures: said here

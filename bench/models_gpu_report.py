@@ -111,6 +111,28 @@ def slowest_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def host_table(rows: list[dict], top: int = 8) -> list[str]:
+    """The functions the host spends a compiled call in, gjit's next to torch.compile's, per
+    workload (Python's profiler: its cost inflates the many small calls; read shares)."""
+    lines = [
+        "| workload | gjit function | own ms | calls | torch.compile function | own ms | calls |",
+        "|---|---|---:|---:|---|---:|---:|",
+    ]
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        tops = {}
+        for compiler in ("gjit", "torch.compile"):
+            row = next((r for r in rows if r["workload"] == workload and r["compiler"] == compiler), None)
+            tops[compiler] = (figure(row, "measure", "host_profile") or [])[:top] if row else []
+        for i in range(max(len(tops["gjit"]), len(tops["torch.compile"]))):
+            cells = []
+            for compiler in ("gjit", "torch.compile"):
+                f = tops[compiler][i] if i < len(tops[compiler]) else None
+                cell = f"{short(f['function'])} | {f['own_ms']:.3f} | {f['calls']:g}" if f else "- | - | -"
+                cells.append(cell)
+            lines.append(f"| {workload if i == 0 else ''} | {cells[0]} | {cells[1]} |")
+    return lines
+
+
 def stages_table(rows: list[dict]) -> list[str]:
     """gjit's cold compile by stage (all of the process's entries), and what the first call took
     besides: kernel builds that were not done in a stage, and the run."""
@@ -193,6 +215,11 @@ def tables(data: dict) -> str:
         "Host- or kernel-bound (the CPU's ms to enqueue a call against its kernels' GPU ms):",
         "",
         *section(verdicts, rows),
+        "",
+        "Where the host's time goes: functions by their own time per call (Python's profiler, whose "
+        "cost inflates the many small calls: read shares, not times):",
+        "",
+        *section(host_table, rows),
         "",
     ]
     phases = data["phases_s"]

@@ -236,10 +236,13 @@ def test_the_dry_run_on_cpu(tmp_path):
             assert c["ok"] and c["check"].startswith("OK"), c["check"]
             assert c["cold_s"] > 0 and c["compiles"] >= 1 and m["compiles_after"] == c["compiles"]
             assert row["before"]["eager_ms"] > 0
+            functions = [f["function"] for f in m["host_profile"]]  # where the call's host time goes
+            assert functions and all(f["own_ms"] >= 0 and f["calls"] > 0 for f in m["host_profile"]), key
         if key[1] == "gjit":
             assert c["compile_seconds"]["export"] > 0 and c["gjit"]["eager_runs"] == 0
     assert rows["gpt2", "gjit"]["compile"]["interpret"]  # its kernels ran, in Triton's interpreter
     assert os.path.exists(rows["gpt2", "gjit"]["log"])
     table = proc.stdout.strip().splitlines()
+    assert any(line.startswith("| workload | gjit function | own ms | calls |") for line in table)
     assert table[-8].startswith("| workload | compiler | ms |")  # the main table is printed last
     assert sum("| OK" in line for line in table[-6:]) == 4
