@@ -377,3 +377,36 @@ def test_a_warm_hit_reads_buffers_and_constants_of_this_model(disk_cache):
     model = Rotary(2.0)  # the same graph (a hit), other buffer values
     _fresh_compile(model, x)
     assert counter("disk_cache_hits") == 1 and counter("decompositions") == 1
+
+
+def test_the_stored_program_is_torchs_serialization_without_its_discarded_check():
+    """program_store skips the canonical-form check torch's serializer runs on a copy and drops:
+    the record is the same as with it, on a decomposed model with symbolic sizes."""
+    from torch._export.serde import serialize as serde
+
+    from gjit.capture.decompose import decompose_program
+    from gjit.runtime import program_store
+    from model_zoo import MODELS
+
+    model, inputs = MODELS["llama-sdpa"]()
+    batch = torch.export.Dim("batch", min=2)
+    exported = torch.export.export(model, inputs, dynamic_shapes=({0: batch},))
+    program = decompose_program(exported)[0]
+    checked = []
+    canonicalize = serde.canonicalize
+
+    def counted(*args, **kwargs):
+        checked.append(True)
+        return canonicalize(*args, **kwargs)
+
+    fast = program_store.dump_program(program)
+    assert serde.canonicalize is canonicalize, "torch's function is put back"
+    serde.canonicalize = counted
+    try:
+        artifact = serde.serialize(
+            program, serialize_state_dict=False, serialize_constants=False, serialize_example_inputs=False
+        )
+    finally:
+        serde.canonicalize = canonicalize
+    assert checked, "torch's serializer runs the check this skips (a torch that does not: drop the skip)"
+    assert fast["graph"] == json.loads(artifact.exported_program)
