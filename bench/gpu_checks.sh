@@ -37,7 +37,7 @@ $PY -m pip install -q --no-deps --no-build-isolation -e . >"$LOGS/install.log" 2
 if [ "$MODE" = kernels ]; then  # the slow kernel classes first, at device-filling sizes
     step "kernel classes: gjit against eager and torch.compile (python -m gjit.bench --device-sizes --cases ...)"
     timeout "${KERNELS_S:-300}" $PY -m gjit.bench --device-sizes --cases sum_first sum_all mean_middle transpose_add \
-        channels_last softmax_vocab layer_norm_wide cross_entropy softmax layer_norm \
+        channels_last softmax_vocab layer_norm_wide cross_entropy softmax layer_norm cumsum_first cumsum_last \
         --json "$OUT/bench_kernels.json" --png "$OUT/bench_kernels.png" 2>"$LOGS/bench_kernels.err"
     tail -3 "$LOGS/bench_kernels.err"
     pack

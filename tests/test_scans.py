@@ -115,3 +115,20 @@ def test_rows_past_persistent_max_scan_in_chunks_with_default_knobs():
     once divided by zero at codegen). Integer-valued floats: exact running sums, as in eager."""
     x = torch.randint(-8, 8, (2, 2100)).float()  # past persistent_max, a chunk and a tail
     check(lambda t: t.cumsum(-1), x)
+
+
+def test_scans_down_contiguous_rows_read_along_memory():
+    """A scan over a dim whose kept dims are contiguous (the first of [T, C], the middle of [B, L,
+    D]) takes a tile wide across rows and short along the scan (the default knobs), carried over
+    many steps: every load runs along memory. Integer-valued floats: exact running sums."""
+    x = torch.randint(-8, 8, (300, 37)).float()
+    y = torch.randn(2, 70, 40)
+    cm = check(lambda x: (x.cumsum(0), torch.cummax(x, 0), torch.cumprod(x * 0.01 + 1, 0)), x)
+    for k in scan_kernels(cm, x):
+        assert "kept dims contiguous" in k.source and "XBLOCK=16, RBLOCK=32" in k.source, k.source
+    cm = check(lambda y: (torch.logcumsumexp(y, 1), y.bfloat16().cumsum(1)), y)
+    assert all("kept dims contiguous" in k.source for k in scan_kernels(cm, y))
+    cm = gjit.compile(lambda x: torch.cumsum(x, 0))
+    for shape in [(300, 37), (5, 130), (1030, 3)]:
+        check(cm, torch.randint(-8, 8, shape).float())
+    assert len(cm.entries) == 1

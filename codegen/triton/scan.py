@@ -15,6 +15,7 @@ import torch
 from gjit.codegen.common import KernelSource, hint, next_power_of_2
 from gjit.codegen.triton.pointwise import TL_DTYPES, comment, to_dtype
 from gjit.codegen.triton.reduction import ReductionWriter
+from gjit.codegen.triton.tiles import OUTER_TILE, RowTiles, outer_xblock
 from gjit.ir import ScanNode
 from gjit.kernels.triton_helpers import HELPERS
 
@@ -57,6 +58,14 @@ class ScanWriter(ReductionWriter):
         rblock = next_power_of_2(max(rhint, 1)) if persistent else self.options.rblock or LOOPED_CHUNK
         xhint = next_power_of_2(hint(xnumel, self.hints))
         xblock = max(1, min(xhint, max(1, 1024 // rblock)))
+        tile = []
+        if self.walk() == "outer" and not self.options.rblock:
+            # the kept dims are contiguous (a cumsum over the first dim): a tile wide across rows and
+            # short along the scan, as an outer reduction's, so every load runs along memory; a
+            # program of one row would read one element of each 32-byte sector it touches
+            xblock = outer_xblock(hint(xnumel, self.hints), self.narrowest())
+            rblock = max(1, min(OUTER_TILE // xblock, next_power_of_2(max(rhint, 1))))
+            tile = [RowTiles(xblock, rblock, rblock >= rhint, walk="outer").text()]
         index_dtype = self.pick_index_dtype(xnumel * rnumel)
         pid = "tl.program_id(0)" if index_dtype == "int32" else "tl.program_id(0).to(tl.int64)"
         self.lines = [
@@ -97,8 +106,8 @@ class ScanWriter(ReductionWriter):
         else:
             self.lines.append(f"carry = {fn}(carry, {total})")
         self.exit_loop()
-        steps = "one block" if persistent else "blocks of RBLOCK"
-        scan = [f"scan: {node.scan_type} along dim {node.dim}, {rnumel} elements per row in {steps}"]
+        steps = "one block" if persistent and rblock >= rhint else "blocks of RBLOCK"
+        scan = [f"scan: {node.scan_type} along dim {node.dim}, {rnumel} elements per row in {steps}", *tile]
         header = comment(self.header(name, xnumel, scan))
         return self.kernel_source(
             name,
