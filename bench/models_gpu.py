@@ -84,6 +84,18 @@ WORKLOADS = (  # in order of importance: rows are measured in this order while t
         "reduce-overhead",
         ("torch.compile", "gjit"),
     ),
+    # grouped keys and values: a decode step's query heads as rows of one call on their group
+    # (gjit/lowering/grouped_kv.py's packed_queries; the static cache's mask is an input)
+    Workload(
+        "generate-llama-static",
+        "Llama shape generate(), bf16, batch 1, prompt 32, 64 new tokens, static cache",
+        "llama",
+        "bfloat16",
+        1,
+        32,
+        64,
+        "static",
+    ),
 )
 # --small: tiny configs in float32 on the CPU; gjit runs gpt2's kernels in Triton's interpreter
 INTERPRETED_WHEN_SMALL = ("gpt2",)

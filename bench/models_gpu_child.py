@@ -66,7 +66,7 @@ def build(w: dict, small: bool, device: str) -> tuple[torch.nn.Module, torch.Ten
     if w["model"] == "gpt2":
         config, cls = tf.GPT2Config(**tiny, use_cache=not forward), tf.GPT2LMHeadModel
     elif w["model"] == "llama":
-        config, cls = tf.LlamaConfig(**(tiny or LLAMA) | {"use_cache": False}), tf.LlamaForCausalLM
+        config, cls = tf.LlamaConfig(**(tiny or LLAMA) | {"use_cache": not forward}), tf.LlamaForCausalLM
     else:
         config, cls = tf.BertConfig(**tiny), tf.BertModel
     with torch.device(device):
