@@ -134,9 +134,10 @@ CASES = [
     Case("channels_last", _fn(_channels_last, (N, 64, 56, 56)), (2,), "pointwise", (512,)),
     # one output of many elements: partials of chunks, then their sum (gjit/lowering/split.py)
     Case("sum_all", _fn(lambda x: x.sum(), (N, N)), (256,), "reduction", (16384,)),
-    # scans: along a contiguous row, and down the first dim (a tile across rows: codegen/triton/scan.py)
+    # scans: along a contiguous row, and down the first dim (few columns: a program a column; many:
+    # a tile across them, codegen/triton/scan.py)
     Case("cumsum_last", _fn(lambda x: x.cumsum(-1), (N, 4096)), (16,), "scan", (2**15,)),
-    Case("cumsum_first", _fn(lambda x: x.cumsum(0), (4096, N)), (16,), "scan", (2**15,)),
+    Case("cumsum_first", _fn(lambda x: x.cumsum(0), (4096, N)), (16,), "scan", (64, 2**15)),
     Case("embedding", _embedding, (64,), "indexing"),
     Case("gelu_mlp", lambda n: (_gelu_mlp(64), (_r(n, 64),)), (64,), "block"),
     Case("attention", lambda n: (_attention, _qkv(n)), (64,), "block"),

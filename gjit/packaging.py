@@ -18,8 +18,10 @@ import inspect
 import json
 from typing import Any
 
+import sympy
 import torch
 import torch.utils._pytree as pytree
+from torch.export.graph_signature import InputKind
 
 from gjit import logs, stats
 from gjit.api import CompiledFunction, Entry, Package, RecompileError
@@ -232,12 +234,15 @@ def _entry_record(compiled: CompiledFunction, entry: Entry, index: int) -> dict:
                 raise PackageError(f"entry {index} cannot be packaged: {e}") from e
     env = shape_env_of(captured.user_vals)
     shape_guards = [env.simplify(g.expr) for g in env.guards] if env is not None else []
+    renames = _stored_sizes(captured)
+    shape_guards = [g.xreplace(renames) for g in [*shape_guards, *program.shape_guards]]
+    shape_guards = [g for g in shape_guards if g != sympy.true]
     try:
         spec = pytree.treespec_dumps(entry.spec)
     except Exception as e:  # a type in the call without a serialized name
         raise PackageError(f"entry {index} cannot be packaged: its call's structure: {e}") from e
     try:
-        guards = disk_cache._encode([*shape_guards, *program.shape_guards])
+        guards = disk_cache._encode(shape_guards)
         symbols = disk_cache._encode(program.symbols)
     except disk_cache.CacheError as e:
         raise PackageError(f"entry {index} cannot be packaged: {e}") from e
@@ -253,6 +258,35 @@ def _entry_record(compiled: CompiledFunction, entry: Entry, index: int) -> dict:
         "from_one": sorted(list(p) for p in captured.from_one),
         "cache_aliases": [[_path_record(a), _path_record(b)] for a, b in captured.aliases.pairs],
     }
+
+
+def _stored_sizes(captured: CapturedProgram) -> dict[sympy.Symbol, sympy.Expr]:
+    """A warm start's guards are in its own export's size symbols, and the stored program it
+    serves (which the package keeps, and binds its symbols from) may name an input's size
+    otherwise: decompose made some sizes one symbol (gjit/capture/attention_sizes.py) before the
+    program was stored. Each symbol that is an input's size in this export -> the stored program's
+    size there (none for a program compiled in this process: the same export)."""
+    program = captured.program
+    if not isinstance(program, program_store.ServedProgram):
+        return {}
+    vals = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
+    stored = [
+        vals.get(s.arg.name) for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT
+    ]
+    renames: dict[sympy.Symbol, sympy.Expr] = {}
+    for live, kept in zip(captured.user_vals, stored):
+        if isinstance(live, torch.Tensor) and isinstance(kept, torch.Tensor) and live.dim() == kept.dim():
+            pairs = zip(live.shape, kept.shape)
+        elif isinstance(live, torch.SymInt):
+            pairs = [(live, kept)]
+        else:
+            continue
+        for a, b in pairs:
+            if isinstance(a, torch.SymInt) and isinstance(a.node.expr, sympy.Symbol):
+                renames.setdefault(
+                    a.node.expr, b.node.expr if isinstance(b, torch.SymInt) else sympy.Integer(b)
+                )
+    return renames
 
 
 def _state_prefix(compiled: CompiledFunction, captured: CapturedProgram) -> str:

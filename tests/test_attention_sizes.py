@@ -51,7 +51,9 @@ def test_keys_and_values_of_other_lengths_are_not_served_by_the_entry():
     cm = gjit.compile(decode_step, dynamic=True)
     check(cm, *step_inputs(5))
     before = gjit.stats().get("recompiles", 0)
-    out, _ = run_compiled(cm, *step_inputs(6, v_length=8, seed=2))  # keys shorter: eager reads 7 values
+    # outside SDPA's contract (eager's CPU kernel reads the values over the keys' length): only
+    # that the entry refuses it is checked
+    out, _ = run_compiled(cm, *step_inputs(6, v_length=8, seed=2))
     assert len(cm.entries) == 2 and gjit.stats().get("recompiles", 0) == before + 1
     assert out[1].shape[2] == 7 and out[2].shape[2] == 9
 
@@ -112,3 +114,26 @@ def test_a_warm_start_keeps_the_guard_on_the_lengths(disk_cache):
     out, _ = run_compiled(warm, *step_inputs(6, v_length=8, seed=2))
     assert len(warm.entries) == 2, "the warm entry must refuse keys and values of other lengths"
     assert out[1].shape[2] == 7 and out[2].shape[2] == 9
+
+
+class Step(torch.nn.Module):
+    def forward(self, q, k_cache, v_cache, kv):
+        return decode_step(q, k_cache, v_cache, kv)
+
+
+def test_a_package_written_after_a_warm_start_checks_the_lengths(disk_cache, tmp_path):
+    """The warm start's guards are in its own export's symbols; the package keeps the stored
+    program, whose keys and values share one: the package's guards are renamed to it (it once
+    named a symbol nothing bound, and the package did not load)."""
+    model = Step()
+    check(gjit.compile(model, dynamic=True), *step_inputs(5))
+    warm = gjit.compile(model, dynamic=True)
+    check(warm, *step_inputs(5))
+    assert gjit.stats().get("disk_cache_hits", 0) >= 1
+    path = str(tmp_path / "step.gjit")
+    gjit.save(warm, path)
+    loaded = gjit.load(path, model=model)
+    check(loaded, *step_inputs(9, seed=3))
+    assert "in2_size[2] == " in loaded.entries[0].guards.source
+    with pytest.raises(gjit.RecompileError):
+        run_compiled(loaded, *step_inputs(6, v_length=8, seed=2), expect_eager=None)

@@ -117,10 +117,14 @@ def test_rows_past_persistent_max_scan_in_chunks_with_default_knobs():
     check(lambda t: t.cumsum(-1), x)
 
 
-def test_scans_down_contiguous_rows_read_along_memory():
+def test_scans_down_contiguous_rows_read_along_memory(monkeypatch):
     """A scan over a dim whose kept dims are contiguous (the first of [T, C], the middle of [B, L,
-    D]) takes a tile wide across rows and short along the scan (the default knobs), carried over
-    many steps: every load runs along memory. Integer-valued floats: exact running sums."""
+    D]), with rows enough for the card (here: any), takes a tile wide across rows and short along
+    the scan (the default knobs), carried over many steps: every load runs along memory.
+    Integer-valued floats: exact running sums."""
+    from gjit.codegen.triton import scan
+
+    monkeypatch.setattr(scan, "OUTER_SCAN_PROGRAMS", 1)
     x = torch.randint(-8, 8, (300, 37)).float()
     y = torch.randn(2, 70, 40)
     cm = check(lambda x: (x.cumsum(0), torch.cummax(x, 0), torch.cumprod(x * 0.01 + 1, 0)), x)
@@ -132,3 +136,12 @@ def test_scans_down_contiguous_rows_read_along_memory():
     for shape in [(300, 37), (5, 130), (1030, 3)]:
         check(cm, torch.randint(-8, 8, shape).float())
     assert len(cm.entries) == 1
+
+
+def test_scans_down_few_contiguous_rows_keep_a_program_a_row():
+    """With fewer rows than fill the card in wide tiles, a program a row: its steps run one after
+    another, so few wide programs would leave most of the card idle."""
+    x = torch.randint(-8, 8, (300, 37)).float()
+    cm = check(lambda x: x.cumsum(0), x)
+    (kernel,) = scan_kernels(cm, x)
+    assert "kept dims contiguous" not in kernel.source and "RBLOCK=512" in kernel.source, kernel.source

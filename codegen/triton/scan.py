@@ -15,7 +15,7 @@ import torch
 from gjit.codegen.common import KernelSource, hint, next_power_of_2
 from gjit.codegen.triton.pointwise import TL_DTYPES, comment, to_dtype
 from gjit.codegen.triton.reduction import ReductionWriter
-from gjit.codegen.triton.tiles import OUTER_TILE, RowTiles, outer_xblock
+from gjit.codegen.triton.tiles import OUTER_PROGRAMS, OUTER_TILE, RowTiles, outer_xblock
 from gjit.ir import ScanNode
 from gjit.kernels.triton_helpers import HELPERS
 
@@ -45,6 +45,7 @@ def identity(scan_type: str, dtype: torch.dtype) -> str:
 
 
 LOOPED_CHUNK = 1024  # elements of a looped scan's chunk where GJIT_RBLOCK leaves it to the writer
+OUTER_SCAN_PROGRAMS = OUTER_PROGRAMS  # the least programs of a scan down contiguous rows' wide tile
 
 
 class ScanWriter(ReductionWriter):
@@ -56,14 +57,18 @@ class ScanWriter(ReductionWriter):
         assert isinstance(node, ScanNode)
         xnumel, rnumel, rhint, persistent = self.row_shape()
         rblock = next_power_of_2(max(rhint, 1)) if persistent else self.options.rblock or LOOPED_CHUNK
-        xhint = next_power_of_2(hint(xnumel, self.hints))
-        xblock = max(1, min(xhint, max(1, 1024 // rblock)))
+        rows = hint(xnumel, self.hints)
+        xblock = max(1, min(next_power_of_2(rows), max(1, 1024 // rblock)))
         tile = []
-        if self.walk() == "outer" and not self.options.rblock:
-            # the kept dims are contiguous (a cumsum over the first dim): a tile wide across rows and
-            # short along the scan, as an outer reduction's, so every load runs along memory; a
-            # program of one row would read one element of each 32-byte sector it touches
-            xblock = outer_xblock(hint(xnumel, self.hints), self.narrowest())
+        wide = outer_xblock(rows, self.narrowest())
+        if self.walk() == "outer" and not self.options.rblock and -(-rows // wide) >= OUTER_SCAN_PROGRAMS:
+            # the kept dims are contiguous (a cumsum over the first dim) and there are rows enough:
+            # a tile wide across rows and short along the scan, as an outer reduction's, so every
+            # load runs along memory (a program of one row reads one element of each 32-byte sector
+            # it touches). With fewer rows, programs of one row: a program's steps run one after
+            # another (each adds the carry of the one before), and few wide programs would leave
+            # the card idle
+            xblock = wide
             rblock = max(1, min(OUTER_TILE // xblock, next_power_of_2(max(rhint, 1))))
             tile = [RowTiles(xblock, rblock, rblock >= rhint, walk="outer").text()]
         index_dtype = self.pick_index_dtype(xnumel * rnumel)

@@ -1,20 +1,24 @@
 """The sizes ATen's scaled_dot_product_attention needs equal, made one symbol.
 
 SDPA reads keys and values of one length S (and one head dim E for queries and keys), under a
-mask that broadcasts to the scores [..., L, S]; eager raises for any other call. Its meta function
-checks none of it, so torch.export gives each input its own symbols: with transformers' dynamic
-cache, every layer's values a length of their own, apart from the keys' (GPT-2 decode: 13 size
-symbols where one is meant). Then every kernel over a layer's keys and values sees two sizes it
-cannot tell equal: the two concatenations that append a step's key and value to the cache are two
-kernels (one a layer with one symbol, both reading the projection once), and every length is
-bound, guarded and passed on its own.
+mask that broadcasts to the scores [..., L, S]. Eager raises for most other calls (a mask of
+another length, another head dim); keys and values of different lengths are outside its contract
+(the CPU's kernel returns values read over the keys' length). Its meta function checks none of
+it, so torch.export gives each input its own symbols: with transformers' dynamic cache, every
+layer's values a length of their own, apart from the keys' (GPT-2 decode: 13 size symbols where
+one is meant). Then every kernel over a layer's keys and values sees two sizes it cannot tell
+equal: the two concatenations that append a step's key and value to the cache are two kernels
+(one a layer with one symbol, both reading the projection once), and every length is bound,
+guarded and passed on its own.
 
 `guard_attention_sizes` adds the equalities to export's shape environment as guards (torch's
 `guard_bool`): the environment replaces one symbol by the other in every value the program holds
 (a symbolic size's expression is read through its replacements), the guard checks the inputs'
-sizes agree (a call whose sizes differ recompiles, and eager raises for it), and decompose records
-the guards with the shape guards of a stored entry. Only sizes equal in the traced call are made
-one, and a mask's dim only where the call did not broadcast it (a size of 1 there stays apart).
+sizes agree (a call whose sizes differ recompiles: its entry keeps them apart), and decompose
+records the guards with the shape guards of a stored entry (a package written after a warm start
+renames them to the stored program's symbols: gjit/packaging.py). Only sizes equal in the traced
+call are made one, and a mask's dim only where the call did not broadcast it (a size of 1 there
+stays apart).
 """
 
 from __future__ import annotations

@@ -89,15 +89,17 @@ def _without_canonical_check() -> Iterator[None]:
     """torch's serializer, after building the serialized program, canonicalizes a deep copy of it
     to test that the canonical form is well defined, and drops the copy: 60% of the time it takes
     (GPT-2 small's decomposed program: 1.3 of 2.1 s under Python's profiler), the same bytes out.
-    Skipped while gjit serializes (under `_SERIALIZING`)."""
+    Skipped while gjit serializes (under `_SERIALIZING`, which orders gjit's own calls; torch calls
+    it nowhere else). What was installed is put back. A program whose canonical form torch would
+    refuse is stored all the same: its record is torch's serialization, which loads."""
     if _CANONICALIZE is None:  # another torch: its serializer as it is
         yield
         return
-    serde.canonicalize = _as_is
+    installed, serde.canonicalize = serde.canonicalize, _as_is
     try:
         yield
     finally:
-        serde.canonicalize = _CANONICALIZE
+        serde.canonicalize = installed
 
 
 def _as_is(program: Any, constants: Any = None) -> Any:
