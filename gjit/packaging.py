@@ -225,7 +225,7 @@ def _load(
 def _entry_record(compiled: CompiledFunction, entry: Entry, index: int) -> dict:
     program, captured = entry.program, entry.program.captured
     if isinstance(captured.program, program_store.ServedProgram):  # a warm start's or a package's
-        stored = captured.program.record
+        stored = program_store.self_contained(captured.program)
     else:
         with as_functional(captured.program):
             try:

@@ -356,3 +356,41 @@ def test_a_size_expression_that_is_not_sympy_is_refused():
 def test_save_before_any_call_says_to_call_first(tmp_path):
     with pytest.raises(gjit.PackageError, match="call it"):
         gjit.save(gjit.compile(Block()), str(tmp_path / "x.gjit"))
+
+
+def test_a_package_written_after_a_warm_start_holds_the_lifted_constants(tmp_path):
+    """A warm start serves the stored program, whose record leaves out the constants export lifted
+    (read live from the model's export); its package holds them. Llama's decode steps with the
+    dynamic cache read one a layer: the package once did not load ("the program reads
+    ...self_attn.lifted_tensor_0, which the model does not have")."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 128, (2, 5))
+    settings = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    forward = model.forward
+    with torch.no_grad():
+        want = model.generate(ids, **settings)
+    with torch.no_grad(), gjit.config.scope(cache=True, cache_dir=str(tmp_path / "cache"), interpret=True):
+        for _ in range(2):  # cold, then warm from the disk cache
+            model.forward = compiled = gjit.compile(forward)
+            assert torch.equal(model.generate(ids, **settings), want)
+    programs = [e.program.captured.program for e in compiled.entries]
+    assert any("lifted" in name for p in programs for name in p.constants), "nothing lifted: tests nothing"
+    assert gjit.stats().get("disk_cache_hits", 0) >= 2
+    path = str(tmp_path / "llama.gjit")
+    gjit.save(compiled, path)
+    with torch.no_grad(), gjit.config.scope(interpret=True):
+        model.forward = gjit.load(path, model=forward)
+        assert torch.equal(model.generate(ids, **settings), want)
+    assert gjit.stats()["eager_runs"] == 0

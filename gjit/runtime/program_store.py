@@ -195,6 +195,15 @@ def served_record(program: ExportedProgram) -> dict:
     }
 
 
+def self_contained(program: ServedProgram) -> dict:
+    """A served program's record with every constant it reads in it: a warm start's record leaves
+    out the constants export lifted (read live from the model's own export), which a package,
+    loaded with no export, must hold."""
+    record = dict(program.record)
+    record["constants"] = _tensors_text(program.constants)
+    return record
+
+
 class ServedProgram:
     """The parts of a decomposed ExportedProgram that serving reads (the same attribute names);
     `full()` is torch's deserialized program, made on first use."""
