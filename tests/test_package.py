@@ -358,6 +358,7 @@ def test_save_before_any_call_says_to_call_first(tmp_path):
         gjit.save(gjit.compile(Block()), str(tmp_path / "x.gjit"))
 
 
+@pytest.mark.slow  # about 20 s: two generate() runs compiled, one from the package
 def test_a_package_written_after_a_warm_start_holds_the_lifted_constants(tmp_path):
     """A warm start serves the stored program, whose record leaves out the constants export lifted
     (read live from the model's export); its package holds them. Llama's decode steps with the

@@ -125,15 +125,15 @@ def test_scans_down_contiguous_rows_read_along_memory(monkeypatch):
     from gjit.codegen.triton import scan
 
     monkeypatch.setattr(scan, "OUTER_SCAN_PROGRAMS", 1)
-    x = torch.randint(-8, 8, (300, 37)).float()
-    y = torch.randn(2, 70, 40)
+    x = torch.randint(-8, 8, (70, 37)).float()
+    y = torch.randn(2, 40, 20)
     cm = check(lambda x: (x.cumsum(0), torch.cummax(x, 0), torch.cumprod(x * 0.01 + 1, 0)), x)
     for k in scan_kernels(cm, x):
         assert "kept dims contiguous" in k.source and "XBLOCK=16, RBLOCK=32" in k.source, k.source
     cm = check(lambda y: (torch.logcumsumexp(y, 1), y.bfloat16().cumsum(1)), y)
     assert all("kept dims contiguous" in k.source for k in scan_kernels(cm, y))
     cm = gjit.compile(lambda x: torch.cumsum(x, 0))
-    for shape in [(300, 37), (5, 130), (1030, 3)]:
+    for shape in [(70, 37), (5, 130), (40, 3)]:
         check(cm, torch.randint(-8, 8, shape).float())
     assert len(cm.entries) == 1
 
