@@ -88,49 +88,48 @@ def main_cells(row: dict) -> str:
     )
 
 
-def slowest_table(rows: list[dict]) -> list[str]:
-    """The five slowest kernels of gjit next to torch.compile's, per workload."""
+def side_by_side(rows: list[dict], columns: str, tops: Any, cell: Any) -> list[str]:
+    """A table of gjit's entries next to torch.compile's, per workload: `tops(row)` the entries of
+    a compiler's row (None: no row), `cell(entry)` its three cells, `columns` their three names."""
     lines = [
-        "| workload | gjit kernel | ms | n | torch.compile kernel | ms | n |",
+        f"| workload | gjit {columns} | torch.compile {columns} |",
         "|---|---|---:|---:|---|---:|---:|",
     ]
     for workload in dict.fromkeys(r["workload"] for r in rows):
-        tops = {}
+        found = {}
         for compiler in ("gjit", "torch.compile"):
             row = next((r for r in rows if r["workload"] == workload and r["compiler"] == compiler), None)
-            profile = figure(row, "measure", "profile") if row else None
-            tops[compiler] = profile["slowest"][:5] if profile else []  # the JSON keeps 30
-        for i in range(max(len(tops["gjit"]), len(tops["torch.compile"]))):
-            cells = []
-            for compiler in ("gjit", "torch.compile"):
-                k = tops[compiler][i] if i < len(tops[compiler]) else None
-                cells.append(
-                    f"{short(k['name'])} | {k['ms_per_call']:.3f} | {k['per_call']:g}" if k else "- | - | -"
-                )
+            found[compiler] = tops(row) if row else []
+        for i in range(max(len(found["gjit"]), len(found["torch.compile"]))):
+            cells = [cell(f[i]) if i < len(f) else "- | - | -" for f in found.values()]
             lines.append(f"| {workload if i == 0 else ''} | {cells[0]} | {cells[1]} |")
     return lines
+
+
+def slowest_table(rows: list[dict]) -> list[str]:
+    """The five slowest kernels of gjit next to torch.compile's, per workload."""
+
+    def tops(row: dict) -> list[dict]:
+        profile = figure(row, "measure", "profile")
+        return profile["slowest"][:5] if profile else []  # the JSON keeps 30
+
+    def cell(k: dict) -> str:
+        return f"{short(k['name'])} | {k['ms_per_call']:.3f} | {k['per_call']:g}"
+
+    return side_by_side(rows, "kernel | ms | n", tops, cell)
 
 
 def host_table(rows: list[dict], top: int = 8) -> list[str]:
     """The functions the host spends a compiled call in, gjit's next to torch.compile's, per
     workload (Python's profiler: its cost inflates the many small calls; read shares)."""
-    lines = [
-        "| workload | gjit function | own ms | calls | torch.compile function | own ms | calls |",
-        "|---|---|---:|---:|---|---:|---:|",
-    ]
-    for workload in dict.fromkeys(r["workload"] for r in rows):
-        tops = {}
-        for compiler in ("gjit", "torch.compile"):
-            row = next((r for r in rows if r["workload"] == workload and r["compiler"] == compiler), None)
-            tops[compiler] = (figure(row, "measure", "host_profile") or [])[:top] if row else []
-        for i in range(max(len(tops["gjit"]), len(tops["torch.compile"]))):
-            cells = []
-            for compiler in ("gjit", "torch.compile"):
-                f = tops[compiler][i] if i < len(tops[compiler]) else None
-                cell = f"{short(f['function'])} | {f['own_ms']:.3f} | {f['calls']:g}" if f else "- | - | -"
-                cells.append(cell)
-            lines.append(f"| {workload if i == 0 else ''} | {cells[0]} | {cells[1]} |")
-    return lines
+
+    def tops(row: dict) -> list[dict]:
+        return (figure(row, "measure", "host_profile") or [])[:top]
+
+    def cell(f: dict) -> str:
+        return f"{short(f['function'])} | {f['own_ms']:.3f} | {f['calls']:g}"
+
+    return side_by_side(rows, "function | own ms | calls", tops, cell)
 
 
 def stages_table(rows: list[dict]) -> list[str]:

@@ -21,13 +21,12 @@ from typing import Any
 import sympy
 import torch
 import torch.utils._pytree as pytree
-from torch.export.graph_signature import InputKind
 
 from gjit import logs, stats
 from gjit.api import CompiledFunction, Entry, Package, RecompileError
 from gjit.capture import kv_cache
 from gjit.capture.cache_aliases import CacheAliases
-from gjit.capture.export import CapturedProgram, Exported, captured_program
+from gjit.capture.export import CapturedProgram, Exported, captured_program, user_values
 from gjit.capture.in_place import as_functional
 from gjit.driver import CompiledProgram
 from gjit.guards import build_guards
@@ -269,12 +268,8 @@ def _stored_sizes(captured: CapturedProgram) -> dict[sympy.Symbol, sympy.Expr]:
     program = captured.program
     if not isinstance(program, program_store.ServedProgram):
         return {}
-    vals = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
-    stored = [
-        vals.get(s.arg.name) for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT
-    ]
     renames: dict[sympy.Symbol, sympy.Expr] = {}
-    for live, kept in zip(captured.user_vals, stored):
+    for live, kept in zip(captured.user_vals, user_values(program)):
         if isinstance(live, torch.Tensor) and isinstance(kept, torch.Tensor) and live.dim() == kept.dim():
             pairs = zip(live.shape, kept.shape)
         elif isinstance(live, torch.SymInt):

@@ -16,6 +16,7 @@ import zipfile
 
 import pytest
 import torch
+from test_llm import build, prompt
 
 import gjit
 from helpers import check
@@ -364,20 +365,7 @@ def test_a_package_written_after_a_warm_start_holds_the_lifted_constants(tmp_pat
     (read live from the model's export); its package holds them. Llama's decode steps with the
     dynamic cache read one a layer: the package once did not load ("the program reads
     ...self_attn.lifted_tensor_0, which the model does not have")."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=64,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
-    ids = torch.randint(0, 128, (2, 5))
+    model, ids = build("llama"), prompt(2, 5, seed=5)
     settings = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
     forward = model.forward
     with torch.no_grad():

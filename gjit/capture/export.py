@@ -369,9 +369,7 @@ class Exported:
     @property
     def user_vals(self) -> list[Any]:
         """export's placeholder value per flat user input (FakeTensors with SymInt sizes)."""
-        vals = {n.name: n.meta.get("val") for n in self.program.graph.nodes if n.op == "placeholder"}
-        specs = self.program.graph_signature.input_specs
-        return [vals.get(s.arg.name) for s in specs if s.kind == InputKind.USER_INPUT]
+        return user_values(self.program)
 
 
 def capture(
@@ -537,7 +535,6 @@ def describe(
     program: ExportedProgram, module: torch.nn.Module | None, exported: ExportedProgram | None = None
 ) -> CapturedProgram:
     sig = program.graph_signature
-    vals = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
     user_names = [s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
     sources: list[tuple[str, Any]] = []
     user_pos = 0
@@ -576,9 +573,18 @@ def describe(
         user_output_indices=user_outputs,
         in_spec=program.call_spec.in_spec,
         out_spec=program.call_spec.out_spec,
-        user_vals=[vals.get(s.arg.name) for s in sig.input_specs if s.kind == InputKind.USER_INPUT],
+        user_vals=user_values(program),
         exported=exported,
     )
+
+
+def user_values(program: Any) -> list[Any]:
+    """The placeholder value of each flat user input of `program` (an ExportedProgram, or a stored
+    one served: FakeTensors with SymInt sizes), in the calling convention's order."""
+    vals = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
+    return [
+        vals.get(s.arg.name) for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT
+    ]
 
 
 def size_hints(gm: torch.fx.GraphModule) -> dict[sympy.Symbol, int]:
