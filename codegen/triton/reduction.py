@@ -156,18 +156,26 @@ class ReductionWriter(ReductionPlan, KernelWriter):
     def finish_arg(self, node: ReduceNode, index: str) -> None:
         self.values[node.name] = self.tmp(("reduced", node.name), f"{index}.to(tl.int64)")
 
+    def acc(self, name: str, kind: str = "acc") -> str:
+        """A looped reduction's running value of node `name`: named by the node's place among the
+        region's reductions, not by the node (the same layer of another block runs this code)."""
+        reductions = [n.name for n in self.region.nodes if isinstance(n, ReduceNode)]
+        return f"{kind}_{reductions.index(name)}"
+
     def reduce_looped(self, nodes: list[ReduceNode]) -> None:
         accs = {}
         for node in nodes:
             acc = self.bodies[node.name].dtype
-            accs[node.name] = f"acc_{node.name}"
+            accs[node.name] = self.acc(node.name)
             if node.name in self.online:
                 self.online_init(node)
                 continue
             init = f"tl.full([XBLOCK, RBLOCK], {_identity(node.reduce_type, acc)}, {TL_DTYPES[acc]})"
             self.lines.append(f"{accs[node.name]} = {init}")
             if node.reduce_type in ("argmax", "argmin"):
-                self.lines.append(f"idx_{node.name} = tl.full([XBLOCK, RBLOCK], 2147483647, tl.int32)")
+                self.lines.append(
+                    f"{self.acc(node.name, 'idx')} = tl.full([XBLOCK, RBLOCK], 2147483647, tl.int32)"
+                )
         self.enter_loop()
         # folded sums first: a softmax sum reads its max's running value before this pass moves it
         for node in sorted(nodes, key=lambda n: n.name not in self.online):
@@ -176,7 +184,7 @@ class ReductionWriter(ReductionPlan, KernelWriter):
                 continue
             if node.reduce_type in ("argmax", "argmin"):
                 value, index = self.arg_partial(node)
-                a, i = accs[node.name], f"idx_{node.name}"
+                a, i = accs[node.name], self.acc(node.name, "idx")
                 self.lines.append(f"{a}, {i} = _{node.reduce_type}({a}, {i}, {value}, {index})")
                 continue
             masked = self.rmasked(self.bodies[node.name], node.reduce_type)
@@ -187,7 +195,7 @@ class ReductionWriter(ReductionPlan, KernelWriter):
                 self.online_final(node)
                 continue
             if node.reduce_type in ("argmax", "argmin"):
-                a, i = accs[node.name], f"idx_{node.name}"
+                a, i = accs[node.name], self.acc(node.name, "idx")
                 final = f"tl.reduce(({a}, {i}), 1, _{node.reduce_type})[1][:, None]"
                 self.finish_arg(node, self.tmp(("final", node.name), final))
                 continue
@@ -198,20 +206,21 @@ class ReductionWriter(ReductionPlan, KernelWriter):
     def online_init(self, node: ReduceNode) -> None:
         zeros = f"tl.zeros([XBLOCK, RBLOCK], {TL_DTYPES[self.bodies[node.name].dtype]})"
         if self.online[node.name].kind == "softmax":
-            self.lines.append(f"acc_{node.name} = {zeros}")
+            self.lines.append(f"{self.acc(node.name)} = {zeros}")
         else:
-            self.lines += [f"{acc}_{node.name} = {zeros}" for acc in WELFORD]
+            self.lines += [f"{self.acc(node.name, acc)} = {zeros}" for acc in WELFORD]
 
     def online_step(self, node: ReduceNode) -> None:
         fold, n = self.online[node.name], node.name
         if fold.kind == "softmax":
             masked = self.rmasked(fold.value, "max")
             self.helpers.add("online_sum_exp")
-            self.lines.append(f"acc_{n} = _online_sum_exp(acc_{n}, acc_{fold.shift.name}, {masked})")
+            acc, shift = self.acc(n), self.acc(fold.shift.name)
+            self.lines.append(f"{acc} = _online_sum_exp({acc}, {shift}, {masked})")
         else:
             value = self.emit(fold.value)
             self.helpers.add("welford_add")
-            accs = ", ".join(f"{acc}_{n}" for acc in WELFORD)
+            accs = ", ".join(self.acc(n, acc) for acc in WELFORD)
             self.lines.append(f"{accs} = _welford_add({accs}, {value}, xrmask, roffset // RBLOCK)")
 
     def online_final(self, node: ReduceNode) -> None:
@@ -219,10 +228,12 @@ class ReductionWriter(ReductionPlan, KernelWriter):
         shift = self.emit(fold.shift)
         if fold.kind == "softmax":
             self.helpers.add("online_sum_exp_final")
-            final = f"_online_sum_exp_final(acc_{n}, acc_{fold.shift.name}, {shift})"
+            final = f"_online_sum_exp_final({self.acc(n)}, {self.acc(fold.shift.name)}, {shift})"
         else:
             self.helpers.add("welford_final")
-            final = f"_welford_final({', '.join(f'{acc}_{n}' for acc in WELFORD)}, {shift}, rnumel, RBLOCK)"
+            final = (
+                f"_welford_final({', '.join(self.acc(n, acc) for acc in WELFORD)}, {shift}, rnumel, RBLOCK)"
+            )
         self.finish(node, self.tmp(("final", n), final))
 
     # -- stores ------------------------------------------------------------------------------------------
@@ -304,6 +315,11 @@ class ReductionWriter(ReductionPlan, KernelWriter):
         persistent = tiles.persistent
         shape = "persistent" if persistent else "looped"
         reduction = [f"reduction: {rnumel} elements per row, {shape}", tiles.text(), *self.online_header()]
+        if not persistent:
+            reductions = [n.name for n in self.region.nodes if isinstance(n, ReduceNode)]
+            reduction.append(
+                "running values (acc_<k>, ...): " + ", ".join(f"{k} {n}" for k, n in enumerate(reductions))
+            )
         header = comment(self.header(name, xnumel, reduction))
         helpers = [HELPERS[h] for h in sorted(self.helpers)]
         return self.kernel_source(
