@@ -59,8 +59,9 @@ if fits "${COPY_S:-45}"; then
 fi
 pack
 
-if [ "$MODE" = kernels ]; then  # rows of 1025-8192: looped (the default) against persistent
-    step "rows of 2048-8192: looped (GJIT_PERSISTENT_MAX=1024, the default) against persistent (8192)"
+if [ "$MODE" = kernels ]; then  # rows of 1025-8192: looped (the table) against persistent
+    # (a static row, layer_norm_wide's, is timed both ways by tuning in either run: gjit/choice/row_kernels.py)
+    step "rows of 2048-8192: looped (GJIT_PERSISTENT_MAX=1024, the table) against persistent (8192)"
     for pmax in 1024 8192; do
         if fits "${ROWS_S:-100}"; then
             GJIT_PERSISTENT_MAX=$pmax timeout "${ROWS_S:-100}" $PY -m gjit.bench --device-sizes \

@@ -230,7 +230,11 @@ def first_line(e: Exception) -> str:
 
 
 def describe(kernel: KernelSource) -> str:
-    """A configuration in a few characters: the tile sizes, warps and stages."""
+    """A configuration in a few characters: the tile sizes, warps and stages (a row kernel's: looped
+    or persistent, rows by elements)."""
+    if kernel.rnumel is not None and "RBLOCK" in kernel.blocks:
+        shape = "persistent" if kernel.persistent else "looped"
+        return f"[{shape} {kernel.blocks.get('XBLOCK', 1)}x{kernel.blocks['RBLOCK']} w{kernel.num_warps}]"
     tiles = "x".join(str(v) for b, v in kernel.blocks.items() if b in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
     stages = f"/s{kernel.num_stages}" if kernel.num_stages is not None else ""
     return f"[{tiles} w{kernel.num_warps}{stages}]"
@@ -262,6 +266,8 @@ def launcher(kernel: KernelSource, launch: Launch, fn: Any) -> Callable[[], None
         ynumel = int(sympy.sympify(kernel.ynumel).subs(values))
         grid = (grid[0] * math.ceil(ynumel / kernel.blocks["YBLOCK"]),)
         numels.append(ynumel)
+    elif kernel.rnumel is not None and "RBLOCK" in kernel.blocks:  # a row kernel's row length
+        numels.append(int(sympy.sympify(kernel.rnumel).subs(values)))
     args = (*launch.inputs, *launch.outputs, *launch.sizes, *numels)
     if launch.inputs[0].is_cuda:
         return functools.partial(fn[grid], *args, **options)

@@ -20,7 +20,7 @@ from gjit.codegen import online
 from gjit.codegen.common import KernelSource, hint, next_power_of_2
 from gjit.codegen.plan import ReductionPlan
 from gjit.codegen.triton.pointwise import TL_DTYPES, KernelWriter, comment, to_dtype
-from gjit.codegen.triton.tiles import TILE, reduction_tiles
+from gjit.codegen.triton.tiles import TILE, measured_persistent, reduction_tiles
 from gjit.config import CompileOptions
 from gjit.fusion.regions import Region
 from gjit.ir import ReduceNode
@@ -256,9 +256,10 @@ class ReductionWriter(ReductionPlan, KernelWriter):
         space = self.space
         xnumel, rnumel, rhint, persistent = self.row_shape()
         xhint = hint(xnumel, self.hints)
-        tiles = reduction_tiles(
-            self.walk(), xhint, rhint, persistent, not rnumel.free_symbols, self.narrowest(), self.options
-        )
+        walk, r_static = self.walk(), not rnumel.free_symbols
+        configs = 2 if measured_persistent(walk, rhint, persistent, r_static, self.options) else 1
+        persistent |= configs == 2 and self.region.config == 1  # gjit/choice/row_kernels.py measures both
+        tiles = reduction_tiles(walk, xhint, rhint, persistent, r_static, self.narrowest(), self.options)
         persistent = tiles.persistent
         launch_blocks = {}
         if persistent and rnumel.free_symbols:
@@ -309,9 +310,11 @@ class ReductionWriter(ReductionPlan, KernelWriter):
         self.mask = "xmask"
         for s in outer_stores:
             self.store(s)
-        return self.finish_source(name, xnumel, rnumel, tiles, index_dtype, launch_blocks)
+        return self.finish_source(name, xnumel, rnumel, tiles, index_dtype, launch_blocks, configs)
 
-    def finish_source(self, name, xnumel, rnumel, tiles, index_dtype, launch_blocks) -> KernelSource:
+    def finish_source(
+        self, name, xnumel, rnumel, tiles, index_dtype, launch_blocks, configs=1
+    ) -> KernelSource:
         persistent = tiles.persistent
         shape = "persistent" if persistent else "looped"
         reduction = [f"reduction: {rnumel} elements per row, {shape}", tiles.text(), *self.online_header()]
@@ -320,6 +323,9 @@ class ReductionWriter(ReductionPlan, KernelWriter):
             reduction.append(
                 "running values (acc_<k>, ...): " + ", ".join(f"{k} {n}" for k, n in enumerate(reductions))
             )
+        if configs > 1:
+            which = f"configuration {self.region.config}"
+            reduction.append(f"{which}: looped (0, the table's) or persistent (1), timed on a GPU")
         header = comment(self.header(name, xnumel, reduction))
         helpers = [HELPERS[h] for h in sorted(self.helpers)]
         return self.kernel_source(
@@ -335,4 +341,5 @@ class ReductionWriter(ReductionPlan, KernelWriter):
             passes=1 if persistent else self.pass_id,
             launch_blocks=launch_blocks,
             num_warps=tiles.num_warps,
+            configs=configs,
         )

@@ -50,6 +50,10 @@ Not measured (tuning off, not on a GPU, `gjit.aot` for a card that is not there:
 measured on such a card, has this very region. The choice (`TemplateChoice`, each region's
 figures with it) is part of the compiled entry: a warm start lowers by it and measures nothing.
 
+Then, on the program chosen, each row kernel a little longer than a tile runs looped or persistent,
+whichever is measured faster (`row_kernels`; not measured: looped, the table's).
+
 Modules: `regions` (what a template region is, for the choice), `library` (the library's side),
-`measure` (the measured choice), `table` (the choice where nothing is measured).
+`measure` (the measured choice), `row_kernels` (looped or persistent, measured), `table` (the
+choice where nothing is measured).
 """

@@ -16,6 +16,7 @@ import sympy
 import torch
 
 from gjit import progress, stats, tuning
+from gjit.choice import row_kernels
 from gjit.choice.library import Call, LibrarySide
 from gjit.choice.regions import (
     claims_of,
@@ -242,12 +243,17 @@ def keep(d: Decision) -> None:
 def measured(first: tuple[LoopGraph, list[Step], CompiledGraph], builder: Builder, call: Call,
              compare: bool) -> Chosen:  # fmt: skip
     """The program with each template region's choice (above) and each template kernel in its
-    fastest configuration; `compare` False (GJIT_MATMUL=template): the configurations only. The
+    fastest configuration, then each row kernel looped or persistent (row_kernels.py); `compare`
+    False (GJIT_MATMUL=template): the templates' configurations only. The
     lines of every decision go to the graph's `tuning`. Torch's random number generators are left
     as they were: the user's call draws what eager would."""
     devices = [t.device for t in call.inputs if isinstance(t, torch.Tensor) and t.is_cuda][:1]
     with torch.random.fork_rng(devices=devices):
-        chosen = choose_measured(first, builder, call, compare)
+        templates = bool(template_regions(first[1]))
+        chosen = choose_measured(first, builder, call, compare) if templates else Chosen(*first)
+        # then each row kernel looped or persistent, on the program chosen (row_kernels.py)
+        program = (chosen.loop_graph, chosen.steps, chosen.graph)
+        chosen = Chosen(*row_kernels.measured(program, builder, call, first=not templates))
     line = f"tuning took {builder.budget.text()}"
     chosen.graph.tuning = [*chosen.graph.tuning, line]
     log.info("%s", line)
