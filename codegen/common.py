@@ -15,7 +15,7 @@ import sympy
 import torch
 
 from gjit.fusion.regions import Region
-from gjit.ir import Const, Expr, IndexValue
+from gjit.ir import Const, Expr, IndexValue, at_values
 
 # Ops both kernel languages spell as one infix operator with the same meaning.
 INFIX = {
@@ -132,7 +132,7 @@ def kernel_name(region: Region, index: int) -> str:
 
 
 def hint(expr: sympy.Expr, hints: dict[sympy.Symbol, int]) -> int:
-    value = sympy.sympify(expr).subs(hints)
+    value = at_values(expr, hints)
     return int(value) if value.is_number else 2**31
 
 

@@ -10,7 +10,7 @@ import dataclasses
 import sympy
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
-from gjit.ir import statically_known_equal
+from gjit.ir import at_values, statically_known_equal
 
 XINDEX = sympy.Symbol("xindex", integer=True, nonnegative=True)
 YINDEX = sympy.Symbol("yindex", integer=True, nonnegative=True)
@@ -99,7 +99,7 @@ def loop_order(sizes: list[sympy.Expr], primary: tuple | None, hints: dict) -> l
         return dims
 
     def stride(k: int) -> int:
-        value = sympy.sympify(primary[1][k]).subs(hints)
+        value = at_values(primary[1][k], hints)
         return int(value) if value.is_number else 0
 
     return sorted(dims, key=lambda k: -stride(k))

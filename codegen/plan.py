@@ -265,7 +265,8 @@ class RegionPlan:
             lay = self.layout(name)
             spans.append(sum(((s - 1) * st for s, st in zip(lay.size, lay.stride)), sympy.Integer(1)))
         spans = [sympy.expand(s) for s in spans]
-        worst = max(int(s.subs(self.hints)) if s.free_symbols <= set(self.hints) else 2**63 for s in spans)
+        known = set(self.hints)
+        worst = max(int(ir.at_values(s, self.hints)) if s.free_symbols <= known else 2**63 for s in spans)
         if worst >= 2**31:
             return "int64"
         for span in dict.fromkeys(s for s in spans if s.free_symbols):

@@ -37,7 +37,7 @@ from typing import Any
 import sympy
 import torch
 
-from gjit import logs
+from gjit import ir, logs
 from gjit.codegen.common import KernelSource
 from gjit.codegen.share import code_text
 from gjit.fusion.regions import Region
@@ -258,16 +258,16 @@ def launcher(kernel: KernelSource, launch: Launch, fn: Any) -> Callable[[], None
     the GPU waited for it, and a 0.05 ms attention kernel measured 0.26 ms on an H200.) Its
     output tensors are the launch's own each time: the kept inputs never change."""
     values = launch.values | dict(zip(kernel.size_args, launch.sizes))
-    xnumel = int(sympy.sympify(kernel.numel).subs(values))
+    xnumel = int(ir.at_values(kernel.numel, values))
     options = dict(kernel.blocks, **kernel.launch_options())
     grid = (math.ceil(xnumel / kernel.blocks.get("XBLOCK", 1)),)
     numels = [xnumel]
     if kernel.ynumel is not None:  # a 2-D tile's programs, in one grid dim
-        ynumel = int(sympy.sympify(kernel.ynumel).subs(values))
+        ynumel = int(ir.at_values(kernel.ynumel, values))
         grid = (grid[0] * math.ceil(ynumel / kernel.blocks["YBLOCK"]),)
         numels.append(ynumel)
     elif kernel.rnumel is not None and "RBLOCK" in kernel.blocks:  # a row kernel's row length
-        numels.append(int(sympy.sympify(kernel.rnumel).subs(values)))
+        numels.append(int(ir.at_values(kernel.rnumel, values)))
     args = (*launch.inputs, *launch.outputs, *launch.sizes, *numels)
     if launch.inputs[0].is_cuda:
         return functools.partial(fn[grid], *args, **options)

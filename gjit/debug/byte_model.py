@@ -11,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 import operator
 
-import sympy
 import torch
 
 from gjit.fusion.regions import Region, Step
-from gjit.ir import ExternNode, LoopGraph
+from gjit.ir import ExternNode, LoopGraph, at_values
 
 NO_TRAFFIC = {operator.getitem}
 
@@ -24,7 +23,7 @@ def _nbytes(val, hints: dict) -> int:
     if isinstance(val, torch.Tensor):
         numel = val.numel()
         if isinstance(numel, torch.SymInt):
-            numel = int(sympy.sympify(numel.node.expr).subs(hints))
+            numel = int(at_values(numel.node.expr, hints))
         return int(numel) * val.dtype.itemsize
     if isinstance(val, (list, tuple)):
         return sum(_nbytes(v, hints) for v in val)
@@ -56,7 +55,7 @@ def traffic(graph: LoopGraph, steps: list[Step], kernels: dict, hints: dict) -> 
     for step in steps:
         if isinstance(step, Region):
             k = kernels[step.name]
-            moved += int(sympy.sympify(k.bytes_read + k.bytes_written).subs(hints))
+            moved += int(at_values(k.bytes_read + k.bytes_written, hints))
         elif isinstance(step, ExternNode) and step.fx_node.target not in NO_TRAFFIC:
             moved += _node_bytes(step.fx_node, hints)
     eager = 0

@@ -118,7 +118,7 @@ def fits(template: Region, rows: Region, hints: dict[sympy.Symbol, int]) -> bool
     """One tile covers the row: the product's N is the row's and at most ROW_TILE (a dynamic N
     at this call's size; codegen guards it to its tile, a wider one recompiles)."""
     n = sympy.sympify(template.reduction.full[-2])
-    value = n.subs(hints)
+    value = ir.at_values(n, hints)
     node = template.lone_product
     wide = ir.dot_operands(*template.bodies[node.name].args)[0] != torch.float32
     if not value.is_Integer or not 0 < int(value) <= ROW_TILE[wide]:
