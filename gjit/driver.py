@@ -247,7 +247,7 @@ def compile_program(
         loop_graph, steps, graph = compile_graph(gm, symbols, passes, initial_templates(options))
     # measured: under "auto" each template region against the library, else the configurations
     choices = regions.template_regions(steps) if options.matmul == "auto" else []
-    if why is None and options.matmul_template and (choices or any(k.configs > 1 for k in graph.kernels)):
+    if why is None and (choices or any(k.configs > 1 for k in graph.kernels)):
         analysis, inputs = (loop_graph, steps, graph), captured.graph_inputs(example)
         try:
             compiled = sum(timings.values())  # the compile's seconds so far: what the budget is a share of
@@ -406,8 +406,8 @@ def unmeasurable(
     a GPU, when asked for, not under GJIT_CHECK, with the example's sizes known, and with torch's
     deterministic algorithms off (a choice made by timing is not reproducible bit for bit: tiles
     set the order of the sums)."""
-    if not options.matmul_template:
-        return "no templates"
+    if options.backend != "triton":
+        return "the cupy backend's kernels have one configuration each"
     if not config.tune:
         return "tuning off, GJIT_TUNE=0"
     if options.check:

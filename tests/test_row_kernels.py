@@ -55,6 +55,12 @@ def norm_args(rows=16, n=2048):
     return Norm(n), torch.randn(rows, n) * 3 + 1
 
 
+def row_lines(cm, *args):
+    lines = gjit.explain(cm, *args).row_kernels
+    assert all(line.startswith("tuned on the GPU: row kernel ") for line in lines), lines
+    return lines
+
+
 def row_kernel(cm):
     (kernel,) = cm.entries[0].program.kernels
     assert kernel.name.startswith("gjit_red_") and kernel.configs == 2
@@ -74,7 +80,7 @@ def test_the_faster_of_looped_and_persistent_is_kept(measured, persistent_wins):
     chosen = 1 if persistent_wins else 0
     header = f"# configuration {chosen}: looped (0, the table's) or persistent (1), timed on a GPU"
     assert header in kernel.source
-    (line,) = [m for m in gjit.explain(cm, x).matmuls if m.startswith("tuned on the GPU: gjit_red_")]
+    (line,) = row_lines(cm, x)
     assert f"[looped 1x2048 w8] {1.0 if persistent_wins else 0.5:.3f}" in line, line
     assert "[persistent 1x2048 w4]" in line and f"chose configuration {chosen}" in line, line
     # the chosen kernel is what runs: the second call through it computes eager's values too
@@ -93,6 +99,60 @@ def test_layers_sharing_a_row_kernel_are_measured_once_and_run_alike(measured):
     assert len(seen) == 2
     kernels = [k for k in cm.entries[0].program.kernels if k.configs == 2]
     assert len(kernels) == 2 and all(k.persistent for k in kernels)
+    (line,) = row_lines(cm, x)
+    assert line.endswith("(and 1 more alike)"), line
+
+
+def test_a_record_is_kept_per_row_count(measured, tmp_path):
+    """Rows the kernel's code does not name (static ones) are part of its record's key: the same
+    norm over 64 rows and over 16 is measured for each."""
+    times, seen = measured
+    first, x = norm_args(64)
+    second = Norm()
+    y = torch.randn(16, 2048)
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = first, second
+
+        def forward(self, x, y):
+            return self.a(x), self.b(y)
+
+    two = Two().requires_grad_(False)
+    times += [1.0, 0.5, 0.3, 0.7]  # the 64 rows go persistent, the 16 stay looped
+    with gjit.config.scope(cache=True, cache_dir=str(tmp_path)):
+        out, cm = run_compiled(gjit.compile(two, dynamic=False), x, y)
+    for a, e in zip(out, two(x, y)):
+        assert_same(a, e)
+    assert not times and len(seen) == 4
+    by_rows = {k.name: k.persistent for k in cm.entries[0].program.kernels if k.configs == 2}
+    assert sorted(by_rows.values()) == [False, True], by_rows
+
+
+def test_a_failure_in_measuring_row_kernels_keeps_them_looped(measured, monkeypatch, caplog):
+    from gjit.choice import row_kernels
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (a test's)")
+
+    monkeypatch.setattr(row_kernels, "_decide", broken)
+    norm, x = norm_args()
+    out, cm = run_compiled(norm, x)
+    assert_same(out, norm(x))
+    assert not row_kernel(cm).persistent
+    (line,) = row_lines(cm, x)
+    assert "tuning failed (CUDA out of memory (a test's)): every row kernel looped" in line, line
+
+
+def test_row_kernels_are_measured_whatever_the_matmul_setting(measured):
+    times, seen = measured
+    norm, x = norm_args()
+    times += [1.0, 0.5]
+    with gjit.config.scope(matmul="aten"):
+        out, cm = run_compiled(norm, x)
+    assert_same(out, norm(x))
+    assert len(seen) == 2 and row_kernel(cm).persistent
 
 
 def test_a_launch_bound_row_kernel_stays_looped(measured):
@@ -102,16 +162,17 @@ def test_a_launch_bound_row_kernel_stays_looped(measured):
     out, cm = run_compiled(norm, x)
     assert_same(out, norm(x))
     assert len(seen) == 1 and not row_kernel(cm).persistent
-    (line,) = [m for m in gjit.explain(cm, x).matmuls if m.startswith("tuned on the GPU: gjit_red_")]
+    (line,) = row_lines(cm, x)
     assert "too short to tune" in line
 
 
-def test_a_later_compile_takes_the_record(measured):
+def test_a_later_compile_takes_the_record(measured, tmp_path):
     times, seen = measured
     norm, x = norm_args()
     times += [1.0, 0.5]
     other = torch.nn.Sequential(norm, torch.nn.Linear(2048, 16)).requires_grad_(False)  # the same row kernel
-    with gjit.config.scope(cache=True):  # records are kept with the disk cache (tests turn it off)
+    # records are kept with the disk cache (tests turn it off), in a folder of the test's own
+    with gjit.config.scope(cache=True, cache_dir=str(tmp_path)):
         run_compiled(norm, x)
         gjit.reset()  # the in-memory tiers go; the disk keeps the record
         out, cm = run_compiled(other, x)
@@ -119,8 +180,9 @@ def test_a_later_compile_takes_the_record(measured):
     assert len(seen) == 2, "nothing measured again"
     (kernel,) = [k for k in cm.entries[0].program.kernels if k.configs == 2]
     assert kernel.persistent
-    lines = [m for m in gjit.explain(cm, x).matmuls if m.startswith("tuned on the GPU: gjit_red_")]
+    lines = row_lines(cm, x)
     assert "(an earlier compile's measurements)" in lines[0], lines
+    assert lines[0].startswith(f"tuned on the GPU: row kernel {kernel.name}: "), lines  # its own name
 
 
 def test_persistent_configuration_computes_eagers_values():
@@ -179,7 +241,7 @@ def test_on_a_gpu_looped_and_persistent_are_measured_and_exact():
     with gjit.config.scope(tune=True):
         out = cm(x)
     assert_same(out, norm(x))
-    lines = [m for m in gjit.explain(cm, x).matmuls if m.startswith("tuned on the GPU: gjit_red_")]
+    lines = row_lines(cm, x)
     assert len(lines) == 1 and "[looped 1x2048 w8]" in lines[0] and "[persistent 1x8192 w16]" in lines[0], (
         lines
     )

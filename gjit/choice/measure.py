@@ -251,9 +251,17 @@ def measured(first: tuple[LoopGraph, list[Step], CompiledGraph], builder: Builde
     with torch.random.fork_rng(devices=devices):
         templates = bool(template_regions(first[1]))
         chosen = choose_measured(first, builder, call, compare) if templates else Chosen(*first)
-        # then each row kernel looped or persistent, on the program chosen (row_kernels.py)
+        # then each row kernel looped or persistent, on the program chosen (row_kernels.py); a
+        # failure there keeps that program, its row kernels looped
         program = (chosen.loop_graph, chosen.steps, chosen.graph)
-        chosen = Chosen(*row_kernels.measured(program, builder, call, first=not templates))
+        try:
+            chosen = Chosen(*row_kernels.measured(program, builder, call, first=not templates))
+        except Exception as e:  # noqa: BLE001 - measuring is an optimization
+            line = f"{row_kernels.ROW}tuning failed ({tuning.first_line(e)}): every row kernel looped"
+            log.warning("gjit: %s", line)
+            chosen.graph.tuning = [*chosen.graph.tuning, line]
+            for region in row_kernels.row_regions(chosen.steps, chosen.graph.kernels):
+                region.config = 0  # as its kernel was emitted
     line = f"tuning took {builder.budget.text()}"
     chosen.graph.tuning = [*chosen.graph.tuning, line]
     log.info("%s", line)

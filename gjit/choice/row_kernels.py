@@ -12,11 +12,18 @@ After the template choice (`measure.measured`), on the program it chose: the pro
 keeping each distinct row kernel's first launch (the layers of a model share one); each, heaviest
 first while the tuning budget lasts, is timed looped, then persistent (checked to compute the
 same), and the faster kept, or an earlier compile's record of both taken
-(gjit/runtime/tuning_store.py, shared through the remote cache as template records are). A kernel
+(gjit/runtime/tuning_store.py, shared through the remote cache as template records are; its key
+has the launch's rows and row length, which a static row kernel's code does not name). A kernel
 under MIN_KERNEL_MS stays looped: launch-bound, its loop hardly matters. Where a configuration
 other than the table's won, the program is built again with it; the kernels are what the entry
 stores (disk cache, package, remote cache), and each decision's line is in the entry's tuning lines
-(`gjit.explain`)."""
+(`gjit.explain`'s `row_kernels`). A failure here (a configuration that does not build is only not
+chosen; this is the rest: memory for the kept launches, say) leaves every row kernel looped and the
+template choice as it was made.
+
+Not done: the template choice before this step weighs a template against the library's side with
+that side's row kernels looped (gjit/choice/library.py); a norm that goes persistent afterwards
+makes the library's side a little faster than it was weighed."""
 
 from __future__ import annotations
 
@@ -25,7 +32,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from gjit import tuning
+from gjit import stats, tuning
 from gjit.choice.library import Call
 from gjit.codegen.common import KernelSource
 from gjit.fusion.regions import Region, Step
@@ -46,6 +53,9 @@ def row_regions(steps: list[Step], kernels: list[KernelSource]) -> list[Region]:
     return [s for s, k in zip(steps, rows) if k is not None and k.configs > 1 and k.rnumel is not None]
 
 
+ROW = "row kernel "  # how the decisions' lines start (gjit/debug/report.py lists them apart)
+
+
 def measured(program: Program, builder: Any, call: Call, first: bool) -> Program:
     """`program` with each row kernel (above) in its measured configuration; the decisions' lines
     added to its graph's tuning lines. `builder`: gjit/choice/measure.py's (its budget, `emit` and
@@ -58,7 +68,7 @@ def measured(program: Program, builder: Any, call: Call, first: bool) -> Program
     budget = builder.budget
     if not budget.left():
         names = ", ".join(r.name for r in regions)
-        line = f"{names}: looped (the table's): not measured: over the tuning budget"
+        line = f"{ROW}{names}: looped (the table's): not measured: over the tuning budget"
         log.info("%s", line)
         graph.tuning = [*graph.tuning, line]
         return program
@@ -66,19 +76,19 @@ def measured(program: Program, builder: Any, call: Call, first: bool) -> Program
         keys, launches = tuning.record(graph, {r.name for r in regions}, call.inputs, call.sizes, call.values)
     by_name = {k.name: k for k in graph.kernels}
     emit = functools.partial(builder.emit, loop_graph, steps)
-    configs: dict[str, int] = {}  # same_kernel_key -> the configuration chosen
-    lines = []
-    # heaviest first: the elements each one's rows hold, as a measure of its time
-    for region in sorted(regions, key=lambda r: -_elements(launches.get(keys.get(r.name, ""), None))):
-        key = keys.get(region.name)
-        if key is None:
-            lines.append(f"{region.name}: not launched at these sizes: looped (the table's)")
-            continue
-        if key not in configs:
-            configs[key], line = _decide(region, by_name[region.name], launches.pop(key, None), emit, budget)
-            lines.append(line)
-            log.info("%s", line)
-        region.config = configs[key]
+    alike: dict[str | None, list[Region]] = {}  # same_kernel_key (code, sizes, numels) -> its regions
+    for region in regions:
+        alike.setdefault(keys.get(region.name), []).append(region)
+    lines = [f"{ROW}{r.name}: not launched at these sizes: looped (the table's)" for r in alike.pop(None, [])]
+    # heaviest first: the elements each one's launch reads, as a measure of its time
+    for key, group in sorted(alike.items(), key=lambda kv: -_elements(launches.get(kv[0]))):
+        head = group[0]
+        config, line = _decide(head, by_name[head.name], launches.pop(key, None), emit, budget)
+        more = f" (and {len(group) - 1} more alike)" if len(group) > 1 else ""
+        lines.append(f"{ROW}{line}{more}")
+        log.info("%s", lines[-1])
+        for region in group:
+            region.config = config
     graph.tuning = [*graph.tuning, *lines]
     if not any(r.config for r in regions):
         return program
@@ -93,25 +103,31 @@ def _elements(launch: tuning.Launch | None) -> int:
 
 def _decide(region: Region, kernel: KernelSource, launch: tuning.Launch | None, emit: Callable,
             budget: tuning.Budget) -> tuple[int, str]:  # fmt: skip
-    """(the configuration, the line saying why) for one distinct row kernel."""
+    """(the configuration, the line saying why) for one distinct row kernel. Its record's key has
+    the launch's rows and row length besides its size arguments: a row kernel's code names
+    neither where they are static, and the choice depends on both."""
     name = region.name
     if launch is None:
         return 0, f"{name}: it writes what it reads: looped (the table's), not measured"
     code, sizes = tuning.same_kernel_parts(kernel, launch.sizes)
-    record = tuning_store.record_key(code, sizes, tuning.device_name(launch))
+    numels = [int(n) for n in launch.rest]  # xnumel, rnumel
+    record = tuning_store.record_key(code, [*sizes, *numels], tuning.device_name(launch))
     found = tuning_store.lookup(record)
     if found is not None and found.configs == kernel.configs and found.complete:
         differs = tuning.computes_the_same(region, launch, emit, found.config) if found.config else ""
         if not differs:
-            return found.config, f"{found.line} (an earlier compile's measurements)"
+            stats.count("tuning_records_reused")
+            measured_as = found.line.partition(": ")[2] or found.line  # it names the kernel it measured
+            return found.config, f"{name}: {measured_as} (an earlier compile's measurements)"
     if not budget.left():
+        stats.count("tuning_over_budget")
         return 0, f"{name}: looped (the table's): not measured: over the tuning budget"
-    ms, line = tuning.first_time(kernel, launch, f"row kernel {name}")
+    ms, line = tuning.first_time(kernel, launch, f"{ROW}{name}")
     if ms is None:
         return 0, line
-    start = tuning.Explored(0, ms, 1, line)
-    explored = tuning.explore(region, kernel, launch, emit, f"row kernel {name}", start, more=budget.left)
+    start = tuning.Explored(0, ms, 1, line.replace("ms by tiles", "ms looped or persistent"))
+    explored = tuning.explore(region, kernel, launch, emit, f"{ROW}{name}", start, more=budget.left)
     if explored.tried >= kernel.configs and ms >= tuning.MIN_KERNEL_MS:
         tuned = (explored.config, explored.ms, explored.tried, kernel.configs, explored.line)
-        tuning_store.store(record, tuning_store.Tuned(*tuned))
+        tuning_store.store(record, tuning_store.Tuned(*tuned), replace=found is not None)
     return explored.config, explored.line

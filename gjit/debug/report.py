@@ -14,9 +14,10 @@ import torch
 
 from gjit.capture.decompose import DECOMPOSED_FROM
 from gjit.capture.export import size_hints
+from gjit.choice.row_kernels import ROW
 from gjit.debug.byte_model import Traffic, traffic
 from gjit.fusion.regions import Region
-from gjit.ir import AttentionNode, ExternNode, MatmulNode
+from gjit.ir import AttentionNode, ExternNode, MatmulNode, at_values
 
 if TYPE_CHECKING:  # the driver makes the program a report describes
     from gjit.driver import CompiledProgram
@@ -62,6 +63,8 @@ class Report:
     matmuls: list[str] = dataclasses.field(default_factory=list)
     # whether calls replay CUDA graphs (mode="reduce-overhead"), how many are held, runs without one
     cuda_graphs: str = "off"
+    # tuning's lines for the row kernels it timed looped and persistent (gjit/choice/row_kernels.py)
+    row_kernels: list[str] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         shared = sum(k.code_of is not None for k in self.kernels)
@@ -74,6 +77,8 @@ class Report:
             out.append(f"  extern {e.node} = {e.op}: {e.reason}")
         for m in self.matmuls:
             out.append(f"  matmul {m}")
+        for r in self.row_kernels:
+            out.append(f"  {r}")
         if self.decomposed:
             out.append(
                 f"  decomposed for lack of a lowering (torch.compile's table): {', '.join(self.decomposed)}"
@@ -112,8 +117,8 @@ def build_report(entry: Any, sizes: tuple = ()) -> Report:
             k.aten_nodes,
             k.source_lines,
             program.graph.kernel_paths.get(k.name, ""),
-            int(sympy.sympify(k.bytes_read).subs(hints)),
-            int(sympy.sympify(k.bytes_written).subs(hints)),
+            int(at_values(k.bytes_read, hints)),
+            int(at_values(k.bytes_written, hints)),
             k.passes,
             k.code_of,
         )
@@ -127,6 +132,7 @@ def build_report(entry: Any, sizes: tuple = ()) -> Report:
     ]
     by_name = {k.name: k for k in program.kernels}
     moved = traffic(program.loop_graph, program.steps, by_name, hints)
+    tuned = program.graph.tuning
     return Report(
         kernels,
         externs,
@@ -138,8 +144,9 @@ def build_report(entry: Any, sizes: tuple = ()) -> Report:
         list(entry.specialized),
         perf_hints(program, entry.specialized),
         decomposed_ops(program.captured.full_graph_module),
-        matmul_lines(program.steps, templates) + tuning_lines(program.graph.tuning),
+        matmul_lines(program.steps, templates) + tuning_lines([t for t in tuned if not t.startswith(ROW)]),
         cuda_graphs_line(entry),
+        tuning_lines([t for t in tuned if t.startswith(ROW)]),
     )
 
 

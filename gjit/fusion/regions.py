@@ -59,7 +59,7 @@ class Region:
     stores: list[str]  # nodes whose values leave the region
     inlined: list[ComputeNode]  # nodes recomputed inside this region
     name: str = ""  # the kernel name, given by codegen
-    config: int = 0  # which configuration codegen emits: a template's tiles, a row kernel's loop (gjit/tuning.py)
+    config: int = 0  # what codegen emits: a template's tiles, a row kernel's loop (gjit/tuning.py)
     reduction: ReductionSpace | None = None  # None: a pointwise region
     # a matmul's: the region of per-row statistics its prologue computes (gjit/fusion/statistics.py)
     row_statistics: Region | None = None
