@@ -246,3 +246,21 @@ def test_on_a_gpu_looped_and_persistent_are_measured_and_exact():
         lines
     )
     assert "chose configuration" in lines[0], lines
+
+
+def test_a_warm_start_runs_the_kernel_chosen(measured, tmp_path):
+    """The chosen configuration is in the kernels the entry stores: a warm start from the disk cache
+    runs the persistent kernel without measuring, and explaining it (lowering and fusion again)
+    finds the same kernels."""
+    times, seen = measured
+    norm, x = norm_args()
+    times += [1.0, 0.5]
+    with gjit.config.scope(cache=True, cache_dir=str(tmp_path)):
+        run_compiled(norm, x)
+        gjit.reset()
+        out, cm = run_compiled(norm, x)
+        assert_same(out, norm(x))
+        assert len(seen) == 2 and gjit.stats()["disk_cache_hits"] == 1
+        assert row_kernel(cm).persistent
+        report = gjit.explain(cm, x)
+    assert [k.name for k in report.kernels] == [row_kernel(cm).name]
