@@ -120,12 +120,12 @@ class CudaReductionWriter(ReductionPlan, CudaEmitter):
             if node.name in self.online:
                 zero, n = literal(0, acc), node.name
                 names = ("acc",) if self.online[n].kind == "softmax" else WELFORD
-                self.lines.append(f"{C_TYPES[acc]} {', '.join(f'{a}_{n} = {zero}' for a in names)};")
+                self.lines.append(f"{C_TYPES[acc]} {', '.join(f'{self.acc(n, a)} = {zero}' for a in names)};")
                 continue
             init = identity(node.reduce_type, acc)
-            self.lines.append(f"{C_TYPES[acc]} acc_{node.name} = {init};")
+            self.lines.append(f"{C_TYPES[acc]} {self.acc(node.name)} = {init};")
             if node.reduce_type in ("argmax", "argmin"):
-                self.lines.append(f"long long idx_{node.name} = 0x7fffffffffffffffLL;")
+                self.lines.append(f"long long {self.acc(node.name, 'idx')} = 0x7fffffffffffffffLL;")
         self.enter_loop()
         # folded sums first: a softmax sum reads its max's running value before this pass moves it
         for node in sorted(nodes, key=lambda n: n.name not in self.online):
@@ -133,16 +133,16 @@ class CudaReductionWriter(ReductionPlan, CudaEmitter):
                 fold, n = self.online[node.name], node.name
                 value = self.emit(fold.value)
                 if fold.kind == "softmax":
-                    peak = f"acc_{fold.shift.name}"
-                    self.lines.append(f"acc_{n} = gjit_online_sum_exp(acc_{n}, {peak}, {value});")
+                    running, peak = self.acc(n), self.acc(fold.shift.name)
+                    self.lines.append(f"{running} = gjit_online_sum_exp({running}, {peak}, {value});")
                 else:
-                    accs = ", ".join(f"{acc}_{n}" for acc in WELFORD)
+                    accs = ", ".join(self.acc(n, acc) for acc in WELFORD)
                     self.lines.append(f"gjit_welford_add({accs}, {value});")
                 continue
             value = self.emit(self.bodies[node.name])
-            a = f"acc_{node.name}"
+            a = self.acc(node.name)
             if node.reduce_type in ("argmax", "argmin"):
-                i, is_max = f"idx_{node.name}", str(node.reduce_type == "argmax").lower()
+                i, is_max = self.acc(node.name, "idx"), str(node.reduce_type == "argmax").lower()
                 self.lines.append(
                     f"if (gjit_arg_better({value}, (long long)rindex, {a}, {i}, {is_max})) "
                     f"{{ {a} = {value}; {i} = rindex; }}"
@@ -152,18 +152,18 @@ class CudaReductionWriter(ReductionPlan, CudaEmitter):
         self.exit_loop()
         for node in sorted(nodes, key=lambda n: n.name in self.online):  # folded ones need the rest
             acc = self.bodies[node.name].dtype
-            a, init = f"acc_{node.name}", f"({C_TYPES[acc]})({identity(node.reduce_type, acc)})"
+            a, init = self.acc(node.name), f"({C_TYPES[acc]})({identity(node.reduce_type, acc)})"
             if node.name in self.online:
                 fold, n = self.online[node.name], node.name
                 shift = self.emit(fold.shift)
                 if fold.kind == "softmax":
-                    reduced = f"gjit_online_sum_exp_final({a}, acc_{fold.shift.name}, {shift})"
+                    reduced = f"gjit_online_sum_exp_final({a}, {self.acc(fold.shift.name)}, {shift})"
                 else:
-                    accs = ", ".join(f"{acc}_{n}" for acc in WELFORD)
+                    accs = ", ".join(self.acc(n, acc) for acc in WELFORD)
                     reduced = f"gjit_welford_final({accs}, {shift})"
             elif node.reduce_type in ("argmax", "argmin"):
                 is_max = str(node.reduce_type == "argmax").lower()
-                call = f"gjit_block_argreduce({a}, idx_{node.name}, {is_max}, {init})"
+                call = f"gjit_block_argreduce({a}, {self.acc(node.name, 'idx')}, {is_max}, {init})"
                 self.values[node.name] = self.tmp(("final", node.name), call, torch.int64)
                 continue
             else:
@@ -234,6 +234,7 @@ class CudaReductionWriter(ReductionPlan, CudaEmitter):
         if launch_blocks:
             threads = f"up to {THREADS} threads per row, sized at launch"
         reduction = [f"reduction: {rnumel} elements per row, {shape}, {threads}", *self.online_header()]
+        reduction.append(self.running_values_header())
         return self.cuda_source(
             name,
             header=self.header(name, xnumel, reduction),

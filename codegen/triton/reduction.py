@@ -156,12 +156,6 @@ class ReductionWriter(ReductionPlan, KernelWriter):
     def finish_arg(self, node: ReduceNode, index: str) -> None:
         self.values[node.name] = self.tmp(("reduced", node.name), f"{index}.to(tl.int64)")
 
-    def acc(self, name: str, kind: str = "acc") -> str:
-        """A looped reduction's running value of node `name`: named by the node's place among the
-        region's reductions, not by the node (the same layer of another block runs this code)."""
-        reductions = [n.name for n in self.region.nodes if isinstance(n, ReduceNode)]
-        return f"{kind}_{reductions.index(name)}"
-
     def reduce_looped(self, nodes: list[ReduceNode]) -> None:
         accs = {}
         for node in nodes:
@@ -319,10 +313,7 @@ class ReductionWriter(ReductionPlan, KernelWriter):
         shape = "persistent" if persistent else "looped"
         reduction = [f"reduction: {rnumel} elements per row, {shape}", tiles.text(), *self.online_header()]
         if not persistent:
-            reductions = [n.name for n in self.region.nodes if isinstance(n, ReduceNode)]
-            reduction.append(
-                "running values (acc_<k>, ...): " + ", ".join(f"{k} {n}" for k, n in enumerate(reductions))
-            )
+            reduction.append(self.running_values_header())
         if configs > 1:
             which = f"configuration {self.region.config}"
             reduction.append(f"{which}: looped (0, the table's) or persistent (1), timed on a GPU")
