@@ -41,8 +41,7 @@ from gjit.runtime import tuning_store
 from gjit.runtime.graph import CompiledGraph
 
 log = tuning.log
-
-
+ROW = "row kernel "  # how the decisions' lines start (gjit/debug/report.py lists them apart)
 Program = tuple[LoopGraph, list[Step], CompiledGraph]
 
 
@@ -51,9 +50,6 @@ def row_regions(steps: list[Step], kernels: list[KernelSource]) -> list[Region]:
     by_name = {k.name: k for k in kernels}
     rows = [by_name.get(s.name) if isinstance(s, Region) else None for s in steps]
     return [s for s, k in zip(steps, rows) if k is not None and k.configs > 1 and k.rnumel is not None]
-
-
-ROW = "row kernel "  # how the decisions' lines start (gjit/debug/report.py lists them apart)
 
 
 def measured(program: Program, builder: Any, call: Call, first: bool) -> Program:
