@@ -38,10 +38,10 @@ from gjit.codegen.common import KernelSource
 from gjit.fusion.regions import Region, Step
 from gjit.ir import LoopGraph
 from gjit.runtime import tuning_store
-from gjit.runtime.graph import CompiledGraph
+from gjit.runtime.graph import ROW_KERNEL, CompiledGraph
 
 log = tuning.log
-ROW = "row kernel "  # how the decisions' lines start (gjit/debug/report.py lists them apart)
+ROW = ROW_KERNEL  # how the decisions' lines start (gjit/debug/report.py lists them apart)
 Program = tuple[LoopGraph, list[Step], CompiledGraph]
 
 

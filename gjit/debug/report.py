@@ -14,10 +14,10 @@ import torch
 
 from gjit.capture.decompose import DECOMPOSED_FROM
 from gjit.capture.export import size_hints
-from gjit.choice.row_kernels import ROW
 from gjit.debug.byte_model import Traffic, traffic
 from gjit.fusion.regions import Region
 from gjit.ir import AttentionNode, ExternNode, MatmulNode, at_values
+from gjit.runtime.graph import ROW_KERNEL
 
 if TYPE_CHECKING:  # the driver makes the program a report describes
     from gjit.driver import CompiledProgram
@@ -132,7 +132,8 @@ def build_report(entry: Any, sizes: tuple = ()) -> Report:
     ]
     by_name = {k.name: k for k in program.kernels}
     moved = traffic(program.loop_graph, program.steps, by_name, hints)
-    tuned = program.graph.tuning
+    rows = [t for t in program.graph.tuning if t.startswith(ROW_KERNEL)]  # gjit/choice/row_kernels.py
+    tuned = [t for t in program.graph.tuning if not t.startswith(ROW_KERNEL)]
     return Report(
         kernels,
         externs,
@@ -144,9 +145,9 @@ def build_report(entry: Any, sizes: tuple = ()) -> Report:
         list(entry.specialized),
         perf_hints(program, entry.specialized),
         decomposed_ops(program.captured.full_graph_module),
-        matmul_lines(program.steps, templates) + tuning_lines([t for t in tuned if not t.startswith(ROW)]),
+        matmul_lines(program.steps, templates) + tuning_lines(tuned),
         cuda_graphs_line(entry),
-        tuning_lines([t for t in tuned if t.startswith(ROW)]),
+        tuning_lines(rows),
     )
 
 

@@ -158,6 +158,9 @@ def load_kernel(path: str, name: str, interpret: bool) -> Any:
 # ----------------------------------------------------------------------------------------------
 
 
+ROW_KERNEL = "row kernel "  # how a row kernel's tuning line starts (gjit/choice/row_kernels.py)
+
+
 @dataclasses.dataclass
 class CompiledGraph:
     graph_module: torch.fx.GraphModule
@@ -168,7 +171,8 @@ class CompiledGraph:
     subgraphs: dict[str, CompiledGraph] = dataclasses.field(default_factory=dict)  # torch.cond branches
     checker: Any = None  # GJIT_CHECK: a gjit.debug.check.RegionChecker the wrapper reports to
     last_check: list = dataclasses.field(default_factory=list)  # its rows for the latest call
-    tuning: list[str] = dataclasses.field(default_factory=list)  # gjit/tuning.py's decisions, on a GPU
+    # gjit/tuning.py's decisions, on a GPU (a row kernel's line starts with ROW_KERNEL)
+    tuning: list[str] = dataclasses.field(default_factory=list)
     # which products are templates, and each region's choice with its figures (gjit/choice/);
     # None: an entry stored before it was kept
     templates: TemplateChoice | None = None
