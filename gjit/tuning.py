@@ -176,9 +176,11 @@ def explore(region: Region, kernel: KernelSource, launch: Launch, emit: Callable
         candidate = kernel
         try:
             candidate = emit(region, index)
-            fn, differs = run_checked(candidate, launch)
-            timed = launcher(candidate, launch, fn)
-            ms = math.inf if differs else bench(timed, f"{label} configuration {index}")
+            differs, ms = other_arguments(candidate, kernel), math.inf
+            if not differs:
+                fn, differs = run_checked(candidate, launch)
+            if not differs:
+                ms = bench(launcher(candidate, launch, fn), f"{label} configuration {index}")
         except Exception as e:  # a configuration that does not build (shared memory, registers)
             differs, ms = f"does not build: {first_line(e)}", math.inf
         name = describe(candidate) if candidate is not kernel else f"configuration {index}"
@@ -196,15 +198,29 @@ def explore(region: Region, kernel: KernelSource, launch: Launch, emit: Callable
     return best
 
 
-def computes_the_same(region: Region, launch: Launch, emit: Callable, index: int) -> str:
-    """'' when configuration `index` of the region's kernel writes, on the kept launch, what the
-    emitted one wrote (up to rounding); else why not (an earlier compile's choice checked here)."""
+def computes_the_same(
+    region: Region, kernel: KernelSource, launch: Launch, emit: Callable, index: int
+) -> str:
+    """'' when configuration `index` of the region's kernel (`kernel`: as emitted) writes, on the
+    kept launch, what the emitted one wrote (up to rounding); else why not (an earlier compile's
+    choice checked here)."""
     try:
-        return run_checked(emit(region, index), launch)[1]
+        candidate = emit(region, index)
+        return other_arguments(candidate, kernel) or run_checked(candidate, launch)[1]
     except Exception as e:  # noqa: BLE001 - it does not build here: not used
         return f"does not build: {first_line(e)}"
     finally:
         region.config = 0
+
+
+def other_arguments(candidate: KernelSource, kernel: KernelSource) -> str:
+    """'' when a configuration takes the arguments the emitted kernel takes, in its order (a kept
+    launch passes those); else why it is not launched. A template's configurations differ in tile
+    constants only; a row kernel's persistent one is other code, whose pointers follow its loads."""
+    mine = (candidate.in_args, candidate.out_args, candidate.size_args)
+    if mine != (kernel.in_args, kernel.out_args, kernel.size_args):
+        return "takes other arguments"
+    return ""
 
 
 def run_checked(kernel: KernelSource, launch: Launch) -> tuple[Any, str]:

@@ -4,6 +4,8 @@ both on the card and keeps the faster. Here, as in tests/test_tuning.py, the ker
 Triton's interpreter (each configuration launched and its output compared with the first's) and
 each measurement returns what the test says; the compiled result is compared with eager."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -264,3 +266,45 @@ def test_a_warm_start_runs_the_kernel_chosen(measured, tmp_path):
         assert row_kernel(cm).persistent
         report = gjit.explain(cm, x)
     assert [k.name for k in report.kernels] == [row_kernel(cm).name]
+
+
+def test_a_configuration_taking_other_arguments_is_not_launched(measured, monkeypatch):
+    """The kept launch passes config 0's pointers in config 0's order: a configuration whose
+    kernel takes others (persistent code orders its pointers by its own loads) is not run."""
+    times, seen = measured
+    real = driver.generate_kernel
+
+    def reordered(region, *args, **kwargs):
+        kernel = real(region, *args, **kwargs)
+        if region.config == 1:
+            kernel = dataclasses.replace(kernel, in_args=kernel.in_args[::-1])
+        return kernel
+
+    monkeypatch.setattr(driver, "generate_kernel", reordered)
+    norm, x = norm_args()
+    times += [1.0]  # config 0 alone is timed
+    out, cm = run_compiled(norm, x)
+    assert_same(out, norm(x))
+    assert seen == [f"row kernel {row_kernel(cm).name} configuration 0"] and not row_kernel(cm).persistent
+    (line,) = row_lines(cm, x)
+    assert "takes other arguments" in line and "chose configuration 0" in line, line
+
+
+def test_a_failed_rebuild_leaves_no_line_of_a_choice_not_made(measured, monkeypatch):
+    times, seen = measured
+    real, builds = driver.generate_kernels, []
+
+    def second_fails(*args, **kwargs):
+        builds.append(1)
+        if len(builds) == 2:  # the program built again with the persistent kernel
+            raise RuntimeError("out of memory (a test's)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(driver, "generate_kernels", second_fails)
+    norm, x = norm_args()
+    times += [1.0, 0.5]
+    out, cm = run_compiled(norm, x)
+    assert_same(out, norm(x))
+    assert len(builds) == 2 and not row_kernel(cm).persistent
+    (line,) = row_lines(cm, x)
+    assert "tuning failed (out of memory (a test's)): every row kernel looped" in line, line

@@ -131,7 +131,7 @@ def template_decisions(program: tuple[LoopGraph, list[Step], CompiledGraph], reg
         if d.found is not None and d.found.configs != d.kernel.configs:  # another configuration table
             d.found = None
         if d.found is not None and d.found.config != 0:
-            differs = tuning.computes_the_same(first_region, launch, emit, d.found.config)
+            differs = tuning.computes_the_same(first_region, d.kernel, launch, emit, d.found.config)
             if differs:  # at these sizes (another of its bucket's, say) the record does not hold
                 log.info("%s: configuration %d of an earlier compile's record %s here: measured again",
                          d.kernel.name, d.found.config, differs)  # fmt: skip

@@ -85,11 +85,11 @@ def measured(program: Program, builder: Any, call: Call, first: bool) -> Program
         log.info("%s", lines[-1])
         for region in group:
             region.config = config
-    graph.tuning = [*graph.tuning, *lines]
     if not any(r.config for r in regions):
+        graph.tuning = [*graph.tuning, *lines]
         return program
-    rebuilt = builder.build(loop_graph, steps, graph.templates)
-    rebuilt.tuning = graph.tuning
+    rebuilt = builder.build(loop_graph, steps, graph.templates)  # (its lines only once it is built)
+    rebuilt.tuning = [*graph.tuning, *lines]
     return loop_graph, steps, rebuilt
 
 
@@ -110,7 +110,7 @@ def _decide(region: Region, kernel: KernelSource, launch: tuning.Launch | None, 
     record = tuning_store.record_key(code, [*sizes, *numels], tuning.device_name(launch))
     found = tuning_store.lookup(record)
     if found is not None and found.configs == kernel.configs and found.complete:
-        differs = tuning.computes_the_same(region, launch, emit, found.config) if found.config else ""
+        differs = tuning.computes_the_same(region, kernel, launch, emit, found.config) if found.config else ""
         if not differs:
             stats.count("tuning_records_reused")
             measured_as = found.line.partition(": ")[2] or found.line  # it names the kernel it measured
