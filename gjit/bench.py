@@ -213,6 +213,7 @@ def measure(case: Case, size: int, gpu: bool) -> dict[str, Any]:
             "gjit_over_ideal": report.traffic.gjit / max(report.traffic.ideal, 1),
             "max_registers": max((k.registers for k in aot.kernels), default=0),
             "spilling_kernels": [k.name for k in aot.kernels if k.spills],
+            "row_kernels_tuned": report.row_kernels,  # on a GPU: looped or persistent, both times
         }
         with gjit.config.scope(interpret=not gpu):
             cm(*args)
