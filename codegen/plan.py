@@ -387,23 +387,26 @@ class ReductionPlan(RegionPlan):
         stores = [(s, self.space.value_index(self.nodes[s])) for s in self.region.stores if self.is_full(s)]
         return [(a.name, a.index) for a in reads] + stores
 
+    @functools.cached_property
+    def reductions(self) -> list[str]:
+        """The region's reductions by name, in the region's order."""
+        return [n.name for n in self.region.nodes if isinstance(n, ReduceNode)]
+
     def acc(self, name: str, kind: str = "acc") -> str:
         """The running value (`kind`: acc, idx, or Welford's half_first, mean, m2) of reduction
         `name` in a kernel's text: named by its place among the region's reductions, not by its
         node, so that the same layer of another block is the same code (codegen/share.py)."""
-        reductions = [n.name for n in self.region.nodes if isinstance(n, ReduceNode)]
-        return f"{kind}_{reductions.index(name)}"
+        return f"{kind}_{self.reductions.index(name)}"
 
     def running_values_header(self) -> str:
         """The header line that says which reduction each running value's index names."""
-        reductions = [n.name for n in self.region.nodes if isinstance(n, ReduceNode)]
-        return "running values (acc_<k>, ...): " + ", ".join(f"{k} {n}" for k, n in enumerate(reductions))
+        names = ", ".join(f"{k} {n}" for k, n in enumerate(self.reductions))
+        return f"running values (acc_<k>, ...): {names}"
 
     def reductions_by_level(self) -> list[list[ReduceNode]]:
         """The region's reductions, one list per level, innermost level first."""
-        reductions = [n for n in self.region.nodes if isinstance(n, ReduceNode)]
-        levels = sorted({self.level[n.name] for n in reductions})
-        return [[n for n in reductions if self.level[n.name] == level] for level in levels]
+        levels = sorted({self.level[n] for n in self.reductions})
+        return [[self.nodes[n] for n in self.reductions if self.level[n] == level] for level in levels]
 
     def node_level(self, name: str) -> int:
         deps = [r.name for r in ir.reads(self.bodies[name]) if r.name in self.bodies]

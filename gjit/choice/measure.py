@@ -33,7 +33,7 @@ from gjit.ir import LoopGraph
 from gjit.kernels import template_wins
 from gjit.lowering.templates import EVERY_TEMPLATE, RegionChoice, TemplateChoice
 from gjit.runtime import tuning_store
-from gjit.runtime.graph import CompiledGraph
+from gjit.runtime.graph import ROW_KERNEL, CompiledGraph
 
 log = tuning.log  # GJIT_LOGS=tuning
 
@@ -257,7 +257,7 @@ def measured(first: tuple[LoopGraph, list[Step], CompiledGraph], builder: Builde
         try:
             chosen = Chosen(*row_kernels.measured(program, builder, call, first=not templates))
         except Exception as e:  # noqa: BLE001 - measuring is an optimization
-            line = f"{row_kernels.ROW}tuning failed ({tuning.first_line(e)}): every row kernel looped"
+            line = f"{ROW_KERNEL}tuning failed ({tuning.first_line(e)}): every row kernel looped"
             log.warning("gjit: %s", line)
             chosen.graph.tuning = [*chosen.graph.tuning, line]
             for region in row_kernels.row_regions(chosen.steps, chosen.graph.kernels):

@@ -41,7 +41,6 @@ from gjit.runtime import tuning_store
 from gjit.runtime.graph import ROW_KERNEL, CompiledGraph
 
 log = tuning.log
-ROW = ROW_KERNEL  # how the decisions' lines start (gjit/debug/report.py lists them apart)
 Program = tuple[LoopGraph, list[Step], CompiledGraph]
 
 
@@ -64,7 +63,7 @@ def measured(program: Program, builder: Any, call: Call, first: bool) -> Program
     budget = builder.budget
     if not budget.left():
         names = ", ".join(r.name for r in regions)
-        line = f"{ROW}{names}: looped (the table's): not measured: over the tuning budget"
+        line = f"{ROW_KERNEL}{names}: looped (the table's): not measured: over the tuning budget"
         log.info("%s", line)
         graph.tuning = [*graph.tuning, line]
         return program
@@ -75,13 +74,14 @@ def measured(program: Program, builder: Any, call: Call, first: bool) -> Program
     alike: dict[str | None, list[Region]] = {}  # same_kernel_key (code, sizes, numels) -> its regions
     for region in regions:
         alike.setdefault(keys.get(region.name), []).append(region)
-    lines = [f"{ROW}{r.name}: not launched at these sizes: looped (the table's)" for r in alike.pop(None, [])]
+    unlaunched = alike.pop(None, [])
+    lines = [f"{ROW_KERNEL}{r.name}: not launched at these sizes: looped (the table's)" for r in unlaunched]
     # heaviest first: the elements each one's launch reads, as a measure of its time
     for key, group in sorted(alike.items(), key=lambda kv: -_elements(launches.get(kv[0]))):
         head = group[0]
         config, line = _decide(head, by_name[head.name], launches.pop(key, None), emit, budget)
         more = f" (and {len(group) - 1} more alike)" if len(group) > 1 else ""
-        lines.append(f"{ROW}{line}{more}")
+        lines.append(f"{ROW_KERNEL}{line}{more}")
         log.info("%s", lines[-1])
         for region in group:
             region.config = config
@@ -118,11 +118,11 @@ def _decide(region: Region, kernel: KernelSource, launch: tuning.Launch | None, 
     if not budget.left():
         stats.count("tuning_over_budget")
         return 0, f"{name}: looped (the table's): not measured: over the tuning budget"
-    ms, line = tuning.first_time(kernel, launch, f"{ROW}{name}")
+    ms, line = tuning.first_time(kernel, launch, f"{ROW_KERNEL}{name}")
     if ms is None:
         return 0, line
     start = tuning.Explored(0, ms, 1, line.replace("ms by tiles", "ms looped or persistent"))
-    explored = tuning.explore(region, kernel, launch, emit, f"{ROW}{name}", start, more=budget.left)
+    explored = tuning.explore(region, kernel, launch, emit, f"{ROW_KERNEL}{name}", start, more=budget.left)
     if explored.tried >= kernel.configs and ms >= tuning.MIN_KERNEL_MS:
         tuned = (explored.config, explored.ms, explored.tried, kernel.configs, explored.line)
         tuning_store.store(record, tuning_store.Tuned(*tuned), replace=found is not None)
