@@ -59,6 +59,16 @@ if fits "${COPY_S:-45}"; then
 fi
 pack
 
+step "convolutions: channels-last (GJIT_CONV_LAYOUT=auto) and the model's layout (traced), next to eager and torch.compile"
+for layout in auto traced; do
+    if fits "${CONV_S:-80}"; then
+        GJIT_CONV_LAYOUT=$layout timeout "${CONV_S:-80}" $PY -m gjit.bench --device-sizes \
+            --cases conv_block conv_block_bf16 --json "$LOGS/conv_$layout.json" 2>"$LOGS/conv_$layout.err" | tail -6
+        tail -2 "$LOGS/conv_$layout.err"
+    fi
+done
+pack
+
 if [ "$MODE" = kernels ]; then  # rows of 1025-8192: looped (the table) against persistent
     # (a static row, layer_norm_wide's, is timed both ways by tuning in either run: gjit/choice/row_kernels.py)
     step "rows of 2048-8192: looped (GJIT_PERSISTENT_MAX=1024, the table) against persistent (8192)"

@@ -101,6 +101,39 @@ def _channels_last(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, 2, 3, 1).contiguous()
 
 
+def _bottleneck(dtype: torch.dtype) -> Callable[[int], tuple[Any, tuple]]:
+    """Two of ResNet-50's first-stage bottleneck blocks (1x1, 3x3 and 1x1 convolutions, each with a
+    batch norm, ReLU, the residual), evaluated on images of N x N (2 of them below 32, else 32)."""
+
+    def block() -> torch.nn.Module:
+        layers = []
+        for cin, cout, k in ((256, 64, 1), (64, 64, 3), (64, 256, 1)):
+            layers += [torch.nn.Conv2d(cin, cout, k, padding=k // 2, bias=False), torch.nn.BatchNorm2d(cout)]
+            layers.append(torch.nn.ReLU())
+        return torch.nn.Sequential(*layers[:-1])
+
+    class Blocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([block(), block()])
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = torch.relu(x + b(x))
+            return x
+
+    def make(n: int) -> tuple[Any, tuple]:
+        torch.manual_seed(0)
+        model = Blocks().eval()
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.1, 0.1)
+                m.running_var.uniform_(0.5, 1.5)
+        return model.to(dtype), (torch.randn(2 if n < 32 else 32, 256, n, n, dtype=dtype),)
+
+    return make
+
+
 def _qkv(n: int) -> tuple:
     return tuple(_r(2, 4, n, 32) for _ in range(3))
 
@@ -139,6 +172,10 @@ CASES = [
     Case("cumsum_last", _fn(lambda x: x.cumsum(-1), (N, 4096)), (16,), "scan", (2**15,)),
     Case("cumsum_first", _fn(lambda x: x.cumsum(0), (4096, N)), (16,), "scan", (64, 2**15)),
     Case("embedding", _embedding, (64,), "indexing"),
+    # convolutions (cuDNN) with their batch norms, ReLUs and residuals: channels-last on a GPU
+    # (gjit/lowering/convolutions.py; GJIT_CONV_LAYOUT=traced keeps the model's layout)
+    Case("conv_block", _bottleneck(torch.float32), (8,), "block", (56,)),
+    Case("conv_block_bf16", _bottleneck(torch.bfloat16), (8,), "block", (56,)),
     Case("gelu_mlp", lambda n: (_gelu_mlp(64), (_r(n, 64),)), (64,), "block"),
     Case("attention", lambda n: (_attention, _qkv(n)), (64,), "block"),
     Case("encoder_layer", _hf("transformer_encoder_layer"), (0,), "model"),

@@ -43,6 +43,11 @@
                                                          contents (by default a causal tril held in one
                                                          makes the call causal; the entry assumes writes
                                                          to it bump its version: not through .data)
+    gjit.config.conv_layout           GJIT_CONV_LAYOUT   convolutions: auto (on a GPU, each bias added by the
+                                                         kernel after the call, and 2-D convolutions
+                                                         channels-last where the dense ones do most of the
+                                                         work) | channels_last (both, on every device) |
+                                                         traced (as the model lays them out)
     gjit.config.rblock                GJIT_RBLOCK        chunk size of looped reductions (0: the tile table)
     gjit.config.recompile_limit       GJIT_RECOMPILE_LIMIT  entries per compiled callable; calls that
                                                          miss past it run eagerly (one warning)
@@ -247,6 +252,13 @@ class Config:
         "gjit/lowering/held_masks.py); the entry assumes they change only by writes torch's version "
         "counter sees (not through .data or NumPy); off: no proof reads them",
     )
+    conv_layout = _Knob(
+        "GJIT_CONV_LAYOUT",
+        _env_str("GJIT_CONV_LAYOUT", lambda: "auto"),
+        "convolutions: auto (on a GPU, the bias added by the kernel after each call, and 2-D "
+        "convolutions channels-last where dense ones do most of the work: gjit/lowering/convolutions.py) "
+        "| channels_last (both on every device) | traced (the model's own layout and calls)",
+    )
     persistent_max = _Knob(
         "GJIT_PERSISTENT_MAX",
         _env_int("GJIT_PERSISTENT_MAX", 1024),
@@ -360,6 +372,7 @@ BACKENDS = ("triton", "cupy")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # gjit/runtime/cuda_graphs.py
 MATMUL_SETTINGS = ("auto", "template", "aten")
+CONV_LAYOUTS = ("auto", "channels_last", "traced")  # gjit/lowering/convolutions.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,6 +406,8 @@ class CompileOptions:
     measure_all_templates: bool = False
     # a mask's proof may read the contents of buffers and constants (gjit/lowering/held_masks.py)
     held_masks: bool = True
+    # convolutions' biases and layout (gjit/lowering/convolutions.py): auto, channels_last, traced
+    conv_layout: str = "auto"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -400,6 +415,10 @@ class CompileOptions:
         if self.matmul not in MATMUL_SETTINGS:
             raise ValueError(
                 f"gjit: unknown matmul setting {self.matmul!r}: expected one of {MATMUL_SETTINGS}"
+            )
+        if self.conv_layout not in CONV_LAYOUTS:
+            raise ValueError(
+                f"gjit: unknown convolution layout {self.conv_layout!r}: expected one of {CONV_LAYOUTS}"
             )
         if not self.tune_budget >= 0:  # NaN too
             raise ValueError(

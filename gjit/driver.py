@@ -19,6 +19,7 @@ from gjit.capture.export import (
     CapturedProgram,
     Exported,
     captured_program,
+    shape_env_of,
     shape_guard_texts,
     size_hints,
 )
@@ -38,6 +39,7 @@ from gjit.ir import LoopGraph
 from gjit.lowering.attention_call import written_out_as_sdpa
 from gjit.lowering.attention_layout import attention_layouts
 from gjit.lowering.attention_pattern import match_attention
+from gjit.lowering.convolutions import library_convolutions
 from gjit.lowering.graph import lower_graph
 from gjit.lowering.grouped_kv import grouped_kv, packed_queries
 from gjit.lowering.held_masks import Held, bands_from_record, held_inputs, program_bands
@@ -105,6 +107,7 @@ class CompiledProgram:
         gm = self.captured.full_graph_module
         bands = bands_from_record(self.graph.held)  # what the compile's proofs read of its buffers
         library_attention(gm, held_inputs(gm, self.captured.input_sources, bands), self.graph.grouped_kv)
+        library_convolutions(gm, self.graph.conv_layout, on_gpu(gm))
         for deterministic, templates in settings:
             with _deterministic_algorithms(deterministic):
                 loop_graph, steps = schedule_graph(gm, templates, _untimed)
@@ -235,7 +238,13 @@ def compile_program(
     # call's output in the layout ATen's kernel returns, where the program only permutes it
     held = held_inputs(gm, captured.input_sources, bands)  # what a mask's proof may read
     grouped = flash_attention_runs(gm, options.target)  # (stored: a reanalysis decides as this did)
+    env = shape_env_of(exported.user_vals)
+    before = len(env.guards) if env is not None else 0
     passes("sdpa", library_attention, gm, held, grouped)
+    # convolutions: on a GPU, each bias added after the call; 2-D convolutions channels-last
+    passes("convolutions", library_convolutions, gm, options.conv_layout, on_gpu(gm))
+    if env is not None:  # a pass's trace may guard a size (a convolution's output wider than 1)
+        shape_guards = [*shape_guards, *(g.expr for g in env.guards[before:])]
     why = unmeasurable(gm, symbols, options, example)
     if options.matmul == "auto" and options.matmul_template and why is not None:  # the library,
         # but where the table of kernels/template_wins.py has the region
@@ -263,6 +272,7 @@ def compile_program(
             key = None  # not stored: the next process measures again
     graph.held = held.record()  # the guard checks these keep their contents
     graph.grouped_kv = grouped
+    graph.conv_layout = options.conv_layout
     if key is not None:
         with timed("cache_store", timings):
             extra = {"program": stored, "shape_guards": shape_guards, "symbols": symbols}

@@ -123,7 +123,7 @@ def _round_trips(node: torch.fx.Node) -> bool:
     while todo:
         view = todo.pop()
         todo += [u for u in view.users if u.target in RESHAPES]
-        if _same_layout(view.meta["val"], node.meta["val"]):
+        if same_layout(view.meta["val"], node.meta["val"]):
             view.replace_all_uses_with(node, delete_user_cb=lambda user: user.op != "output")
             found = True
     for view in reversed(list(node.graph.nodes)):  # the reshapes nothing reads now
@@ -202,7 +202,7 @@ def _clones_in_place(node: torch.fx.Node) -> int:
         for user in list(source.users):
             if not _contiguous_clone(user) or _written(user) or _returned(user):
                 continue  # (a clone the program returns stays its own tensor)
-            if _same_layout(user.meta["val"], source.meta["val"]):
+            if same_layout(user.meta["val"], source.meta["val"]):
                 user.replace_all_uses_with(source)
                 source.graph.erase_node(user)
                 done += 1
@@ -233,7 +233,7 @@ def _written(node: torch.fx.Node) -> bool:
     return False
 
 
-def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     """The same sizes, dtype and offset, and the same strides on every dim not of size 1."""
     if (
         a.dtype != b.dtype

@@ -295,6 +295,7 @@ def graph_record(graph: CompiledGraph) -> dict:
         "templates": graph.templates.record() if graph.templates is not None else None,
         "held": graph.held,  # what the guard checks of the buffers a proof read
         "grouped_kv": graph.grouped_kv,
+        "conv_layout": graph.conv_layout,
     }
 
 
@@ -307,6 +308,7 @@ def graph_from_record(record: dict, gm: torch.fx.GraphModule) -> CompiledGraph:
     graph = CompiledGraph(gm, kernels, str(record["wrapper"]), tuning=list(record.get("tuning", [])))
     graph.held = list(record.get("held", []))
     graph.grouped_kv = bool(record.get("grouped_kv", False))
+    graph.conv_layout = str(record.get("conv_layout", "traced"))  # (an older entry's: none)
     try:
         bands_from_record(graph.held)
     except (TypeError, ValueError, AttributeError) as e:

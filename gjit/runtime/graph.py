@@ -181,6 +181,8 @@ class CompiledGraph:
     held: list = dataclasses.field(default_factory=list)
     # whether SDPA calls took grouped keys and values (gjit/lowering/grouped_kv.py; the card's choice)
     grouped_kv: bool = False
+    # the setting gjit/lowering/convolutions.py ran under (GJIT_CONV_LAYOUT): a reanalysis runs it so
+    conv_layout: str = "traced"
     prebuilt: bool = False  # its first call on a GPU started its kernels' builds (gjit/runtime/prebuild.py)
     # that prebuild: its launches' entries in Triton's on-disk cache (gjit.save(binaries=True))
     prebuild_result: prebuild.Prebuild | None = None

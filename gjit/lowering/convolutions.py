@@ -1,0 +1,404 @@
+"""Convolutions as the library runs them fastest on a GPU: the bias added by the kernel after
+them, and 2-D convolutions in the channels-last layout where the program's convolutions favor it.
+
+Both are the driver's `convolutions` pass, before lowering, on the FX graph.
+
+**The bias.** ATen's cuDNN convolution computes without the bias and then adds it in a kernel of its
+own (`output.add_(bias)`): the output read and written once more, and a launch. A convolution is
+nearly always followed by pointwise work (a batch norm, an activation, a residual add), so here the
+call runs without its bias and an `add` of the bias viewed as [C, 1, ...] follows it, which fusion
+puts into that work's kernel. Only where the add keeps the convolution's layout and dtype.
+
+**The layout.** cuDNN's tensor-core kernels read and write channels-last (NHWC) memory; given
+contiguous (NCHW) tensors, ATen's call transposes the input in and the output out around them. Here
+each 2-D convolution's input is cloned channels-last where it is not already (ATen then converts
+the weight, as it does for a channels-last input), and the layout flows on: every node that reads
+a value whose layout changed is traced again on the new values in export's fake mode, which lays
+out each op's output as ATen will (a batch norm, an activation, a residual add, a pooling keep
+channels-last; gjit's kernels write what the trace says). An op that may depend on its input's
+strides (a `view` that cannot take the new ones, `as_strided`, a stride read, a write into its
+input, a higher-order op) and the program's outputs are boundaries: they get the value in its
+traced layout again (a copy), so what they see and what the caller gets are unchanged. The pass
+keeps the traced layout where a trace fails. Tracing on the new layout may guard a size (that a
+convolution's output is wider than 1, where channels-last and contiguous would be one layout): such
+guards are the entry's (the driver stores them with it, as decomposition's), so a call that breaks
+one compiles again.
+
+Which programs: where 2-D convolutions are at least two and the dense ones (groups 1) do at least
+half of their work (grouped and depthwise convolutions gain less, or lose, channels-last). A
+program with one convolution (a vision transformer's patch embedding) keeps its layout: two copies
+for one call's gain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import operator
+
+import torch
+from torch._subclasses.fake_tensor import maybe_get_fake_mode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from gjit.lowering.attention_layout import same_layout
+from gjit.lowering.attention_library import ANY_LAYOUT
+from gjit.lowering.proved_masks import dense_order
+
+log = logging.getLogger("gjit.lowering")
+aten = torch.ops.aten
+CONVOLUTION = aten.convolution.default
+# ops whose result depends on their input's strides: never traced on a new layout
+STRIDED = frozenset(
+    {
+        aten.as_strided.default,
+        aten.as_strided_copy.default,
+        aten.as_strided_scatter.default,
+        aten.sym_stride.int,
+        aten.sym_storage_offset.default,
+        aten.view.dtype,
+    }
+)
+# ops traced on a new layout over symbolic sizes too (with the pointwise ones): what a convolutional
+# network does between its convolutions, whose traces guard at most that a size is not 1
+LAYOUT_FLOWS = frozenset(
+    {
+        CONVOLUTION,
+        aten._native_batch_norm_legit_no_training.default,
+        aten._native_batch_norm_legit.no_stats,
+        aten._native_batch_norm_legit_functional.default,
+        aten.native_group_norm.default,
+        aten.native_layer_norm.default,
+        aten._to_copy.default,
+        aten.max_pool2d_with_indices.default,
+        aten.avg_pool2d.default,
+        aten._adaptive_avg_pool2d.default,
+        aten.adaptive_max_pool2d.default,
+        aten.cat.default,
+        aten.sum.dim_IntList,
+        aten.mean.dim,
+        aten.amax.default,
+        aten.amin.default,
+        aten.var_mean.correction,
+        aten.var.correction,
+        aten.permute.default,
+        aten.view.default,
+        aten._unsafe_view.default,
+        aten.expand.default,
+        aten.slice.Tensor,
+        aten.select.int,
+        aten.squeeze.dims,
+        aten.unsqueeze.default,
+        aten.alias.default,
+        aten.sym_size.int,
+        aten.sym_numel.default,
+    }
+)
+CHANNELS_LAST = (0, 2, 3, 1)  # [N, C, H, W]'s dims in memory, outermost first
+
+
+def library_convolutions(gm: torch.fx.GraphModule, setting: str, on_gpu: bool) -> tuple[int, int]:
+    """The pass: on a GPU (or everywhere under "channels_last"), each convolution's bias peeled off
+    and the program's 2-D convolutions channels-last where `worth_channels_last` (always under
+    "channels_last"); nothing under "traced". How many biases and convolutions changed."""
+    if setting == "traced" or not (on_gpu or setting == "channels_last"):
+        return 0, 0
+    peeled = peel_biases(gm)
+    convs = two_d_convolutions(gm)
+    laid = 0
+    if convs and (setting == "channels_last" or worth_channels_last(convs)):
+        laid = channels_last(gm, convs)
+    if peeled or laid:
+        gm.graph.lint()
+        gm.recompile()
+    return peeled, laid
+
+
+def peel_biases(gm: torch.fx.GraphModule) -> int:
+    """Each convolution with a bias as the convolution without it plus an add of the bias viewed
+    over the output's channels, where the add keeps the output's layout and dtype; how many."""
+    done = 0
+    for node in list(gm.graph.find_nodes(op="call_function", target=CONVOLUTION)):
+        bias = node.args[2]
+        val = node.meta.get("val")
+        bval = bias.meta.get("val") if isinstance(bias, torch.fx.Node) else None
+        if not isinstance(val, torch.Tensor) or not isinstance(bval, torch.Tensor):
+            continue
+        if bval.dim() != 1 or bval.dtype != val.dtype or not isinstance(bval.shape[0], int):
+            continue
+        shape = [bval.shape[0]] + [1] * (val.dim() - 2)
+        with _fake_mode(val):
+            view_val = aten.view.default(bval, shape)
+            add_val = aten.add.Tensor(val, view_val)
+        if not same_layout(add_val, val):
+            continue
+        graph = gm.graph
+        with graph.inserting_after(node):
+            conv = graph.call_function(CONVOLUTION, (node.args[0], node.args[1], None, *node.args[3:]))
+        with graph.inserting_after(conv):
+            view = graph.call_function(aten.view.default, (bias, shape))
+        with graph.inserting_after(view):
+            add = graph.call_function(aten.add.Tensor, (conv, view))
+        node.replace_all_uses_with(add)
+        for new, value in ((conv, val), (view, view_val), (add, add_val)):
+            new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+            new.meta["val"] = value
+        graph.erase_node(node)
+        done += 1
+    if done:
+        log.info("convolutions: %d bias(es) added by the kernel after the convolution", done)
+    return done
+
+
+def two_d_convolutions(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The convolutions over 4-D tensors (2-D images) with a floating-point value."""
+    convs = []
+    for node in gm.graph.find_nodes(op="call_function", target=CONVOLUTION):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dim() == 4 and val.dtype.is_floating_point:
+            convs.append(node)
+    return convs
+
+
+def worth_channels_last(convs: list[torch.fx.Node]) -> bool:
+    """At least two 2-D convolutions, the dense ones (groups 1) doing at least half of their
+    multiply-adds at the example's sizes."""
+    if len(convs) < 2:
+        return False
+    dense = grouped = 0
+    for node in convs:
+        work = _multiply_adds(node)
+        if node.args[8] == 1:
+            dense += work
+        else:
+            grouped += work
+    return dense >= grouped
+
+
+def _multiply_adds(node: torch.fx.Node) -> int:
+    """Output elements times the weight's elements per output channel, at the example's sizes."""
+    out, weight = node.meta["val"], node.args[1].meta["val"]
+    per_output = math.prod(_hint(s) for s in weight.shape[1:])
+    return math.prod(_hint(s) for s in out.shape) * per_output
+
+
+def _hint(size) -> int:
+    if isinstance(size, torch.SymInt):
+        return size.node.hint if size.node.hint is not None else 1
+    return int(size)
+
+
+def channels_last(gm: torch.fx.GraphModule, convs: list[torch.fx.Node]) -> int:
+    """`convs` reading channels-last inputs and the layout flowing on from them (the module's
+    docstring); how many convolutions changed (0: the graph as it was)."""
+    shape_env = _shape_env(convs[0].meta["val"])
+    before = len(shape_env.guards) if shape_env is not None else 0
+    try:
+        plan = _Plan(gm.graph, convs)
+    except _TakeBack as e:
+        log.info("convolutions: layout kept as traced: %s", e)
+        return 0
+    if shape_env is not None and len(shape_env.guards) > before:
+        added = ", ".join(str(g.expr) for g in shape_env.guards[before:])
+        log.info("convolutions: the new layout's trace guards %s (the entry's guards check them)", added)
+    plan.apply()
+    log.info(
+        "convolutions: %d of %d 2-D convolution(s) read channels-last inputs; %d value(s) laid out "
+        "again, %d copied back for %d boundary reader(s)",
+        len(plan.inputs), len(convs), len(plan.values), len(plan.restored), len(plan.boundaries),
+    )  # fmt: skip
+    return len(plan.inputs)
+
+
+class _TakeBack(Exception):
+    """The layout stays as traced (why)."""
+
+
+class _Plan:
+    """The new layout, worked out before the graph changes: each convolution input's channels-last
+    value, the new value of every node traced again, and the boundaries (a node and the inputs it
+    gets back in their traced layout)."""
+
+    def __init__(self, graph: torch.fx.Graph, convs: list[torch.fx.Node]):
+        self.graph = graph
+        self.inputs: dict[torch.fx.Node, torch.Tensor] = {}  # conv -> its input's channels-last value
+        self.values: dict[torch.fx.Node, object] = {}  # node -> its value in the new layout
+        self.boundaries: dict[torch.fx.Node, list[torch.fx.Node]] = {}  # reader -> inputs copied back
+        self.restored: dict[torch.fx.Node, tuple] = {}  # input -> its copy's (order, values)
+        self.convs = set(convs)
+        self._flow()
+
+    def value(self, node: torch.fx.Node, reader: torch.fx.Node | None = None):
+        if reader in self.inputs and node is reader.args[0]:
+            return self.inputs[reader]
+        return self.values.get(node, node.meta.get("val"))
+
+    def _changed(self, node: torch.fx.Node) -> list[torch.fx.Node]:
+        """The inputs of `node` whose value it would read in a new layout."""
+        moved = [a for a in node.all_input_nodes if a in self.values]
+        if node in self.inputs and node.args[0] not in moved:
+            moved.append(node.args[0])
+        return moved
+
+    def _flow(self) -> None:
+        for node in self.graph.nodes:
+            if node in self.convs:
+                xval = self.value(node.args[0])
+                if not in_order(xval, CHANNELS_LAST):
+                    with _fake_mode(xval):
+                        self.inputs[node] = aten.clone.default(xval, memory_format=torch.channels_last)
+            moved = self._changed(node)
+            if not moved:
+                continue
+            if _writes(node):  # a copy would take the write
+                raise _TakeBack(f"{node.name} ({node.target}) writes a value whose layout would change")
+            new = self._trace(node) if _traceable(node) else None
+            if new is None:  # it reads its inputs as traced: copies of them
+                if node in self.inputs:
+                    raise _TakeBack(f"{node.name} does not trace on a channels-last input")
+                self._boundary(node, [a for a in moved if a in self.values])
+            elif not _same_values(new, node.meta["val"]):
+                self.values[node] = new
+
+    def _trace(self, node: torch.fx.Node):
+        """The value of `node` on its inputs' new values; None where the op refuses them (a view
+        that cannot take the new strides)."""
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: self.value(a, node))
+        if node.target is operator.getitem:
+            return args[0][args[1]]
+        try:
+            with _fake_mode(node.meta.get("val")):
+                return _over(node.target(*args, **kwargs), node.meta.get("val"))
+        except Exception as e:  # noqa: BLE001 - the op reads the traced layout instead
+            log.debug("convolutions: %s (%s) does not trace on the new layout: %s", node.name, node.target, e)
+            return None
+
+    def _boundary(self, node: torch.fx.Node, moved: list[torch.fx.Node]) -> None:
+        """`node` reads each of `moved` in its traced layout: a copy of it (one per value)."""
+        self.boundaries[node] = moved
+        for a in moved:
+            if a in self.restored:
+                continue
+            old = a.meta["val"]
+            order = dense_order(old) if isinstance(old, torch.Tensor) else None
+            if order is None:
+                raise _TakeBack(f"{node.name} reads {a.name}, whose traced layout is not dense")
+            inverse = [order.index(d) for d in range(len(order))]
+            with _fake_mode(old):
+                into = aten.permute.default(self.values[a], list(order))
+                copy = aten.clone.default(into, memory_format=torch.contiguous_format)
+                back = aten.permute.default(copy, inverse)
+            if not same_layout(back, old):
+                raise _TakeBack(f"{a.name} cannot be copied back into its traced layout")
+            self.restored[a] = (order, inverse, (into, copy, back))
+
+    def apply(self) -> None:
+        graph = self.graph
+        for conv, value in self.inputs.items():
+            x = conv.args[0]
+            with graph.inserting_before(conv):
+                clone = graph.call_function(aten.clone.default, (x,), {"memory_format": torch.channels_last})
+            _meta(clone, x, value)
+            conv.replace_input_with(x, clone)
+        for node, value in self.values.items():
+            node.meta["val"] = value
+        copies = {}
+        for a, (order, inverse, vals) in self.restored.items():
+            with graph.inserting_after(a):
+                into = graph.call_function(aten.permute.default, (a, list(order)))
+            with graph.inserting_after(into):
+                contiguous = {"memory_format": torch.contiguous_format}
+                copy = graph.call_function(aten.clone.default, (into,), contiguous)
+            with graph.inserting_after(copy):
+                back = graph.call_function(aten.permute.default, (copy, inverse))
+            for new, value in zip((into, copy, back), vals):
+                _meta(new, a, value)
+            copies[a] = back
+        for node, moved in self.boundaries.items():
+            for a in moved:
+                node.replace_input_with(a, copies[a])
+
+
+def in_order(val: torch.Tensor, order: tuple[int, ...]) -> bool:
+    """Whether `val` is dense with its dims in memory in `order`, outermost first, for every size (a
+    dim of size 1 may have any stride). Adds no guard."""
+    step = 1
+    for dim in reversed(order):
+        size, stride = val.shape[dim], val.stride()[dim]
+        if not (statically_known_true(size == 1) or statically_known_true(stride == step)):
+            return False
+        step = step * size
+    return True
+
+
+def _meta(new: torch.fx.Node, like: torch.fx.Node, value) -> None:
+    new.meta.update({k: v for k, v in like.meta.items() if k in ("stack_trace", "nn_module_stack")})
+    new.meta["val"] = value
+
+
+def _traceable(node: torch.fx.Node) -> bool:
+    """Whether `node` is traced on its inputs' new layout: a getitem, an op of LAYOUT_FLOWS or tagged
+    pointwise, or any other functional ATen op whose inputs have static sizes (tracing an upsampling
+    over symbolic sizes again specializes them); every other node (the output, a higher-order op,
+    `as_strided`, a stride read, an SDPA call whose output the wrapper lays out) reads its inputs
+    as traced."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    if not isinstance(node.target, torch._ops.OpOverload) or node.target in STRIDED:
+        return False
+    if ANY_LAYOUT in node.meta:  # an SDPA call the wrapper lays out as its value says
+        return False
+    if node.target in LAYOUT_FLOWS or torch.Tag.pointwise in node.target.tags:
+        return True
+    return all(not _symbolic(a.meta.get("val")) for a in node.all_input_nodes)
+
+
+def _symbolic(val) -> bool:
+    if isinstance(val, (list, tuple)):
+        return any(_symbolic(v) for v in val)
+    if isinstance(val, torch.Tensor):
+        return any(isinstance(s, torch.SymInt) for s in (*val.shape, *val.stride(), val.storage_offset()))
+    return isinstance(val, torch.SymInt)
+
+
+def _over(new, old):
+    """The value traced on the new layout over the traced value's sizes: a trace may size its result
+    with symbols of its own (an upsampling's float scale), which nothing binds. Laid out densely in
+    the new value's order (at the example's sizes); a value not dense so raises."""
+    if isinstance(new, (list, tuple)) and isinstance(old, (list, tuple)) and len(new) == len(old):
+        return type(new)(_over(a, b) for a, b in zip(new, old))
+    if not isinstance(new, torch.Tensor) or not isinstance(old, torch.Tensor):
+        return new
+    if new.dim() == old.dim() and all(statically_known_true(a == b) for a, b in zip(new.shape, old.shape)):
+        return new
+    order = sorted(range(new.dim()), key=lambda d: (-_hint(new.stride()[d]), d))  # outermost first
+    strides, step, hinted = [0] * new.dim(), 1, 1
+    for dim in reversed(order):
+        if _hint(new.shape[dim]) != 1 and _hint(new.stride()[dim]) != hinted:
+            raise ValueError("its new value is not dense")
+        strides[dim], step, hinted = step, step * old.shape[dim], hinted * _hint(new.shape[dim])
+    return torch.empty_strided(old.shape, strides, dtype=new.dtype, device=new.device)
+
+
+def _writes(node: torch.fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+
+
+def _same_values(a, b) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return same_layout(a, b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_values(x, y) for x, y in zip(a, b))
+    return True
+
+
+def _shape_env(val):
+    mode = maybe_get_fake_mode(val)
+    return mode.shape_env if mode is not None else None
+
+
+def _fake_mode(val):
+    mode = maybe_get_fake_mode(val)
+    return mode if mode is not None else contextlib.nullcontext()

@@ -1,0 +1,254 @@
+"""Convolutions as the library runs them fastest on a GPU (gjit/lowering/convolutions.py): the bias
+added by the kernel after the call, 2-D convolutions channels-last with the layout flowing through
+the pointwise work after them, boundaries (views that cannot take it, stride reads, outputs) given
+the traced layout back. On the CPU under GJIT_CONV_LAYOUT=channels_last (auto changes nothing
+there); the values are eager's and so are the outputs' strides."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import gjit
+from gjit.capture.decompose import decompose_program
+from gjit.lowering.convolutions import (
+    CONVOLUTION,
+    in_order,
+    library_convolutions,
+    two_d_convolutions,
+    worth_channels_last,
+)
+from helpers import check, check_against_float64, run_compiled
+
+pytestmark = [pytest.mark.cpu]
+CHANNELS_LAST = (0, 2, 3, 1)
+
+
+class Block(nn.Module):
+    """A residual block: conv, batch norm, ReLU, conv (with a bias), batch norm, the residual, ReLU."""
+
+    def __init__(self, c, groups=1):
+        super().__init__()
+        self.c1 = nn.Conv2d(c, c, 3, padding=1, bias=False, groups=groups)
+        self.b1 = nn.BatchNorm2d(c)
+        self.c2 = nn.Conv2d(c, c, 3, padding=1)
+        self.b2 = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        y = torch.relu(self.b1(self.c1(x)))
+        return torch.relu(x + self.b2(self.c2(y)))
+
+
+class Net(nn.Module):
+    """A stem (conv with a bias, stride 2), two blocks, global average pooling and a linear head."""
+
+    def __init__(self, c=8, groups=1):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, stride=2, padding=1)
+        self.blocks = nn.Sequential(Block(c, groups), Block(c, groups))
+        self.head = nn.Linear(c, 5)
+
+    def forward(self, x):
+        x = self.blocks(torch.relu(self.stem(x)))
+        return self.head(x.mean((2, 3)))
+
+
+class Features(Net):
+    """The blocks' feature map returned as it is, and flattened whole (a view channels-last cannot take)."""
+
+    def forward(self, x):
+        x = self.blocks(torch.relu(self.stem(x)))
+        return x, x.flatten(1).sum(1), x.flatten(2)
+
+
+def _randomized(model):
+    torch.manual_seed(0)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.5, 0.5)
+    return model.eval()
+
+
+def _program(model, x):
+    dims = ({0: torch.export.Dim.DYNAMIC, 2: torch.export.Dim.DYNAMIC, 3: torch.export.Dim.DYNAMIC},)
+    with torch.no_grad():
+        exported = torch.export.export(model, (x,), dynamic_shapes=dims)
+        return decompose_program(exported)[0].module()
+
+
+def _convolutions(gm):
+    return list(gm.graph.find_nodes(op="call_function", target=CONVOLUTION))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_residual_net_matches_eager_channels_last(dtype):
+    model = _randomized(Net()).to(dtype)
+    reference = copy.deepcopy(model).double()
+    with gjit.config.scope(conv_layout="channels_last"), torch.no_grad():
+        for shape in ((2, 3, 16, 12), (3, 3, 20, 18)):
+            check_against_float64(model, torch.randn(*shape, dtype=dtype), reference_fn=reference)
+
+
+def test_the_pass_lays_out_the_program_channels_last():
+    """One copy into channels-last before the stem; every convolution after it reads the layout the
+    pointwise kernels before it wrote; the biases are gone from the calls."""
+    model = _randomized(Net())
+    gm = _program(model, torch.randn(2, 3, 16, 12))
+    peeled, laid = library_convolutions(gm, "channels_last", on_gpu=False)
+    convs = _convolutions(gm)
+    assert (peeled, laid) == (3, 1)  # the stem's and each block's second conv; one input copied
+    assert all(c.args[2] is None for c in convs)
+    assert all(in_order(c.args[0].meta["val"], CHANNELS_LAST) for c in convs)
+    assert all(in_order(c.meta["val"], CHANNELS_LAST) for c in convs)
+    clones = [n for n in gm.graph.nodes if n.kwargs.get("memory_format") == torch.channels_last]
+    assert len(clones) == 1 and clones[0].args[0].op == "placeholder"
+    x = torch.randn(2, 3, 16, 12)
+    torch.testing.assert_close(gm(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_auto_changes_nothing_on_the_cpu_and_traced_nothing_anywhere():
+    model = _randomized(Net())
+    for setting, on_gpu in (("auto", False), ("traced", False), ("traced", True)):
+        gm = _program(model, torch.randn(2, 3, 16, 12))
+        before = gm.code
+        assert library_convolutions(gm, setting, on_gpu) == (0, 0)
+        assert gm.code == before
+
+
+def test_outputs_keep_eagers_strides_and_views_that_cannot_take_the_layout_read_a_copy():
+    model = _randomized(Features())
+    x = torch.randn(2, 3, 16, 12)
+    with gjit.config.scope(conv_layout="channels_last"), torch.no_grad():
+        expected = model(x)
+        out, _ = run_compiled(model, x)
+    for a, e in zip(out, expected):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+        assert a.stride() == e.stride()
+
+
+def test_a_one_by_one_output_compiles_again():
+    """Tracing the new layout guards that convolution outputs are wider than 1 (where channels-last
+    and contiguous are one layout); a call that breaks it compiles a new entry and is right."""
+    model = _randomized(Net())
+    with gjit.config.scope(conv_layout="channels_last"), torch.no_grad():
+        cm = check(model, torch.randn(2, 3, 16, 12))
+        check(cm, torch.randn(2, 3, 2, 2))  # the stem's output is 1 x 1
+    assert len(cm.entries) == 2
+
+
+def test_the_guards_travel_with_a_disk_cache_entry(tmp_path):
+    """A warm start does not run the pass: the guards its trace added are stored with the entry."""
+    model = _randomized(Net())
+    with gjit.config.scope(conv_layout="channels_last", cache=True, cache_dir=str(tmp_path)), torch.no_grad():
+        check(model, torch.randn(2, 3, 16, 12))
+        warm = check(model, torch.randn(2, 3, 16, 12))  # a new callable: the disk cache's entry
+        assert gjit.stats()["disk_cache_hits"] >= 1
+        check(warm, torch.randn(2, 3, 2, 2))
+        assert len(warm.entries) == 2
+
+
+@pytest.mark.parametrize(
+    "model, x",
+    [
+        (nn.Sequential(nn.Conv2d(4, 8, 3, groups=4), nn.ReLU(), nn.Conv2d(8, 8, 1)), (2, 4, 9, 7)),
+        (
+            nn.Sequential(nn.ConvTranspose2d(4, 6, 3, stride=2), nn.GELU(), nn.Conv2d(6, 4, 3, dilation=2)),
+            (1, 4, 8, 8),
+        ),
+        (
+            nn.Sequential(nn.Conv2d(3, 6, 3), nn.MaxPool2d(2), nn.Conv2d(6, 6, 3), nn.AdaptiveAvgPool2d(1)),
+            (2, 3, 14, 12),
+        ),
+        (nn.Sequential(nn.Conv1d(3, 6, 3), nn.ReLU(), nn.Conv1d(6, 6, 3)), (2, 3, 20)),
+        (
+            nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.Upsample(scale_factor=2), nn.Conv2d(6, 2, 1)),
+            (1, 3, 5, 6),
+        ),
+    ],
+    ids=["depthwise-then-pointwise", "transposed-dilated", "pooling", "one-d-untouched", "upsample"],
+)
+def test_convolution_kinds_match_eager(model, x):
+    torch.manual_seed(1)
+    model = model.eval()
+    x = torch.randn(*x)
+    with gjit.config.scope(conv_layout="channels_last"), torch.no_grad():
+        out, _ = run_compiled(model, x)
+        expected = model(x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert out.stride() == expected.stride()
+
+
+def test_a_stride_read_gets_the_traced_layout():
+    class Strides(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3)
+
+        def forward(self, x):
+            y = torch.relu(self.a(x))
+            return self.b(y), torch.as_strided(y, (2, 4), (y.stride(0), y.stride(1)))
+
+    model = Strides().eval()
+    x = torch.randn(2, 3, 9, 9)
+    with gjit.config.scope(conv_layout="channels_last"), torch.no_grad():
+        out, _ = run_compiled(model, x)
+        expected = model(x)
+    for a, e in zip(out, expected):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+def test_which_programs_are_worth_channels_last():
+    def convs(*specs):
+        graph = torch.fx.Graph()
+        nodes = []
+        mode = torch._subclasses.FakeTensorMode()
+        for cin, cout, groups in specs:
+            x = graph.placeholder(f"x{len(nodes)}")
+            w = graph.placeholder(f"w{len(nodes)}")
+            with mode:
+                x.meta["val"] = torch.empty(2, cin, 16, 16)
+                w.meta["val"] = torch.empty(cout, cin // groups, 3, 3)
+                args = (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], groups)
+                node = graph.call_function(CONVOLUTION, args)
+                node.meta["val"] = torch.empty(2, cout, 16, 16)
+            nodes.append(node)
+        return nodes
+
+    assert worth_channels_last(convs((16, 16, 1), (16, 16, 1)))
+    assert not worth_channels_last(convs((16, 16, 1)))  # one convolution: a patch embedding
+    assert not worth_channels_last(convs((64, 64, 64), (64, 64, 64), (8, 8, 1)))  # mostly depthwise
+    assert worth_channels_last(convs((64, 64, 64), (64, 64, 1)))  # a depthwise and a dense one
+
+
+def test_two_d_convolutions_are_the_four_d_ones():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(2), nn.Conv1d(4, 4, 3)).eval()
+    gm = _program(model, torch.randn(2, 3, 9, 9))
+    assert len(two_d_convolutions(gm)) == 1
+
+
+def test_a_trace_sized_by_symbols_of_its_own_takes_the_traced_sizes():
+    """A value traced again whose sizes are new symbols (nothing binds them) is laid out as it is
+    over the traced value's sizes; one that is not dense at the example's sizes is refused."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from gjit.lowering.convolutions import _over
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 4)
+    old = mode.from_tensor(torch.empty(2, 3, 4, 5), symbolic_context=dynamic)
+    new = mode.from_tensor(
+        torch.empty(2, 3, 4, 5).to(memory_format=torch.channels_last), symbolic_context=dynamic
+    )
+    assert new.shape[0] is not old.shape[0] and str(new.shape[2]) != str(old.shape[2])
+    with mode:
+        laid = _over(new, old)
+        assert [str(s) for s in laid.shape] == [str(s) for s in old.shape]
+        assert in_order(laid, CHANNELS_LAST)
+        strided = mode.from_tensor(torch.empty(2, 3, 4, 10)[..., ::2], symbolic_context=dynamic)
+        with pytest.raises(ValueError):
+            _over(strided, old)
