@@ -44,7 +44,7 @@
                                                          makes the call causal; the entry assumes writes
                                                          to it bump its version: not through .data)
     gjit.config.conv_layout           GJIT_CONV_LAYOUT   convolutions: auto (on a GPU, each bias added by the
-                                                         kernel after the call, and 2-D convolutions
+                                                         kernel after the call, and 2-D, 3-D convolutions
                                                          channels-last where the dense ones do most of the
                                                          work) | channels_last (both, on every device) |
                                                          traced (as the model lays them out)
@@ -255,7 +255,7 @@ class Config:
     conv_layout = _Knob(
         "GJIT_CONV_LAYOUT",
         _env_str("GJIT_CONV_LAYOUT", lambda: "auto"),
-        "convolutions: auto (on a GPU, the bias added by the kernel after each call, and 2-D "
+        "convolutions: auto (on a GPU, the bias added by the kernel after each call, and 2-D and 3-D "
         "convolutions channels-last where dense ones do most of the work: gjit/lowering/convolutions.py) "
         "| channels_last (both on every device) | traced (the model's own layout and calls)",
     )

@@ -241,7 +241,7 @@ def compile_program(
     env = shape_env_of(exported.user_vals)
     before = len(env.guards) if env is not None else 0
     passes("sdpa", library_attention, gm, held, grouped)
-    # convolutions: on a GPU, each bias added after the call; 2-D convolutions channels-last
+    # convolutions: on a GPU, each bias added after the call; 2-D and 3-D convolutions channels-last
     passes("convolutions", library_convolutions, gm, options.conv_layout, on_gpu(gm))
     if env is not None:  # a pass's trace may guard a size (a convolution's output wider than 1)
         shape_guards = [*shape_guards, *(g.expr for g in env.guards[before:])]

@@ -16,7 +16,7 @@ from gjit.lowering.convolutions import (
     CONVOLUTION,
     in_order,
     library_convolutions,
-    two_d_convolutions,
+    spatial_convolutions,
     worth_channels_last,
 )
 from helpers import check, check_against_float64, run_compiled
@@ -168,8 +168,14 @@ def test_the_guards_travel_with_a_disk_cache_entry(tmp_path):
             nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.Upsample(scale_factor=2), nn.Conv2d(6, 2, 1)),
             (1, 3, 5, 6),
         ),
+        (
+            nn.Sequential(
+                nn.Conv3d(3, 6, 3), nn.BatchNorm3d(6), nn.ReLU(), nn.MaxPool3d(2), nn.Conv3d(6, 4, 1)
+            ),
+            (2, 3, 7, 8, 6),
+        ),
     ],
-    ids=["depthwise-then-pointwise", "transposed-dilated", "pooling", "one-d-untouched", "upsample"],
+    ids=["depthwise-then-pointwise", "transposed-dilated", "pooling", "1-d-untouched", "upsample", "volumes"],
 )
 def test_convolution_kinds_match_eager(model, x):
     torch.manual_seed(1)
@@ -224,10 +230,13 @@ def test_which_programs_are_worth_channels_last():
     assert worth_channels_last(convs((64, 64, 64), (64, 64, 1)))  # a depthwise and a dense one
 
 
-def test_two_d_convolutions_are_the_four_d_ones():
+def test_spatial_convolutions_are_the_four_and_five_d_ones():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(2), nn.Conv1d(4, 4, 3)).eval()
     gm = _program(model, torch.randn(2, 3, 9, 9))
-    assert len(two_d_convolutions(gm)) == 1
+    assert [c.meta["val"].dim() for c in spatial_convolutions(gm)] == [4]
+    volumes = nn.Sequential(nn.Conv3d(3, 4, 3), nn.ReLU(), nn.Conv3d(4, 4, 1)).eval()
+    gm = _program(volumes, torch.randn(2, 3, 5, 6, 7))
+    assert [c.meta["val"].dim() for c in spatial_convolutions(gm)] == [5, 5]
 
 
 def test_a_trace_sized_by_symbols_of_its_own_takes_the_traced_sizes():

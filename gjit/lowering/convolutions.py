@@ -1,5 +1,6 @@
 """Convolutions as the library runs them fastest on a GPU: the bias added by the kernel after
-them, and 2-D convolutions in the channels-last layout where the program's convolutions favor it.
+them, and 2-D and 3-D convolutions in the channels-last layout where the program's convolutions
+favor it.
 
 Both are the driver's `convolutions` pass, before lowering, on the FX graph.
 
@@ -11,7 +12,7 @@ puts into that work's kernel. Only where the add keeps the convolution's layout 
 
 **The layout.** cuDNN's tensor-core kernels read and write channels-last (NHWC) memory; given
 contiguous (NCHW) tensors, ATen's call transposes the input in and the output out around them. Here
-each 2-D convolution's input is cloned channels-last where it is not already (ATen then converts
+each 2-D (3-D) convolution's input is cloned channels-last (NDHWC) where it is not already (ATen then converts
 the weight, as it does for a channels-last input), and the layout flows on: every node that reads
 a value whose layout changed is traced again on the new values in export's fake mode, which lays
 out each op's output as ATen will (a batch norm, an activation, a residual add, a pooling keep
@@ -24,7 +25,7 @@ convolution's output is wider than 1, where channels-last and contiguous would b
 guards are the entry's (the driver stores them with it, as decomposition's), so a call that breaks
 one compiles again.
 
-Which programs: where 2-D convolutions are at least two and the dense ones (groups 1) do at least
+Which programs: where 2-D and 3-D convolutions are at least two and the dense ones (groups 1) do at least
 half of their work (grouped and depthwise convolutions gain less, or lose, channels-last). A
 program with one convolution (a vision transformer's patch embedding) keeps its layout: two copies
 for one call's gain.
@@ -74,6 +75,10 @@ LAYOUT_FLOWS = frozenset(
         aten.avg_pool2d.default,
         aten._adaptive_avg_pool2d.default,
         aten.adaptive_max_pool2d.default,
+        aten.max_pool3d_with_indices.default,
+        aten.avg_pool3d.default,
+        aten._adaptive_avg_pool3d.default,
+        aten.adaptive_max_pool3d.default,
         aten.cat.default,
         aten.sum.dim_IntList,
         aten.mean.dim,
@@ -94,17 +99,19 @@ LAYOUT_FLOWS = frozenset(
         aten.sym_numel.default,
     }
 )
-CHANNELS_LAST = (0, 2, 3, 1)  # [N, C, H, W]'s dims in memory, outermost first
+# by the rank of a convolution's value: its dims in memory, outermost first, channels-last, and the
+# memory format that lays it out so
+CHANNELS_LAST = {4: ((0, 2, 3, 1), torch.channels_last), 5: ((0, 2, 3, 4, 1), torch.channels_last_3d)}
 
 
 def library_convolutions(gm: torch.fx.GraphModule, setting: str, on_gpu: bool) -> tuple[int, int]:
     """The pass: on a GPU (or everywhere under "channels_last"), each convolution's bias peeled off
-    and the program's 2-D convolutions channels-last where `worth_channels_last` (always under
+    and the program's 2-D and 3-D convolutions channels-last where `worth_channels_last` (always under
     "channels_last"); nothing under "traced". How many biases and convolutions changed."""
     if setting == "traced" or not (on_gpu or setting == "channels_last"):
         return 0, 0
     peeled = peel_biases(gm)
-    convs = two_d_convolutions(gm)
+    convs = spatial_convolutions(gm)
     laid = 0
     if convs and (setting == "channels_last" or worth_channels_last(convs)):
         laid = channels_last(gm, convs)
@@ -150,18 +157,18 @@ def peel_biases(gm: torch.fx.GraphModule) -> int:
     return done
 
 
-def two_d_convolutions(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    """The convolutions over 4-D tensors (2-D images) with a floating-point value."""
+def spatial_convolutions(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The convolutions over 4-D and 5-D tensors (images, volumes) with a floating-point value."""
     convs = []
     for node in gm.graph.find_nodes(op="call_function", target=CONVOLUTION):
         val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and val.dim() == 4 and val.dtype.is_floating_point:
+        if isinstance(val, torch.Tensor) and val.dim() in CHANNELS_LAST and val.dtype.is_floating_point:
             convs.append(node)
     return convs
 
 
 def worth_channels_last(convs: list[torch.fx.Node]) -> bool:
-    """At least two 2-D convolutions, the dense ones (groups 1) doing at least half of their
+    """At least two such convolutions, the dense ones (groups 1) doing at least half of their
     multiply-adds at the example's sizes."""
     if len(convs) < 2:
         return False
@@ -203,7 +210,7 @@ def channels_last(gm: torch.fx.GraphModule, convs: list[torch.fx.Node]) -> int:
         log.info("convolutions: the new layout's trace guards %s (the entry's guards check them)", added)
     plan.apply()
     log.info(
-        "convolutions: %d of %d 2-D convolution(s) read channels-last inputs; %d value(s) laid out "
+        "convolutions: %d of %d convolution(s) read channels-last inputs; %d value(s) laid out "
         "again, %d copied back for %d boundary reader(s)",
         len(plan.inputs), len(convs), len(plan.values), len(plan.restored), len(plan.boundaries),
     )  # fmt: skip
@@ -244,9 +251,10 @@ class _Plan:
         for node in self.graph.nodes:
             if node in self.convs:
                 xval = self.value(node.args[0])
-                if not in_order(xval, CHANNELS_LAST):
+                order, memory_format = CHANNELS_LAST[xval.dim()]
+                if not in_order(xval, order):
                     with _fake_mode(xval):
-                        self.inputs[node] = aten.clone.default(xval, memory_format=torch.channels_last)
+                        self.inputs[node] = aten.clone.default(xval, memory_format=memory_format)
             moved = self._changed(node)
             if not moved:
                 continue
@@ -297,7 +305,8 @@ class _Plan:
         for conv, value in self.inputs.items():
             x = conv.args[0]
             with graph.inserting_before(conv):
-                clone = graph.call_function(aten.clone.default, (x,), {"memory_format": torch.channels_last})
+                memory_format = CHANNELS_LAST[value.dim()][1]
+                clone = graph.call_function(aten.clone.default, (x,), {"memory_format": memory_format})
             _meta(clone, x, value)
             conv.replace_input_with(x, clone)
         for node, value in self.values.items():
