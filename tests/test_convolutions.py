@@ -261,3 +261,24 @@ def test_a_trace_sized_by_symbols_of_its_own_takes_the_traced_sizes():
         strided = mode.from_tensor(torch.empty(2, 3, 4, 10)[..., ::2], symbolic_context=dynamic)
         with pytest.raises(ValueError):
             _over(strided, old)
+
+
+def test_elementwise_values_are_laid_out_as_a_trace_lays_them_out():
+    """The batch norms, activations and residual adds take their inputs' order without a trace
+    (`_Plan._kept`): the layout a trace in export's fake mode would give them."""
+    from gjit.lowering.attention_layout import same_layout
+    from gjit.lowering.convolutions import _Plan
+
+    gm = _program(_randomized(Net()), torch.randn(2, 3, 16, 12))
+    plan = _Plan(gm.graph, spatial_convolutions(gm))
+    kept = {n: plan._kept(n) for n in plan.values}
+    kept = {n: v for n, v in kept.items() if v is not None}
+    assert {n.target.__name__.split(".")[0] for n in kept} >= {
+        "_native_batch_norm_legit_no_training",
+        "relu",
+        "add",
+    }
+    for node, value in kept.items():
+        traced = plan._trace(node)
+        first = lambda v: v[0] if isinstance(v, tuple) else v
+        assert same_layout(first(value), first(traced)), node.name

@@ -45,6 +45,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from gjit.lowering.attention_layout import same_layout
 from gjit.lowering.attention_library import ANY_LAYOUT
 from gjit.lowering.proved_masks import dense_order
+from gjit.lowering.registry import EXTERN_REASONS, LOWERINGS
 
 log = logging.getLogger("gjit.lowering")
 aten = torch.ops.aten
@@ -101,6 +102,8 @@ LAYOUT_FLOWS = frozenset(
 )
 # by the rank of a convolution's value: its dims in memory, outermost first, channels-last, and the
 # memory format that lays it out so
+# elementwise ops that are not tagged pointwise: their (first) output laid out as their input
+ELEMENTWISE = frozenset({aten._native_batch_norm_legit_no_training.default, aten._to_copy.default})
 CHANNELS_LAST = {4: ((0, 2, 3, 1), torch.channels_last), 5: ((0, 2, 3, 4, 1), torch.channels_last_3d)}
 
 
@@ -260,13 +263,41 @@ class _Plan:
                 continue
             if _writes(node):  # a copy would take the write
                 raise _TakeBack(f"{node.name} ({node.target}) writes a value whose layout would change")
-            new = self._trace(node) if _traceable(node) else None
+            new = self._kept(node)
+            if new is None and _traceable(node):
+                new = self._trace(node)
             if new is None:  # it reads its inputs as traced: copies of them
                 if node in self.inputs:
                     raise _TakeBack(f"{node.name} does not trace on a channels-last input")
                 self._boundary(node, [a for a in moved if a in self.values])
             elif not _same_values(new, node.meta["val"]):
                 self.values[node] = new
+
+    def _kept(self, node: torch.fx.Node):
+        """The value of an elementwise node gjit lowers (a pointwise op, a batch norm's output) whose
+        inputs of its own sizes are all laid out densely in one order, in that order, as ATen's
+        TensorIterator lays it out: no trace (a batch norm's costs 10-90 ms over symbolic sizes).
+        None where that does not decide it."""
+        target = node.target
+        elementwise = target in ELEMENTWISE or (
+            isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+        )
+        if not elementwise or target not in LOWERINGS or target in EXTERN_REASONS:
+            return None
+        old = node.meta.get("val")
+        out = old[0] if isinstance(old, (list, tuple)) and old else old
+        if not isinstance(out, torch.Tensor):
+            return None
+        orders = set()
+        for a in node.all_input_nodes:
+            value = self.value(a, node)
+            if isinstance(value, torch.Tensor) and _same_sizes(value, out):
+                orders.add(_order(value))
+        if len(orders) != 1 or None in orders:
+            return None
+        with _fake_mode(out):
+            new = _laid_out(out, orders.pop())
+        return (new, *old[1:]) if out is not old else new
 
     def _trace(self, node: torch.fx.Node):
         """The value of `node` on its inputs' new values; None where the op refuses them (a view
@@ -338,6 +369,25 @@ def in_order(val: torch.Tensor, order: tuple[int, ...]) -> bool:
             return False
         step = step * size
     return True
+
+
+def _same_sizes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dim() == b.dim() and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
+
+
+def _order(val: torch.Tensor) -> tuple[int, ...] | None:
+    """The order `val` is dense in (outermost first; its strides at the example's sizes decide
+    between the orders of dims of size 1), or None."""
+    order = tuple(sorted(range(val.dim()), key=lambda d: (-_hint(val.stride()[d]), d)))
+    return order if in_order(val, order) else None
+
+
+def _laid_out(val: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of `val`'s sizes and dtype, dense in `order` (outermost first)."""
+    strides, step = [0] * val.dim(), 1
+    for dim in reversed(order):
+        strides[dim], step = step, step * val.shape[dim]
+    return torch.empty_strided(val.shape, strides, dtype=val.dtype, device=val.device)
 
 
 def _meta(new: torch.fx.Node, like: torch.fx.Node, value) -> None:
