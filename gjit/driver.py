@@ -107,7 +107,7 @@ class CompiledProgram:
         gm = self.captured.full_graph_module
         bands = bands_from_record(self.graph.held)  # what the compile's proofs read of its buffers
         library_attention(gm, held_inputs(gm, self.captured.input_sources, bands), self.graph.grouped_kv)
-        library_convolutions(gm, self.graph.conv_layout, on_gpu(gm))
+        library_convolutions(gm, self.graph.conv_layout, on_gpu(gm), self.graph.cudnn_layouts)
         for deterministic, templates in settings:
             with _deterministic_algorithms(deterministic):
                 loop_graph, steps = schedule_graph(gm, templates, _untimed)
@@ -242,7 +242,8 @@ def compile_program(
     before = len(env.guards) if env is not None else 0
     passes("sdpa", library_attention, gm, held, grouped)
     # convolutions: on a GPU, each bias added after the call; 2-D and 3-D convolutions channels-last
-    passes("convolutions", library_convolutions, gm, options.conv_layout, on_gpu(gm))
+    convs = (gm, options.conv_layout, on_gpu(gm), bool(options.cudnn))
+    laid = passes("convolutions", library_convolutions, *convs)[1]
     if env is not None:  # a pass's trace may guard a size (a convolution's output wider than 1)
         shape_guards = [*shape_guards, *(g.expr for g in env.guards[before:])]
     why = unmeasurable(gm, symbols, options, example)
@@ -273,6 +274,7 @@ def compile_program(
     graph.held = held.record()  # the guard checks these keep their contents
     graph.grouped_kv = grouped
     graph.conv_layout = options.conv_layout
+    graph.cudnn_layouts = bool(laid) and on_gpu(gm)  # then the entry requires cuDNN on
     if key is not None:
         with timed("cache_store", timings):
             extra = {"program": stored, "shape_guards": shape_guards, "symbols": symbols}

@@ -302,6 +302,7 @@ def build_guards(
     returns: Sequence[sympy.Symbol] | None = None,
     nondeterministic: bool = False,
     tf32: bool | None = None,
+    cudnn: bool = False,
     held: Sequence[tuple[Callable[[], Any], Band, str]] = (),
     module: torch.nn.Module | None = None,
 ) -> GuardSet:
@@ -316,7 +317,9 @@ def build_guards(
     `nondeterministic`: a kernel sums with float atomics, so the entry admits a call only while
     torch's deterministic algorithms are off (else the recompile makes those writes externs);
     `tf32`: the TF32 setting a kernel's float32 products were compiled under (None: none has
-    one), which the entry then requires, as eager's products follow it call by call; `held`:
+    one), which the entry then requires, as eager's products follow it call by call; `cudnn`: the
+    entry's convolutions read channels-last inputs on a GPU and its kernels read the channels-last
+    outputs cuDNN returns for them, so it requires cuDNN on (torch.backends.cudnn.enabled); `held`:
     (reader, band, name) of each buffer or constant whose contents a mask's proof read; `module`:
     the live module `state` is read from (its tied names are guarded to stay tied)."""
     n = len(flat_inputs)
@@ -358,6 +361,14 @@ def build_guards(
             f"torch.backends.cuda.matmul.allow_tf32 == {tf32}",
             f"TF32 {'allowed' if tf32 else 'not allowed'} for float32 matmuls (as when compiled)",
             "torch.backends.cuda.matmul.allow_tf32",
+            None,
+            "state",
+        )
+    if cudnn:
+        b.guard(
+            "torch.backends.cudnn.enabled",
+            "cuDNN on (its convolutions return the channels-last layout the kernels read)",
+            "torch.backends.cudnn.enabled",
             None,
             "state",
         )

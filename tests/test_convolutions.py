@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import gjit
 from gjit.capture.decompose import decompose_program
@@ -282,3 +283,83 @@ def test_elementwise_values_are_laid_out_as_a_trace_lays_them_out():
         traced = plan._trace(node)
         first = lambda v: v[0] if isinstance(v, tuple) else v
         assert same_layout(first(value), first(traced)), node.name
+
+
+class Bottleneck(nn.Module):
+    """An autoencoder's bottleneck (a convolution to 1 x 1, read by a transposed one) and a
+    convolution to one channel read by another: ATen's outputs there differ from the traced
+    strides only on dims of size 1, which its next convolution reads to pick its memory format."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())
+        self.down = nn.Conv2d(8, 16, 8, bias=False)
+        self.up = nn.ConvTranspose2d(16, 8, 4, bias=False)
+        self.one = nn.Conv2d(8, 1, 3, padding=1, bias=False)
+        self.out = nn.Conv2d(1, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.a(x)
+        return torch.relu(self.up(self.down(y))), torch.relu(self.out(self.one(y)))
+
+
+class Heads(nn.Module):
+    """Three branches on one input (one channels-last copy for all), a feature map's channel slice
+    returned (a view of a value whose layout changed: replayed on the value given back), a split
+    over channels (YOLO's C2f), a padding and a nearest upsampling (both flow)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (nn.Conv2d(3, 8, k, padding=k // 2) for k in (1, 3, 5))
+        self.d = nn.Conv2d(12, 8, 3)
+        self.e = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        y = torch.cat([self.a(x), self.b(x), self.c(x)], 1).relu()
+        first, second = y.split([12, 12], 1)
+        z = F.interpolate(F.pad(self.d(first + second), (1, 1, 1, 1)), scale_factor=2)
+        return self.e(z), y[:, :2]
+
+
+@pytest.mark.parametrize("model", [Bottleneck, Heads], ids=["size-one-dims", "heads"])
+def test_layouts_that_differ_only_on_dims_of_size_one_and_views_of_changed_values(model):
+    torch.manual_seed(0)
+    model = model().eval()
+    x = torch.randn(2, 3, 8, 8)
+    with gjit.config.scope(conv_layout="channels_last"), torch.no_grad():
+        out, cm = run_compiled(model, x)
+        expected = model(x)
+    for a, e in zip(out, expected):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+        assert a.stride() == e.stride()
+    gm = cm.entries[-1].program.captured.full_graph_module
+    clones = [n for n in gm.graph.nodes if n.kwargs.get("memory_format") == torch.channels_last]
+    assert len(clones) == 1  # the input's: every convolution after it reads its producer's layout
+
+
+def test_no_copy_where_the_convolution_would_not_return_channels_last():
+    """An empty batch (on a GPU: cuDNN off, float64): ATen's convolution returns its contiguous
+    layout for a channels-last input, so a copy into channels-last would only cost."""
+    gm = _program(_randomized(Net()), torch.randn(2, 3, 16, 12))
+    with torch.no_grad():
+        empty = decompose_program(torch.export.export(_randomized(Net()), (torch.randn(0, 3, 16, 12),)))
+    for program, clones in ((gm, 1), (empty[0].module(), 0)):
+        library_convolutions(program, "channels_last", on_gpu=False)
+        made = [n for n in program.graph.nodes if n.kwargs.get("memory_format") == torch.channels_last]
+        assert len(made) == clones
+
+
+def test_the_entry_requires_cudnn_where_convolutions_were_laid_out():
+    """A GPU entry whose convolutions read channels-last inputs relies on cuDNN's channels-last
+    outputs (with cuDNN off ATen returns contiguous ones): its guard checks cuDNN is on."""
+    from gjit.guards import build_guards
+
+    x = torch.randn(2, 3)
+    names = ["x"]
+    assert "cudnn" not in build_guards([x], names).source
+    guards = build_guards([x], names, cudnn=True)
+    assert "torch.backends.cudnn.enabled" in guards.source
+    with torch.backends.cudnn.flags(enabled=True):
+        assert guards.check([x]) is not None
+    with torch.backends.cudnn.flags(enabled=False):
+        assert guards.check([x]) is None

@@ -81,6 +81,8 @@ LAYOUT_FLOWS = frozenset(
         aten._adaptive_avg_pool3d.default,
         aten.adaptive_max_pool3d.default,
         aten.cat.default,
+        aten.split.Tensor,
+        aten.split_with_sizes.default,
         aten.sum.dim_IntList,
         aten.mean.dim,
         aten.amax.default,
@@ -102,21 +104,28 @@ LAYOUT_FLOWS = frozenset(
 )
 # by the rank of a convolution's value: its dims in memory, outermost first, channels-last, and the
 # memory format that lays it out so
+# one input resized (a pad, a nearest upsampling): gjit's kernel writes its input's order
+RESIZES = frozenset({aten.constant_pad_nd.default, aten.upsample_nearest2d.vec})
+NHWC_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # cuDNN keeps float64 NCHW
 # elementwise ops that are not tagged pointwise: their (first) output laid out as their input
 ELEMENTWISE = frozenset({aten._native_batch_norm_legit_no_training.default, aten._to_copy.default})
 CHANNELS_LAST = {4: ((0, 2, 3, 1), torch.channels_last), 5: ((0, 2, 3, 4, 1), torch.channels_last_3d)}
 
 
-def library_convolutions(gm: torch.fx.GraphModule, setting: str, on_gpu: bool) -> tuple[int, int]:
+def library_convolutions(
+    gm: torch.fx.GraphModule, setting: str, on_gpu: bool, cudnn: bool = False
+) -> tuple[int, int]:
     """The pass: on a GPU (or everywhere under "channels_last"), each convolution's bias peeled off
-    and the program's 2-D and 3-D convolutions channels-last where `worth_channels_last` (always under
-    "channels_last"); nothing under "traced". How many biases and convolutions changed."""
+    and the program's 2-D and 3-D convolutions channels-last where `cudnn` runs them (a GPU with
+    cuDNN on: the kernels that return channels-last for such inputs) and `worth_channels_last`
+    (always under "channels_last"); nothing under "traced". How many biases and convolutions
+    changed."""
     if setting == "traced" or not (on_gpu or setting == "channels_last"):
         return 0, 0
     peeled = peel_biases(gm)
-    convs = spatial_convolutions(gm)
+    convs = [c for c in spatial_convolutions(gm) if c.meta["val"].dtype in NHWC_DTYPES]
     laid = 0
-    if convs and (setting == "channels_last" or worth_channels_last(convs)):
+    if convs and (setting == "channels_last" or (cudnn and worth_channels_last(convs))):
         laid = channels_last(gm, convs)
     if peeled or laid:
         gm.graph.lint()
@@ -186,9 +195,12 @@ def worth_channels_last(convs: list[torch.fx.Node]) -> bool:
 
 
 def _multiply_adds(node: torch.fx.Node) -> int:
-    """Output elements times the weight's elements per output channel, at the example's sizes."""
+    """Output elements times the input channels and kernel elements each reads (a transposed
+    convolution's weight is [in, out / groups, ...]), at the example's sizes."""
     out, weight = node.meta["val"], node.args[1].meta["val"]
-    per_output = math.prod(_hint(s) for s in weight.shape[1:])
+    transposed, groups = node.args[6], node.args[8]
+    channels = _hint(weight.shape[0]) // groups if transposed else _hint(weight.shape[1])
+    per_output = channels * math.prod(_hint(s) for s in weight.shape[2:])
     return math.prod(_hint(s) for s in out.shape) * per_output
 
 
@@ -225,22 +237,23 @@ class _TakeBack(Exception):
 
 
 class _Plan:
-    """The new layout, worked out before the graph changes: each convolution input's channels-last
-    value, the new value of every node traced again, and the boundaries (a node and the inputs it
-    gets back in their traced layout)."""
+    """The new layout, worked out before the graph changes: the channels-last clone each convolution
+    reads (one per value, however many convolutions read it), the new value of every node traced
+    again, and the boundaries (a node and the inputs it gets back in their traced layout)."""
 
     def __init__(self, graph: torch.fx.Graph, convs: list[torch.fx.Node]):
         self.graph = graph
-        self.inputs: dict[torch.fx.Node, torch.Tensor] = {}  # conv -> its input's channels-last value
+        self.inputs: dict[torch.fx.Node, torch.fx.Node] = {}  # conv -> the value it reads a clone of
+        self.clones: dict[torch.fx.Node, torch.Tensor] = {}  # value -> its channels-last clone's
         self.values: dict[torch.fx.Node, object] = {}  # node -> its value in the new layout
-        self.boundaries: dict[torch.fx.Node, list[torch.fx.Node]] = {}  # reader -> inputs copied back
-        self.restored: dict[torch.fx.Node, tuple] = {}  # input -> its copy's (order, values)
+        self.boundaries: dict[torch.fx.Node, list[torch.fx.Node]] = {}  # reader -> inputs given back
+        self.restored: dict[torch.fx.Node, tuple] = {}  # input -> how: ("copy", ...) or ("view", base)
         self.convs = set(convs)
         self._flow()
 
     def value(self, node: torch.fx.Node, reader: torch.fx.Node | None = None):
-        if reader in self.inputs and node is reader.args[0]:
-            return self.inputs[reader]
+        if reader is not None and self.inputs.get(reader) is node:
+            return self.clones[node]
         return self.values.get(node, node.meta.get("val"))
 
     def _changed(self, node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -253,36 +266,57 @@ class _Plan:
     def _flow(self) -> None:
         for node in self.graph.nodes:
             if node in self.convs:
-                xval = self.value(node.args[0])
-                order, memory_format = CHANNELS_LAST[xval.dim()]
-                if not in_order(xval, order):
-                    with _fake_mode(xval):
-                        self.inputs[node] = aten.clone.default(xval, memory_format=memory_format)
-            moved = self._changed(node)
-            if not moved:
-                continue
-            if _writes(node):  # a copy would take the write
-                raise _TakeBack(f"{node.name} ({node.target}) writes a value whose layout would change")
-            new = self._kept(node)
-            if new is None and _traceable(node):
-                new = self._trace(node)
-            if new is None:  # it reads its inputs as traced: copies of them
-                if node in self.inputs:
-                    raise _TakeBack(f"{node.name} does not trace on a channels-last input")
-                self._boundary(node, [a for a in moved if a in self.values])
-            elif not _same_values(new, node.meta["val"]):
+                self._clone_input(node)
+            new = self._new_value(node)
+            if node in self.inputs and not _channels_last(new):
+                # ATen's kernel would not return channels-last (no cuDNN for it): a copy for nothing
+                del self.inputs[node]
+                new = self._new_value(node)
+            if new is not None and not _exactly(new, node.meta["val"]):
                 self.values[node] = new
+
+    def _clone_input(self, conv: torch.fx.Node) -> None:
+        x = conv.args[0]
+        xval = self.value(x)
+        order, memory_format = CHANNELS_LAST[xval.dim()]
+        if in_order(xval, order):
+            return
+        if x not in self.clones:
+            with _fake_mode(xval):
+                self.clones[x] = aten.clone.default(xval, memory_format=memory_format)
+        self.inputs[conv] = x
+
+    def _new_value(self, node: torch.fx.Node):
+        """The value of `node` on its inputs' new values; None where it reads none (or reads them
+        as traced: a boundary, whose inputs are given back)."""
+        moved = self._changed(node)
+        if not moved:
+            return None
+        if _writes(node):  # a copy would take the write
+            raise _TakeBack(f"{node.name} ({node.target}) writes a value whose layout would change")
+        new = self._kept(node)
+        if new is None and _traceable(node):
+            new = self._trace(node)
+        if new is None:
+            if node in self.inputs:
+                raise _TakeBack(f"{node.name} does not trace on a channels-last input")
+            self.boundaries[node] = [a for a in moved if a in self.values]
+            for a in self.boundaries[node]:
+                self._restore(a, node)
+        return new
 
     def _kept(self, node: torch.fx.Node):
         """The value of an elementwise node gjit lowers (a pointwise op, a batch norm's output) whose
         inputs of its own sizes are all laid out densely in one order, in that order, as ATen's
-        TensorIterator lays it out: no trace (a batch norm's costs 10-90 ms over symbolic sizes).
-        None where that does not decide it."""
+        TensorIterator lays it out: no trace (a batch norm's costs 10-90 ms over symbolic sizes);
+        of a padding or an upsampling gjit lowers, in its input's order (a trace over symbolic sizes
+        would specialize them). None where that does not decide it."""
         target = node.target
         elementwise = target in ELEMENTWISE or (
             isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
         )
-        if not elementwise or target not in LOWERINGS or target in EXTERN_REASONS:
+        resized = target in RESIZES
+        if not (elementwise or resized) or target not in LOWERINGS or target in EXTERN_REASONS:
             return None
         old = node.meta.get("val")
         out = old[0] if isinstance(old, (list, tuple)) and old else old
@@ -291,7 +325,7 @@ class _Plan:
         orders = set()
         for a in node.all_input_nodes:
             value = self.value(a, node)
-            if isinstance(value, torch.Tensor) and _same_sizes(value, out):
+            if isinstance(value, torch.Tensor) and (resized or _same_sizes(value, out)):
                 orders.add(_order(value))
         if len(orders) != 1 or None in orders:
             return None
@@ -300,8 +334,8 @@ class _Plan:
         return (new, *old[1:]) if out is not old else new
 
     def _trace(self, node: torch.fx.Node):
-        """The value of `node` on its inputs' new values; None where the op refuses them (a view
-        that cannot take the new strides)."""
+        """The value of `node` traced on its inputs' new values; None where the op refuses them (a
+        view that cannot take the new strides)."""
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: self.value(a, node))
         if node.target is operator.getitem:
             return args[0][args[1]]
@@ -312,51 +346,104 @@ class _Plan:
             log.debug("convolutions: %s (%s) does not trace on the new layout: %s", node.name, node.target, e)
             return None
 
-    def _boundary(self, node: torch.fx.Node, moved: list[torch.fx.Node]) -> None:
-        """`node` reads each of `moved` in its traced layout: a copy of it (one per value)."""
-        self.boundaries[node] = moved
-        for a in moved:
-            if a in self.restored:
-                continue
-            old = a.meta["val"]
-            order = dense_order(old) if isinstance(old, torch.Tensor) else None
-            if order is None:
-                raise _TakeBack(f"{node.name} reads {a.name}, whose traced layout is not dense")
-            inverse = [order.index(d) for d in range(len(order))]
-            with _fake_mode(old):
-                into = aten.permute.default(self.values[a], list(order))
-                copy = aten.clone.default(into, memory_format=torch.contiguous_format)
-                back = aten.permute.default(copy, inverse)
-            if not same_layout(back, old):
-                raise _TakeBack(f"{a.name} cannot be copied back into its traced layout")
-            self.restored[a] = (order, inverse, (into, copy, back))
+    def _restore(self, a: torch.fx.Node, reader: torch.fx.Node) -> None:
+        """How `a` is given back in its traced layout: a dense value copied into it, a view of a dense
+        one (a slice of a feature map) replayed on its base given back. One per value."""
+        if a in self.restored:
+            return
+        old = a.meta["val"]
+        order = dense_order(old) if isinstance(old, torch.Tensor) else None
+        if order is None:
+            base = a.args[0] if _is_view(a) else None
+            if base not in self.values:
+                raise _TakeBack(f"{reader.name} reads {a.name}, whose traced layout is not dense")
+            self._restore(base, reader)
+            self.restored[a] = ("view", base, old)
+            return
+        inverse = [order.index(d) for d in range(len(order))]
+        with _fake_mode(old):
+            into = aten.permute.default(self.values[a], list(order))
+            copy = aten.clone.default(into, memory_format=torch.contiguous_format)
+            back = aten.permute.default(copy, inverse)
+        if not same_layout(back, old):
+            raise _TakeBack(f"{a.name} cannot be copied back into its traced layout")
+        self.restored[a] = ("copy", order, inverse, (into, copy, back))
 
     def apply(self) -> None:
         graph = self.graph
-        for conv, value in self.inputs.items():
-            x = conv.args[0]
-            with graph.inserting_before(conv):
+        clones = {}
+        for x in dict.fromkeys(self.inputs.values()):  # one clone per value, after it
+            value = self.clones[x]
+            with graph.inserting_after(x):
                 memory_format = CHANNELS_LAST[value.dim()][1]
-                clone = graph.call_function(aten.clone.default, (x,), {"memory_format": memory_format})
-            _meta(clone, x, value)
-            conv.replace_input_with(x, clone)
+                clones[x] = graph.call_function(aten.clone.default, (x,), {"memory_format": memory_format})
+            _meta(clones[x], x, value)
+        for conv, x in self.inputs.items():
+            conv.replace_input_with(x, clones[x])
         for node, value in self.values.items():
             node.meta["val"] = value
-        copies = {}
-        for a, (order, inverse, vals) in self.restored.items():
-            with graph.inserting_after(a):
-                into = graph.call_function(aten.permute.default, (a, list(order)))
-            with graph.inserting_after(into):
-                contiguous = {"memory_format": torch.contiguous_format}
-                copy = graph.call_function(aten.clone.default, (into,), contiguous)
-            with graph.inserting_after(copy):
-                back = graph.call_function(aten.permute.default, (copy, inverse))
-            for new, value in zip((into, copy, back), vals):
-                _meta(new, a, value)
-            copies[a] = back
+        given_back: dict[torch.fx.Node, torch.fx.Node] = {}
+        for a in self.restored:
+            self._give_back(a, given_back)
         for node, moved in self.boundaries.items():
             for a in moved:
-                node.replace_input_with(a, copies[a])
+                node.replace_input_with(a, given_back[a])
+
+    def _give_back(self, a: torch.fx.Node, given_back: dict) -> torch.fx.Node:
+        """The node of `a` in its traced layout, made after `a` (so before every reader of it)."""
+        if a in given_back:
+            return given_back[a]
+        graph, how = self.graph, self.restored[a]
+        if how[0] == "view":
+            base = self._give_back(how[1], given_back)
+            with graph.inserting_after(a):
+                view = graph.call_function(a.target, (base, *a.args[1:]), dict(a.kwargs))
+            _meta(view, a, how[2])  # its traced value
+            given_back[a] = view
+            return view
+        _, order, inverse, vals = how
+        with graph.inserting_after(a):
+            into = graph.call_function(aten.permute.default, (a, list(order)))
+        with graph.inserting_after(into):
+            contiguous = {"memory_format": torch.contiguous_format}
+            copy = graph.call_function(aten.clone.default, (into,), contiguous)
+        with graph.inserting_after(copy):
+            back = graph.call_function(aten.permute.default, (copy, inverse))
+        for new, value in zip((into, copy, back), vals):
+            _meta(new, a, value)
+        given_back[a] = back
+        return back
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    """An ATen view of one tensor (its first argument), whose other arguments are not tensors."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not target.is_view:
+        return False
+    return bool(node.args) and isinstance(node.args[0], torch.fx.Node)
+
+
+def _channels_last(value) -> bool:
+    """Whether a convolution's new value is channels-last (what cuDNN returns for such an input)."""
+    return isinstance(value, torch.Tensor) and in_order(value, CHANNELS_LAST[value.dim()][0])
+
+
+def _exactly(a, b) -> bool:
+    """The same sizes and strides, those of dims of size 1 too (ATen's kernels read them: a
+    convolution decides its output's memory format by them), or values alike."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return (
+            a.dim() == b.dim()
+            and a.dtype == b.dtype
+            and statically_known_true(a.storage_offset() == b.storage_offset())
+            and all(
+                statically_known_true(x == y)
+                for x, y in zip((*a.shape, *a.stride()), (*b.shape, *b.stride()))
+            )
+        )
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_exactly(x, y) for x, y in zip(a, b))
+    return True
 
 
 def in_order(val: torch.Tensor, order: tuple[int, ...]) -> bool:
@@ -443,14 +530,6 @@ def _over(new, old):
 
 def _writes(node: torch.fx.Node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
-
-
-def _same_values(a, b) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return same_layout(a, b)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same_values(x, y) for x, y in zip(a, b))
-    return True
 
 
 def _shape_env(val):

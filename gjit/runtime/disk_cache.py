@@ -296,6 +296,7 @@ def graph_record(graph: CompiledGraph) -> dict:
         "held": graph.held,  # what the guard checks of the buffers a proof read
         "grouped_kv": graph.grouped_kv,
         "conv_layout": graph.conv_layout,
+        "cudnn_layouts": graph.cudnn_layouts,
     }
 
 
@@ -309,6 +310,7 @@ def graph_from_record(record: dict, gm: torch.fx.GraphModule) -> CompiledGraph:
     graph.held = list(record.get("held", []))
     graph.grouped_kv = bool(record.get("grouped_kv", False))
     graph.conv_layout = str(record.get("conv_layout", "traced"))  # (an older entry's: none)
+    graph.cudnn_layouts = bool(record.get("cudnn_layouts", False))
     try:
         bands_from_record(graph.held)
     except (TypeError, ValueError, AttributeError) as e:
