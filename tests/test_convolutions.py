@@ -363,3 +363,31 @@ def test_the_entry_requires_cudnn_where_convolutions_were_laid_out():
         assert guards.check([x]) is not None
     with torch.backends.cudnn.flags(enabled=False):
         assert guards.check([x]) is None
+
+
+def test_a_contiguous_copy_in_the_program_stays_contiguous():
+    """`.contiguous()` of a channels-last value is a copy into the contiguous layout (traced, not
+    taken as elementwise): the flatten after it is a view, with no copy given back."""
+
+    class Flatten(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3)
+
+        def forward(self, x):
+            y = torch.relu(self.b(torch.relu(self.a(x))))
+            return y.contiguous().view(y.shape[0], -1).sum(1), y.contiguous()
+
+    model = Flatten().eval()
+    x = torch.randn(2, 3, 10, 10)
+    with gjit.config.scope(conv_layout="channels_last"), torch.no_grad():
+        out, cm = run_compiled(model, x)
+        expected = model(x)
+    for a, e in zip(out, expected):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+        assert a.stride() == e.stride()
+    gm = cm.entries[-1].program.captured.full_graph_module
+    formats = [
+        n.kwargs.get("memory_format") for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default
+    ]
+    assert formats == [torch.channels_last, torch.contiguous_format]

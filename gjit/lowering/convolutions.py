@@ -318,6 +318,8 @@ class _Plan:
         resized = target in RESIZES
         if not (elementwise or resized) or target not in LOWERINGS or target in EXTERN_REASONS:
             return None
+        if node.kwargs.get("memory_format", torch.preserve_format) != torch.preserve_format:
+            return None  # a clone or cast into a layout of its own (`.contiguous()`): traced
         old = node.meta.get("val")
         out = old[0] if isinstance(old, (list, tuple)) and old else old
         if not isinstance(out, torch.Tensor):
