@@ -94,12 +94,6 @@ def tf32_allowed(on_gpu: bool) -> bool | None:
     return bool(torch.backends.cuda.matmul.allow_tf32) if on_gpu else None
 
 
-def cudnn_runs(on_gpu: bool) -> bool | None:
-    """Whether ATen's convolutions on a GPU run cuDNN (enabled and available), whose kernels return
-    channels-last for channels-last inputs (gjit/lowering/convolutions.py). None: not on a GPU."""
-    return bool(torch.backends.cudnn.enabled and torch.backends.cudnn.is_available()) if on_gpu else None
-
-
 class CompiledFunction:
     """What `gjit.compile(model)` returns: call it like the model."""
 
@@ -399,7 +393,7 @@ class CompiledFunction:
         tf32, target = tf32_allowed(on_gpu), card_of(flat, self.target)
         autotune = self.mode.startswith("max-autotune")  # torch's word for "tune it all"
         options = CompileOptions.from_config(
-            backend=self.backend, check=self.check, tf32=tf32, target=target, cudnn=cudnn_runs(on_gpu),
+            backend=self.backend, check=self.check, tf32=tf32, target=target,
             tune_budget=math.inf if autotune else None, measure_all_templates=autotune or None,
         )  # fmt: skip
         if options.backend == "triton" and on_gpu:
@@ -445,7 +439,7 @@ class CompiledFunction:
                     returns=program.symbols,
                     nondeterministic=any(k.nondeterministic for k in program.graph.all_kernels()),
                     tf32=tf32_setting(program.graph.all_kernels()),
-                    cudnn=program.graph.cudnn_layouts,
+                    conv_library=program.graph.conv_library,
                     held=held_sources(captured, program.graph.held),
                     module=captured.module,
                 )

@@ -408,9 +408,6 @@ class CompileOptions:
     held_masks: bool = True
     # convolutions' biases and layout (gjit/lowering/convolutions.py): auto, channels_last, traced
     conv_layout: str = "auto"
-    # on a GPU, whether ATen's convolutions run cuDNN (torch.backends.cudnn.enabled, and available),
-    # whose kernels return channels-last for such inputs; None: not on a GPU. Not a gjit knob.
-    cudnn: bool | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

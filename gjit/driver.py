@@ -39,7 +39,7 @@ from gjit.ir import LoopGraph
 from gjit.lowering.attention_call import written_out_as_sdpa
 from gjit.lowering.attention_layout import attention_layouts
 from gjit.lowering.attention_pattern import match_attention
-from gjit.lowering.convolutions import library_convolutions
+from gjit.lowering.convolutions import conv_library, conv_library_as, library_convolutions
 from gjit.lowering.graph import lower_graph
 from gjit.lowering.grouped_kv import grouped_kv, packed_queries
 from gjit.lowering.held_masks import Held, bands_from_record, held_inputs, program_bands
@@ -107,7 +107,9 @@ class CompiledProgram:
         gm = self.captured.full_graph_module
         bands = bands_from_record(self.graph.held)  # what the compile's proofs read of its buffers
         library_attention(gm, held_inputs(gm, self.captured.input_sources, bands), self.graph.grouped_kv)
-        library_convolutions(gm, self.graph.conv_layout, on_gpu(gm), self.graph.cudnn_layouts)
+        library = self.graph.conv_library
+        with conv_library_as(library):  # traced as the compile traced them
+            library_convolutions(gm, self.graph.conv_layout, on_gpu(gm), library == ("cudnn", True))
         for deterministic, templates in settings:
             with _deterministic_algorithms(deterministic):
                 loop_graph, steps = schedule_graph(gm, templates, _untimed)
@@ -242,8 +244,9 @@ def compile_program(
     before = len(env.guards) if env is not None else 0
     passes("sdpa", library_attention, gm, held, grouped)
     # convolutions: on a GPU, each bias added after the call; 2-D and 3-D convolutions channels-last
-    convs = (gm, options.conv_layout, on_gpu(gm), bool(options.cudnn))
-    laid = passes("convolutions", library_convolutions, *convs)[1]
+    library = conv_library(gm, on_gpu(gm))  # (the library flag: its value decides the layouts)
+    cudnn = library == ("cudnn", True)
+    passes("convolutions", library_convolutions, gm, options.conv_layout, on_gpu(gm), cudnn)
     if env is not None:  # a pass's trace may guard a size (a convolution's output wider than 1)
         shape_guards = [*shape_guards, *(g.expr for g in env.guards[before:])]
     why = unmeasurable(gm, symbols, options, example)
@@ -274,7 +277,7 @@ def compile_program(
     graph.held = held.record()  # the guard checks these keep their contents
     graph.grouped_kv = grouped
     graph.conv_layout = options.conv_layout
-    graph.cudnn_layouts = bool(laid) and on_gpu(gm)  # then the entry requires cuDNN on
+    graph.conv_library = library  # the entry requires it as it was
     if key is not None:
         with timed("cache_store", timings):
             extra = {"program": stored, "shape_guards": shape_guards, "symbols": symbols}

@@ -350,7 +350,7 @@ def _entry_from_record(
             returns=symbols,
             nondeterministic=any(k.nondeterministic for k in graph.all_kernels()),
             tf32=tf32_setting(graph.all_kernels()),
-            cudnn=graph.cudnn_layouts,
+            conv_library=graph.conv_library,
             held=held_sources(captured, graph.held),
             module=captured.module,
         )

@@ -29,6 +29,7 @@ from torch.utils._sympy.numbers import int_oo
 
 from gjit.codegen.printer import pyexpr
 from gjit.guards.state import held_guards, state_guards, tied_guards
+from gjit.lowering.convolutions import CONV_LIBRARIES
 from gjit.lowering.held_masks import Band
 
 
@@ -302,7 +303,7 @@ def build_guards(
     returns: Sequence[sympy.Symbol] | None = None,
     nondeterministic: bool = False,
     tf32: bool | None = None,
-    cudnn: bool = False,
+    conv_library: tuple[str, bool] | None = None,
     held: Sequence[tuple[Callable[[], Any], Band, str]] = (),
     module: torch.nn.Module | None = None,
 ) -> GuardSet:
@@ -317,9 +318,10 @@ def build_guards(
     `nondeterministic`: a kernel sums with float atomics, so the entry admits a call only while
     torch's deterministic algorithms are off (else the recompile makes those writes externs);
     `tf32`: the TF32 setting a kernel's float32 products were compiled under (None: none has
-    one), which the entry then requires, as eager's products follow it call by call; `cudnn`: the
-    entry's convolutions read channels-last inputs on a GPU and its kernels read the channels-last
-    outputs cuDNN returns for them, so it requires cuDNN on (torch.backends.cudnn.enabled); `held`:
+    one), which the entry then requires, as eager's products follow it call by call; `conv_library`: the
+    library flag the program's convolutions ran under at compile time and its value (cuDNN or
+    oneDNN on or off: which kernels run them decides the layout of their outputs, which the
+    kernels after them read), which the entry then requires; `held`:
     (reader, band, name) of each buffer or constant whose contents a mask's proof read; `module`:
     the live module `state` is read from (its tied names are guarded to stay tied)."""
     n = len(flat_inputs)
@@ -364,11 +366,13 @@ def build_guards(
             None,
             "state",
         )
-    if cudnn:
+    if conv_library is not None:
+        name, value = conv_library
+        expression = CONV_LIBRARIES[name][0]
         b.guard(
-            "torch.backends.cudnn.enabled",
-            "cuDNN on (its convolutions return the channels-last layout the kernels read)",
-            "torch.backends.cudnn.enabled",
+            f"bool({expression}) == {value}",
+            f"{name} {'on' if value else 'off'} for convolutions (their output layouts, as when compiled)",
+            expression,
             None,
             "state",
         )

@@ -13,13 +13,8 @@ import torch.nn.functional as F
 
 import gjit
 from gjit.capture.decompose import decompose_program
-from gjit.lowering.convolutions import (
-    CONVOLUTION,
-    in_order,
-    library_convolutions,
-    spatial_convolutions,
-    worth_channels_last,
-)
+from gjit.lowering.channels_last import CONVOLUTION, in_order
+from gjit.lowering.convolutions import library_convolutions, spatial_convolutions, worth_channels_last
 from helpers import check, check_against_float64, run_compiled
 
 pytestmark = [pytest.mark.cpu]
@@ -246,7 +241,7 @@ def test_a_trace_sized_by_symbols_of_its_own_takes_the_traced_sizes():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-    from gjit.lowering.convolutions import _over
+    from gjit.lowering.channels_last import _over
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
     dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 4)
@@ -268,7 +263,7 @@ def test_elementwise_values_are_laid_out_as_a_trace_lays_them_out():
     """The batch norms, activations and residual adds take their inputs' order without a trace
     (`_Plan._kept`): the layout a trace in export's fake mode would give them."""
     from gjit.lowering.attention_layout import same_layout
-    from gjit.lowering.convolutions import _Plan
+    from gjit.lowering.channels_last import _Plan
 
     gm = _program(_randomized(Net()), torch.randn(2, 3, 16, 12))
     plan = _Plan(gm.graph, spatial_convolutions(gm))
@@ -349,20 +344,43 @@ def test_no_copy_where_the_convolution_would_not_return_channels_last():
         assert len(made) == clones
 
 
-def test_the_entry_requires_cudnn_where_convolutions_were_laid_out():
-    """A GPU entry whose convolutions read channels-last inputs relies on cuDNN's channels-last
-    outputs (with cuDNN off ATen returns contiguous ones): its guard checks cuDNN is on."""
+def test_an_entry_with_convolutions_holds_its_library_flag():
+    """Which library runs ATen's convolutions (cuDNN on a GPU, oneDNN on the CPU, or their
+    fallbacks) decides the layout of their outputs, which the kernels after them read: an entry
+    with convolutions requires the flag as it was when it compiled, both ways."""
     from gjit.guards import build_guards
 
     x = torch.randn(2, 3)
-    names = ["x"]
-    assert "cudnn" not in build_guards([x], names).source
-    guards = build_guards([x], names, cudnn=True)
-    assert "torch.backends.cudnn.enabled" in guards.source
-    with torch.backends.cudnn.flags(enabled=True):
-        assert guards.check([x]) is not None
-    with torch.backends.cudnn.flags(enabled=False):
-        assert guards.check([x]) is None
+    assert "cudnn" not in build_guards([x], ["x"]).source
+    for value in (True, False):
+        guards = build_guards([x], ["x"], conv_library=("cudnn", value))
+        assert "torch.backends.cudnn.enabled" in guards.source
+        for enabled in (True, False):
+            with torch.backends.cudnn.flags(enabled=enabled):
+                runs = enabled and torch.backends.cudnn.is_available()
+                assert (guards.check([x]) is not None) == (runs == value)
+    model = _randomized(Net())
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        cm = check(model, x)
+        assert cm.entries[0].program.graph.conv_library == ("mkldnn", torch.backends.mkldnn.is_available())
+        if torch.backends.mkldnn.is_available():
+            with torch.backends.mkldnn.flags(enabled=False):
+                check(cm, x)  # compiled again, under the fallback's layouts
+            assert len(cm.entries) == 2
+
+
+def test_a_cached_entry_is_analyzed_again_under_the_library_it_compiled_under(tmp_path):
+    """explain (or a dump) of a disk-cache entry lowers its program again; with the library flag
+    turned since, the convolutions are traced as they were when it compiled."""
+    model = _randomized(Net())
+    x = torch.randn(2, 3, 8, 8)
+    with gjit.config.scope(conv_layout="channels_last", cache=True, cache_dir=str(tmp_path)), torch.no_grad():
+        check(model, x)
+        warm = check(model, x)
+        with torch.backends.mkldnn.flags(enabled=not torch.backends.mkldnn.enabled):
+            report = gjit.explain(warm, x)
+    assert report.kernels
 
 
 def test_a_contiguous_copy_in_the_program_stays_contiguous():
@@ -391,3 +409,59 @@ def test_a_contiguous_copy_in_the_program_stays_contiguous():
         n.kwargs.get("memory_format") for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default
     ]
     assert formats == [torch.channels_last, torch.contiguous_format]
+
+
+@torch.library.custom_op("gjit_test::doubled", mutates_args=())
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return (x.contiguous().view(-1) * 2).view(x.shape)  # contiguous, whatever its input's layout
+
+
+@_doubled.register_fake
+def _(x):
+    return torch.empty_like(x)  # (its fake says otherwise for a channels-last input)
+
+
+class Readers(nn.Module):
+    """Readers of channels-last values whose layout neither a trace nor their inputs decide alone:
+    a library's op (its fake's layout is not its kernel's), an extern whose broadcast operand comes
+    first (integer pow: TensorIterator lays the output out by that operand's strides), a split's
+    pieces and a batch's slice returned."""
+
+    def __init__(self, reader):
+        super().__init__()
+        self.reader = reader
+        self.a, self.b, self.c = (
+            nn.Conv2d(4, 4, 3, padding=1),
+            nn.Conv2d(4, 4, 3, padding=1),
+            nn.Conv2d(4, 4, 1),
+        )
+        self.register_buffer("base", torch.arange(4 * 6 * 8).view(1, 4, 6, 8) % 3)
+
+    def forward(self, x):
+        y = self.a(x)
+        if self.reader == "library op":
+            return self.b(_doubled(y) + 1) * torch.arange(8.0).view(1, 1, 1, 8)
+        y = self.b(y)
+        if self.reader == "broadcast first":
+            return torch.pow(self.base, (y > 0).to(torch.int64) + 1) * 2 + torch.arange(8).view(1, 1, 1, 8)
+        z = torch.relu(self.c(y))
+        first, second = z.split(2, 1)
+        return first, second, z[1:]
+
+
+@pytest.mark.parametrize("dynamic", [False, None], ids=["static", "dynamic"])
+@pytest.mark.parametrize("reader", ["library op", "broadcast first", "pieces"])
+def test_readers_whose_layout_a_trace_or_the_inputs_do_not_decide(reader, dynamic):
+    torch.manual_seed(0)
+    model = Readers(reader).eval()
+    x = torch.randn(2, 4, 6, 8)
+    with gjit.config.scope(conv_layout="channels_last"), torch.no_grad():
+        out, cm = run_compiled(gjit.compile(model, dynamic=dynamic), x)
+        expected = model(x)
+    for a, e in zip(
+        out if isinstance(out, tuple) else (out,), expected if isinstance(expected, tuple) else (expected,)
+    ):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+        assert a.stride() == e.stride()
+    gm = cm.entries[-1].program.captured.full_graph_module
+    assert any(n.kwargs.get("memory_format") == torch.channels_last for n in gm.graph.nodes)

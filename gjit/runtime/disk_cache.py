@@ -41,6 +41,7 @@ from gjit import logs, stats
 from gjit.codegen.common import KernelSource, source_line
 from gjit.codegen.toolchain.files import atomic_write
 from gjit.config import CompileOptions, config
+from gjit.lowering.convolutions import CONV_LIBRARIES
 from gjit.lowering.held_masks import bands_from_record
 from gjit.lowering.templates import TemplateChoice
 from gjit.runtime import remote_cache
@@ -163,6 +164,8 @@ def graph_key(
         "options": {k: repr(v) for k, v in dataclasses.asdict(options).items() if k not in untuned},
         # lowering keeps float atomics out when torch asks for deterministic algorithms
         "deterministic": torch.are_deterministic_algorithms_enabled(),
+        # the libraries convolutions run under (their output layouts: gjit/lowering/convolutions.py)
+        "conv_libraries": {name: now() for name, (_, now) in CONV_LIBRARIES.items()},
         "versions": versions(),
         # on a GPU the kernels' configurations and templates-or-ATen were measured there (gjit/tuning.py)
         "tuned_on": _tuned_on(gm),
@@ -296,7 +299,7 @@ def graph_record(graph: CompiledGraph) -> dict:
         "held": graph.held,  # what the guard checks of the buffers a proof read
         "grouped_kv": graph.grouped_kv,
         "conv_layout": graph.conv_layout,
-        "cudnn_layouts": graph.cudnn_layouts,
+        "conv_library": list(graph.conv_library) if graph.conv_library is not None else None,
     }
 
 
@@ -310,7 +313,11 @@ def graph_from_record(record: dict, gm: torch.fx.GraphModule) -> CompiledGraph:
     graph.held = list(record.get("held", []))
     graph.grouped_kv = bool(record.get("grouped_kv", False))
     graph.conv_layout = str(record.get("conv_layout", "traced"))  # (an older entry's: none)
-    graph.cudnn_layouts = bool(record.get("cudnn_layouts", False))
+    library = record.get("conv_library")
+    if library is not None:
+        if not (isinstance(library, list) and len(library) == 2 and library[0] in CONV_LIBRARIES):
+            raise CacheError(f"the entry's convolution library {library!r} is not one gjit knows")
+        graph.conv_library = (library[0], bool(library[1]))
     try:
         bands_from_record(graph.held)
     except (TypeError, ValueError, AttributeError) as e:

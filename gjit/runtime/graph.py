@@ -183,8 +183,9 @@ class CompiledGraph:
     grouped_kv: bool = False
     # the setting gjit/lowering/convolutions.py ran under (GJIT_CONV_LAYOUT): a reanalysis runs it so
     conv_layout: str = "traced"
-    # it laid convolutions out channels-last on a GPU: the entry requires cuDNN on (its guard)
-    cudnn_layouts: bool = False
+    # the library flag its convolutions ran under and its value (gjit/lowering/convolutions.py
+    # CONV_LIBRARIES: cuDNN or oneDNN on or off), which the entry's guard requires; None: none
+    conv_library: tuple[str, bool] | None = None
     prebuilt: bool = False  # its first call on a GPU started its kernels' builds (gjit/runtime/prebuild.py)
     # that prebuild: its launches' entries in Triton's on-disk cache (gjit.save(binaries=True))
     prebuild_result: prebuild.Prebuild | None = None
