@@ -109,7 +109,7 @@ class CompiledProgram:
         library_attention(gm, held_inputs(gm, self.captured.input_sources, bands), self.graph.grouped_kv)
         library = self.graph.conv_library
         with conv_library_as(library):  # traced as the compile traced them
-            library_convolutions(gm, self.graph.conv_layout, on_gpu(gm), library == ("cudnn", True))
+            library_convolutions(gm, self.graph.conv_layout, on_gpu(gm), library)
         for deterministic, templates in settings:
             with _deterministic_algorithms(deterministic):
                 loop_graph, steps = schedule_graph(gm, templates, _untimed)
@@ -245,8 +245,7 @@ def compile_program(
     passes("sdpa", library_attention, gm, held, grouped)
     # convolutions: on a GPU, each bias added after the call; 2-D and 3-D convolutions channels-last
     library = conv_library(gm, on_gpu(gm))  # (the library flag: its value decides the layouts)
-    cudnn = library == ("cudnn", True)
-    passes("convolutions", library_convolutions, gm, options.conv_layout, on_gpu(gm), cudnn)
+    passes("convolutions", library_convolutions, gm, options.conv_layout, on_gpu(gm), library)
     if env is not None:  # a pass's trace may guard a size (a convolution's output wider than 1)
         shape_guards = [*shape_guards, *(g.expr for g in env.guards[before:])]
     why = unmeasurable(gm, symbols, options, example)

@@ -115,6 +115,21 @@ def test_auto_changes_nothing_on_the_cpu_and_traced_nothing_anywhere():
         assert gm.code == before
 
 
+@pytest.mark.parametrize(
+    "library, laid",
+    [(("cudnn", True), 1), (("cudnn", False), 0), (None, 0)],
+    ids=["cudnn-on", "cudnn-off", "no-library"],
+)
+def test_auto_on_a_gpu_lays_out_where_cudnn_runs_the_convolutions(library, laid):
+    """Under auto on a GPU (the default there): the biases are always peeled; the layout changes
+    only where cuDNN runs the convolutions (its kernels return channels-last for such inputs)."""
+    model = _randomized(Net())
+    gm = _program(model, torch.randn(2, 3, 16, 12))
+    assert library_convolutions(gm, "auto", True, library) == (3, laid)
+    x = torch.randn(2, 3, 16, 12)
+    torch.testing.assert_close(gm(x), model(x), rtol=1e-5, atol=1e-5)
+
+
 def test_outputs_keep_eagers_strides_and_views_that_cannot_take_the_layout_read_a_copy():
     model = _randomized(Features())
     x = torch.randn(2, 3, 16, 12)

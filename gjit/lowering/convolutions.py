@@ -79,18 +79,19 @@ def conv_library_as(library: tuple[str, bool] | None) -> Iterator[None]:
 
 
 def library_convolutions(
-    gm: torch.fx.GraphModule, setting: str, on_gpu: bool, cudnn: bool = False
+    gm: torch.fx.GraphModule, setting: str, on_gpu: bool, library: tuple[str, bool] | None = None
 ) -> tuple[int, int]:
     """The pass: on a GPU (or everywhere under "channels_last"), each convolution's bias peeled off
-    and the program's 2-D and 3-D convolutions channels-last where `cudnn` runs them (a GPU with
-    cuDNN on: the kernels that return channels-last for such inputs) and `worth_channels_last`
-    (always under "channels_last"); nothing under "traced". How many biases and convolutions
-    changed."""
+    and the program's 2-D and 3-D convolutions channels-last where the `library` flag says cuDNN
+    runs them (the kernels that return channels-last for such inputs: `conv_library`) and
+    `worth_channels_last` (always under "channels_last"); nothing under "traced". How many biases
+    and convolutions changed."""
     if setting == "traced" or not (on_gpu or setting == "channels_last"):
         return 0, 0
     peeled = peel_biases(gm)
     convs = [c for c in spatial_convolutions(gm) if c.meta["val"].dtype in NHWC_DTYPES]
     laid = 0
+    cudnn = library == ("cudnn", True)
     if convs and (setting == "channels_last" or (cudnn and worth_channels_last(convs))):
         laid = channels_last(gm, convs)
     if peeled or laid:
