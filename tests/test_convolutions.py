@@ -80,6 +80,25 @@ def _convolutions(gm):
     return list(gm.graph.find_nodes(op="call_function", target=CONVOLUTION))
 
 
+def _as_eager(model, x, dynamic=None):
+    """`model` compiled with its convolutions channels-last and run on `x` through the kernels (it
+    must run compiled): each output equal to eager's, strides too. The entry's program."""
+    with gjit.config.scope(conv_layout="channels_last"), torch.no_grad():
+        out, cm = run_compiled(gjit.compile(model, dynamic=dynamic), x)
+        expected = model(x)
+    if not isinstance(expected, tuple):
+        out, expected = (out,), (expected,)
+    for a, e in zip(out, expected):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+        assert a.stride() == e.stride()
+    return cm.entries[-1].program.captured.full_graph_module
+
+
+def _clones(gm, memory_format=torch.channels_last):
+    """The copies into `memory_format` in `gm`."""
+    return [n for n in gm.graph.nodes if n.kwargs.get("memory_format") == memory_format]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_residual_net_matches_eager_channels_last(dtype):
     model = _randomized(Net()).to(dtype)
@@ -100,7 +119,7 @@ def test_the_pass_lays_out_the_program_channels_last():
     assert all(c.args[2] is None for c in convs)
     assert all(in_order(c.args[0].meta["val"], CHANNELS_LAST) for c in convs)
     assert all(in_order(c.meta["val"], CHANNELS_LAST) for c in convs)
-    clones = [n for n in gm.graph.nodes if n.kwargs.get("memory_format") == torch.channels_last]
+    clones = _clones(gm)
     assert len(clones) == 1 and clones[0].args[0].op == "placeholder"
     x = torch.randn(2, 3, 16, 12)
     torch.testing.assert_close(gm(x), model(x), rtol=1e-5, atol=1e-5)
@@ -131,14 +150,7 @@ def test_auto_on_a_gpu_lays_out_where_cudnn_runs_the_convolutions(library, laid)
 
 
 def test_outputs_keep_eagers_strides_and_views_that_cannot_take_the_layout_read_a_copy():
-    model = _randomized(Features())
-    x = torch.randn(2, 3, 16, 12)
-    with gjit.config.scope(conv_layout="channels_last"), torch.no_grad():
-        expected = model(x)
-        out, _ = run_compiled(model, x)
-    for a, e in zip(out, expected):
-        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
-        assert a.stride() == e.stride()
+    _as_eager(_randomized(Features()), torch.randn(2, 3, 16, 12))
 
 
 def test_a_one_by_one_output_compiles_again():
@@ -190,13 +202,7 @@ def test_the_guards_travel_with_a_disk_cache_entry(tmp_path):
 )
 def test_convolution_kinds_match_eager(model, x):
     torch.manual_seed(1)
-    model = model.eval()
-    x = torch.randn(*x)
-    with gjit.config.scope(conv_layout="channels_last"), torch.no_grad():
-        out, _ = run_compiled(model, x)
-        expected = model(x)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    assert out.stride() == expected.stride()
+    _as_eager(model.eval(), torch.randn(*x))
 
 
 def test_a_stride_read_gets_the_traced_layout():
@@ -334,17 +340,8 @@ class Heads(nn.Module):
 @pytest.mark.parametrize("model", [Bottleneck, Heads], ids=["size-one-dims", "heads"])
 def test_layouts_that_differ_only_on_dims_of_size_one_and_views_of_changed_values(model):
     torch.manual_seed(0)
-    model = model().eval()
-    x = torch.randn(2, 3, 8, 8)
-    with gjit.config.scope(conv_layout="channels_last"), torch.no_grad():
-        out, cm = run_compiled(model, x)
-        expected = model(x)
-    for a, e in zip(out, expected):
-        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
-        assert a.stride() == e.stride()
-    gm = cm.entries[-1].program.captured.full_graph_module
-    clones = [n for n in gm.graph.nodes if n.kwargs.get("memory_format") == torch.channels_last]
-    assert len(clones) == 1  # the input's: every convolution after it reads its producer's layout
+    gm = _as_eager(model().eval(), torch.randn(2, 3, 8, 8))
+    assert len(_clones(gm)) == 1  # the input's: every convolution after it reads its producer's layout
 
 
 def test_no_copy_where_the_convolution_would_not_return_channels_last():
@@ -355,8 +352,7 @@ def test_no_copy_where_the_convolution_would_not_return_channels_last():
         empty = decompose_program(torch.export.export(_randomized(Net()), (torch.randn(0, 3, 16, 12),)))
     for program, clones in ((gm, 1), (empty[0].module(), 0)):
         library_convolutions(program, "channels_last", on_gpu=False)
-        made = [n for n in program.graph.nodes if n.kwargs.get("memory_format") == torch.channels_last]
-        assert len(made) == clones
+        assert len(_clones(program)) == clones
 
 
 def test_an_entry_with_convolutions_holds_its_library_flag():
@@ -411,15 +407,7 @@ def test_a_contiguous_copy_in_the_program_stays_contiguous():
             y = torch.relu(self.b(torch.relu(self.a(x))))
             return y.contiguous().view(y.shape[0], -1).sum(1), y.contiguous()
 
-    model = Flatten().eval()
-    x = torch.randn(2, 3, 10, 10)
-    with gjit.config.scope(conv_layout="channels_last"), torch.no_grad():
-        out, cm = run_compiled(model, x)
-        expected = model(x)
-    for a, e in zip(out, expected):
-        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
-        assert a.stride() == e.stride()
-    gm = cm.entries[-1].program.captured.full_graph_module
+    gm = _as_eager(Flatten().eval(), torch.randn(2, 3, 10, 10))
     formats = [
         n.kwargs.get("memory_format") for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default
     ]
@@ -468,15 +456,5 @@ class Readers(nn.Module):
 @pytest.mark.parametrize("reader", ["library op", "broadcast first", "pieces"])
 def test_readers_whose_layout_a_trace_or_the_inputs_do_not_decide(reader, dynamic):
     torch.manual_seed(0)
-    model = Readers(reader).eval()
-    x = torch.randn(2, 4, 6, 8)
-    with gjit.config.scope(conv_layout="channels_last"), torch.no_grad():
-        out, cm = run_compiled(gjit.compile(model, dynamic=dynamic), x)
-        expected = model(x)
-    for a, e in zip(
-        out if isinstance(out, tuple) else (out,), expected if isinstance(expected, tuple) else (expected,)
-    ):
-        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
-        assert a.stride() == e.stride()
-    gm = cm.entries[-1].program.captured.full_graph_module
-    assert any(n.kwargs.get("memory_format") == torch.channels_last for n in gm.graph.nodes)
+    gm = _as_eager(Readers(reader).eval(), torch.randn(2, 4, 6, 8), dynamic)
+    assert _clones(gm)

@@ -32,7 +32,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_
 
 from gjit.lowering.attention_library import ANY_LAYOUT
 from gjit.lowering.grouped_kv import fits_flash
-from gjit.lowering.proved_masks import PARAMETERS, SDPA, dense_order
+from gjit.lowering.proved_masks import PARAMETERS, SDPA, dense_in, dense_order
 
 log = logging.getLogger("gjit.lowering")
 aten = torch.ops.aten
@@ -146,13 +146,9 @@ def _relayout(node: torch.fx.Node, order: tuple[int, ...]) -> bool:
     if chain is None:
         return False
     val = node.meta["val"]
-    strides, step = [0] * val.dim(), 1
-    for dim in reversed(order):
-        strides[dim] = step
-        step = step * val.shape[dim]
     mode = maybe_get_fake_mode(val)
     with mode if mode is not None else torch._subclasses.FakeTensorMode():
-        new = {node: torch.empty_strided(val.shape, strides, dtype=val.dtype, device=val.device)}
+        new = {node: dense_in(val, order)}
         for p in chain:
             new[p] = p.target(new[p.args[0]], *p.args[1:], **p.kwargs)
     for n, value in new.items():

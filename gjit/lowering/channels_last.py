@@ -26,10 +26,12 @@ import operator
 
 import torch
 from torch._subclasses.fake_tensor import maybe_get_fake_mode
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
 
+from gjit.capture.export import shape_env_of
 from gjit.lowering.attention_layout import same_layout
 from gjit.lowering.attention_library import ANY_LAYOUT
+from gjit.lowering.proved_masks import dense_in, in_order
 from gjit.lowering.registry import EXTERN_REASONS, LOWERINGS
 
 log = logging.getLogger("gjit.lowering")
@@ -96,17 +98,10 @@ ELEMENTWISE = frozenset({aten._native_batch_norm_legit_no_training.default, aten
 CHANNELS_LAST = {4: ((0, 2, 3, 1), torch.channels_last), 5: ((0, 2, 3, 4, 1), torch.channels_last_3d)}
 
 
-def example_value(size) -> int:
-    """A size at the example's values (a symbol without one: 1)."""
-    if isinstance(size, torch.SymInt):
-        return size.node.hint if size.node.hint is not None else 1
-    return int(size)
-
-
 def channels_last(gm: torch.fx.GraphModule, convs: list[torch.fx.Node]) -> int:
     """`convs` reading channels-last inputs and the layout flowing on from them (the module's
     docstring); how many convolutions changed (0: the graph as it was)."""
-    shape_env = _shape_env(convs[0].meta["val"])
+    shape_env = shape_env_of([convs[0].meta["val"]])
     before = len(shape_env.guards) if shape_env is not None else 0
     try:
         plan = _Plan(gm.graph, convs)
@@ -231,7 +226,7 @@ class _Plan:
         if len(orders) != 1 or None in orders:
             return None
         with fake_mode_of(out):
-            new = _laid_out(out, orders.pop())
+            new = dense_in(out, orders.pop())
         return (new, *old[1:]) if out is not old else new
 
     def _trace(self, node: torch.fx.Node):
@@ -359,18 +354,6 @@ def _exactly(a, b) -> bool:
     return True
 
 
-def in_order(val: torch.Tensor, order: tuple[int, ...]) -> bool:
-    """Whether `val` is dense with its dims in memory in `order`, outermost first, for every size (a
-    dim of size 1 may have any stride). Adds no guard."""
-    step = 1
-    for dim in reversed(order):
-        size, stride = val.shape[dim], val.stride()[dim]
-        if not (statically_known_true(size == 1) or statically_known_true(stride == step)):
-            return False
-        step = step * size
-    return True
-
-
 def _same_sizes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dim() == b.dim() and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
 
@@ -378,16 +361,10 @@ def _same_sizes(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _order(val: torch.Tensor) -> tuple[int, ...] | None:
     """The order `val` is dense in (outermost first; its strides at the example's sizes decide
     between the orders of dims of size 1), or None."""
-    order = tuple(sorted(range(val.dim()), key=lambda d: (-example_value(val.stride()[d]), d)))
+    order = tuple(
+        sorted(range(val.dim()), key=lambda d: (-optimization_hint(val.stride()[d], fallback=1), d))
+    )
     return order if in_order(val, order) else None
-
-
-def _laid_out(val: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
-    """A tensor of `val`'s sizes and dtype, dense in `order` (outermost first)."""
-    strides, step = [0] * val.dim(), 1
-    for dim in reversed(order):
-        strides[dim], step = step, step * val.shape[dim]
-    return torch.empty_strided(val.shape, strides, dtype=val.dtype, device=val.device)
 
 
 def _meta(new: torch.fx.Node, like: torch.fx.Node, value) -> None:
@@ -427,29 +404,21 @@ def _symbolic(val) -> bool:
 def _over(new, old):
     """The value traced on the new layout over the traced value's sizes: a trace may size its result
     with symbols of its own (an upsampling's float scale), which nothing binds. Laid out densely in
-    the new value's order (at the example's sizes); a value not dense so raises."""
+    the new value's order; a value not dense in one raises."""
     if isinstance(new, (list, tuple)) and isinstance(old, (list, tuple)) and len(new) == len(old):
         return type(new)(_over(a, b) for a, b in zip(new, old))
     if not isinstance(new, torch.Tensor) or not isinstance(old, torch.Tensor):
         return new
     if new.dim() == old.dim() and all(statically_known_true(a == b) for a, b in zip(new.shape, old.shape)):
         return new
-    order = sorted(range(new.dim()), key=lambda d: (-example_value(new.stride()[d]), d))  # outermost first
-    strides, step, hinted = [0] * new.dim(), 1, 1
-    for dim in reversed(order):
-        if example_value(new.shape[dim]) != 1 and example_value(new.stride()[dim]) != hinted:
-            raise ValueError("its new value is not dense")
-        strides[dim], step, hinted = step, step * old.shape[dim], hinted * example_value(new.shape[dim])
-    return torch.empty_strided(old.shape, strides, dtype=new.dtype, device=new.device)
+    order = _order(new)
+    if order is None:
+        raise ValueError("its new value is not dense")
+    return dense_in(old, order)
 
 
 def _writes(node: torch.fx.Node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
-
-
-def _shape_env(val):
-    mode = maybe_get_fake_mode(val)
-    return mode.shape_env if mode is not None else None
 
 
 def fake_mode_of(val):

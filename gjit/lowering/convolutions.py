@@ -26,9 +26,10 @@ import math
 from collections.abc import Iterator
 
 import torch
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from gjit.lowering.attention_layout import same_layout
-from gjit.lowering.channels_last import CHANNELS_LAST, CONVOLUTION, channels_last, example_value, fake_mode_of
+from gjit.lowering.channels_last import CHANNELS_LAST, CONVOLUTION, channels_last, fake_mode_of
 
 log = logging.getLogger("gjit.lowering")
 aten = torch.ops.aten
@@ -53,7 +54,7 @@ CONV_LIBRARIES = {
 def conv_library(gm: torch.fx.GraphModule, on_gpu: bool) -> tuple[str, bool] | None:
     """The library flag `gm`'s convolutions run under and its value now (cuDNN on a GPU, oneDNN on
     the CPU), or None where `gm` has no convolution."""
-    if not any(True for _ in gm.graph.find_nodes(op="call_function", target=CONVOLUTION)):
+    if not gm.graph.find_nodes(op="call_function", target=CONVOLUTION):
         return None
     name = "cudnn" if on_gpu else "mkldnn"
     return name, CONV_LIBRARIES[name][1]()
@@ -161,11 +162,16 @@ def worth_channels_last(convs: list[torch.fx.Node]) -> bool:
     return dense >= grouped
 
 
+def _hint(size) -> int:
+    """A size at the example's values (without one: 1)."""
+    return optimization_hint(size, fallback=1)
+
+
 def _multiply_adds(node: torch.fx.Node) -> int:
     """Output elements times the input channels and kernel elements each reads (a transposed
     convolution's weight is [in, out / groups, ...]), at the example's sizes."""
     out, weight = node.meta["val"], node.args[1].meta["val"]
     transposed, groups = node.args[6], node.args[8]
-    channels = example_value(weight.shape[0]) // groups if transposed else example_value(weight.shape[1])
-    per_output = channels * math.prod(example_value(s) for s in weight.shape[2:])
-    return math.prod(example_value(s) for s in out.shape) * per_output
+    channels = _hint(weight.shape[0]) // groups if transposed else _hint(weight.shape[1])
+    per_output = channels * math.prod(_hint(s) for s in weight.shape[2:])
+    return math.prod(_hint(s) for s in out.shape) * per_output

@@ -58,15 +58,28 @@ def dense_order(val: torch.Tensor) -> tuple[int, ...] | None:
     """The order of `val`'s dims in memory, outermost first, where it is dense in one for every size
     (ATen's kernels return the contiguous layout or [B, L, H, Ev]; a dim of size 1 may have any
     stride); None where it is not."""
-    for order in itertools.permutations(range(val.dim())):
-        step, same = 1, True
-        for dim in reversed(order):
-            size, stride = val.shape[dim], val.stride()[dim]
-            same = same and (statically_known_true(size == 1) or statically_known_true(stride == step))
-            step = step * size
-        if same:
-            return order
-    return None
+    return next((o for o in itertools.permutations(range(val.dim())) if in_order(val, o)), None)
+
+
+def in_order(val: torch.Tensor, order: tuple[int, ...]) -> bool:
+    """Whether `val` is dense with its dims in memory in `order`, outermost first, for every size (a
+    dim of size 1 may have any stride). Adds no guard."""
+    step = 1
+    for dim in reversed(order):
+        size, stride = val.shape[dim], val.stride()[dim]
+        if not (statically_known_true(size == 1) or statically_known_true(stride == step)):
+            return False
+        step = step * size
+    return True
+
+
+def dense_in(val: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of `val`'s sizes, dtype and device, dense in `order` (outermost first); in the
+    current fake mode."""
+    strides, step = [0] * val.dim(), 1
+    for dim in reversed(order):
+        strides[dim], step = step, step * val.shape[dim]
+    return torch.empty_strided(val.shape, strides, dtype=val.dtype, device=val.device)
 
 
 def proved_masks(gm: torch.fx.GraphModule, held: Held | None = None) -> int:
