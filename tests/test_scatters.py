@@ -325,3 +325,89 @@ def test_data_dependent_index_sizes_are_an_extern_that_says_so():
     cm = check(f, *args)
     reasons = [e.reason for e in gjit.explain(cm, *args).externs if e.op == "aten.index_put.default"]
     assert reasons and "data-dependent sizes" in reasons[0], reasons
+
+
+# -- a static KV cache's write, into the caller's tensors ------------------------------------------
+
+
+def _decode_step(q, k, v, keys, values, length):
+    """A static cache's decode step, as transformers' StaticCache writes it: the new keys and
+    values at the position the counter holds, the counter advanced, then attention over the cache."""
+    position = length + torch.arange(k.shape[2])
+    keys.index_copy_(2, position, k)
+    values.index_copy_(2, position, v)
+    length.add_(k.shape[2])
+    return torch.nn.functional.scaled_dot_product_attention(q, keys, values)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "heads_last"])
+def test_a_static_cache_is_written_by_a_kernel_in_the_callers_memory(layout):
+    """index_copy_ into the caller's cache buffers: a kernel stores the new rows into the inputs
+    themselves (no ATen call, no copy of the cache, none back), before the kernel that advances the
+    counter, which then stores into the counter in place. Three steps against eager's."""
+    torch.manual_seed(0)
+    shape = (2, 3, 10, 8)
+    if layout == "contiguous":
+        caches = [torch.randn(shape) for _ in range(4)]
+    else:  # the buffers' memory in another order
+        caches = [torch.randn(2, 10, 8, 3).permute(0, 3, 1, 2) for _ in range(4)]
+    mine, eager = caches[:2], [c.clone() for c in caches[:2]]
+    mine_length, eager_length = torch.tensor([4]), torch.tensor([4])
+    cm = gjit.compile(_decode_step)
+    for step in range(3):
+        q, k, v = (torch.randn(2, 3, 1, 8) for _ in range(3))
+        want = _decode_step(q, k, v, *eager, eager_length)
+        got, cm = run_compiled(cm, q, k, v, *mine, mine_length)
+        torch.testing.assert_close(got, want)
+        for a, b in zip(mine, eager):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert mine_length.item() == eager_length.item() == 5 + step
+    assert len(cm.entries) == 1
+    if layout == "heads_last":  # export copies the written cache into its strides: not in place
+        return
+    wrapper = open(cm.entries[0].program.graph.wrapper_path).read()
+    assert "index_put = keys\n" in wrapper and "index_put_1 = values\n" in wrapper, wrapper
+    assert "aten.index_put" not in wrapper and "copy_" not in wrapper, wrapper
+    counter = wrapper.index("= length  # stored into the input it updates")
+    assert wrapper.index("index_put_1 = values") < counter, wrapper
+
+
+def test_a_static_cache_written_in_place_with_a_dynamic_length():
+    """The same write with the new tokens' count and the batch dynamic: one entry for both calls."""
+    torch.manual_seed(1)
+    cm = gjit.compile(_decode_step, dynamic=True)
+    for batch, new in ((2, 3), (3, 2)):
+        caches = [torch.randn(batch, 2, 9, 4) for _ in range(2)]
+        mine, eager = caches, [c.clone() for c in caches]
+        mine_length, eager_length = torch.tensor([1]), torch.tensor([1])
+        q, k, v = (torch.randn(batch, 2, new, 4) for _ in range(3))
+        want = _decode_step(q, k, v, *eager, eager_length)
+        got, cm = run_compiled(cm, q, k, v, *mine, mine_length)
+        torch.testing.assert_close(got, want)
+        for a, b in zip(mine, eager):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert mine_length.item() == eager_length.item()
+    assert len(cm.entries) == 1
+
+
+def _set_rows(x, i, v):
+    x[i] = v
+    return x * 2
+
+
+@pytest.mark.parametrize("view", ["transposed", "sliced"])
+def test_a_write_into_a_strided_input_as_eager(view):
+    """x[i] = v into the caller's x, then read: in place by a kernel where the write's result is
+    laid out as x is (transposed: dense); where it is not (a slice with an offset, whose result
+    export traces contiguous) into a copy written back after the call. The slice's write ran in
+    place in ATen and its kernel read x's memory in the traced layout: wrong values."""
+    x = torch.randn(6, 5).T if view == "transposed" else torch.randn(4, 6, 5)[:, ::2, 1:]
+    i, v = torch.tensor([2, 0]), torch.randn(2, *x.shape[1:])
+    x_eager = x.clone()
+    want = _set_rows(x_eager, i, v)
+    got, cm = run_compiled(_set_rows, x, i, v)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(x, x_eager, rtol=0, atol=0)
+    wrapper = open(cm.entries[0].program.graph.wrapper_path).read()
+    assert ("index_put = x\n" in wrapper) == (view == "transposed"), wrapper
+    assert "aten.index_put" not in wrapper, wrapper

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import sympy
 import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
@@ -64,6 +65,8 @@ def write_in_place(program: ExportedProgram) -> None:
             continue  # another reader of the old value would see the new one
         if base in pytree.tree_leaves((node.args[1:], node.kwargs)):
             continue  # the write reads the tensor it writes (its values or indices)
+        if not _same_layout(base.meta.get("val"), node.meta.get("val")):
+            continue  # what reads the result reads it in the traced layout, not the base's (a slice)
         if base.op == "placeholder" and updates.get(node) is base:
             kind = "its input"
         elif _fresh(base):
@@ -88,6 +91,18 @@ def as_functional(program: ExportedProgram):
     finally:
         for node in changed:
             node.target = _IN_PLACE[node.target]
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    """Whether two traced tensors have the same sizes, strides and offset for every size."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() != b.dim():
+        return False
+    sides = [[_expr(x) for x in (*t.shape, *t.stride(), t.storage_offset())] for t in (a, b)]
+    return all(sympy.expand(x - y) == 0 for x, y in zip(*sides))
+
+
+def _expr(size: Any) -> sympy.Expr:
+    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
 
 
 def _fresh(node: torch.fx.Node) -> bool:

@@ -33,6 +33,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from gjit import ir
+from gjit.capture.in_place import WRITTEN_BACK
 from gjit.fusion.spaces import ReductionSpace
 from gjit.ir import (
     AttentionNode,
@@ -471,22 +472,36 @@ class Fusion:
     def schedule(self, inline: set[str]) -> list[Step]:
         gids = sorted(self.members, key=lambda g: min(self.order[m] for m in self.group_members(g)))
         deps = {g: self.group_deps(g) for g in gids}
+        later = self.after_readers()
         done: set[str] = set()
         steps: list[Step] = []
         needed_outside = self.needed_outside()
         while len(done) < len(gids):
-            for g in gids:
-                if g not in done and deps[g] <= done:
-                    step = self.make_step(g, inline, needed_outside)
-                    if isinstance(step, Region) and not step.stores:  # cummax's unused indices
-                        log.info("drop %s: nothing reads what it computes", [n.name for n in step.nodes])
-                    else:
-                        steps.append(step)
-                    done.add(g)
-                    break
-            else:
+            ready = [g for g in gids if g not in done and deps[g] <= done]
+            if not ready:
                 raise AssertionError("fusion produced a cyclic schedule")
+            g = next((g for g in ready if later.get(g, set()) <= done), ready[0])
+            step = self.make_step(g, inline, needed_outside)
+            if isinstance(step, Region) and not step.stores:  # cummax's unused indices
+                log.info("drop %s: nothing reads what it computes", [n.name for n in step.nodes])
+            else:
+                steps.append(step)
+            done.add(g)
         return steps
+
+    def after_readers(self) -> dict[str, set[str]]:
+        """Group -> the groups it waits for where something else is ready: one that computes an
+        input's new value (a counter's `+= 1`) after the others that read the input, so the wrapper
+        stores the value into the input (gjit/wrapper.py `stored_into`), not a copy after the call."""
+        owner = self.graph.fx_graph.owning_module
+        written = {} if owner is None else owner.meta.get(WRITTEN_BACK, {})
+        reads = [(name, r.name) for name, body in self.bodies.items() for r in ir.reads(body)]
+        reads += [(n.name, a) for n in self.graph.nodes if isinstance(n, ExternNode) for a in n.tensor_args]
+        readers: dict[str, set[str]] = {}
+        for name, read in reads:
+            readers.setdefault(self.resolve(read), set()).add(self.group[name])
+        mine = {v: self.group[v] for v in written if v in self.group}
+        return {g: readers.get(written[v], set()) - {g} for v, g in mine.items()}
 
     def needed_outside(self) -> set[str]:
         needed = {self.resolve(n) for n in self.graph.needed_in_memory}

@@ -215,6 +215,26 @@ class Lowering:
         return type(value) is TensorValue and any(n.name == value.name for n in self.nodes
                                                   if isinstance(n, ir.ComputeNode))  # fmt: skip
 
+    def is_input(self, value: TensorValue) -> bool:
+        """Is `value` a graph input itself (not a view of one)?"""
+        buffer = self.buffers.get(value.name) if type(value) is TensorValue else None
+        return buffer is not None and buffer.kind == "input"
+
+    def writable_in_place(self, value: TensorValue) -> bool:
+        """Can the node being lowered (an in-place write) be `value`'s memory in the layout export
+        traced for the node: `value` a graph input or a node a kernel computes here, in that layout
+        (what reads the node, views and externs, reads it in that layout)?"""
+        if self.is_input(value):
+            lay = self.buffers[value.name].layout
+        elif self.is_computed(value):
+            lay = next(n.layout for n in self.nodes if n.name == value.name)
+        else:
+            return False
+        mine = meta_layout(self.out_val)
+        sides = [(*x.size, *x.stride, x.offset) for x in (lay, mine)]
+        same = len(lay.size) == len(mine.size) and all(map(ir.statically_known_equal, *sides))
+        return same and lay.dtype == mine.dtype
+
     def view(
         self, base: TensorValue, reindex: Callable[[Index], Index], element: int | None = None
     ) -> ViewValue:

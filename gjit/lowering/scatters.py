@@ -308,8 +308,9 @@ def index_put(ctx: Lowering, x: TensorValue, indices: list, values, accumulate: 
 @register_lowering(aten.index_put_.default)
 def index_put_(ctx: Lowering, x: TensorValue, indices: list, values, accumulate: bool = False):
     """In place (gjit/capture/in_place.py made it so: nothing else reads x's old value): into x's own
-    memory when x is a value a kernel computes here; a graph input or an extern's result (the
-    caller's KV cache) is written by ATen."""
-    if not ctx.is_computed(x):
-        raise Unsupported("index_put_ into a graph input or an extern's result runs in ATen, in place")
+    memory when x is a value a kernel computes here or a graph input (the caller's KV cache, in
+    the strides the entry's guard checked), laid out as export traced the write's result; an
+    extern's result, a view, or memory in another layout is written by ATen."""
+    if not ctx.writable_in_place(x):
+        raise Unsupported("index_put_ into an extern's result, a view or another layout runs in ATen")
     return _index_put(ctx, x, indices, values, accumulate, in_place=True)
