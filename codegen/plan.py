@@ -471,28 +471,42 @@ class ReductionPlan(RegionPlan):
 
 
 class ScatterPlan(RegionPlan):
-    """A write through indices (a `ScatterNode`'s region): a pointwise kernel over the source's
-    elements whose one store goes to the element the body's `WriteAt` names. The printers mask
-    out writes whose index is out of bounds (eager raises; in debug mode the kernel asserts)."""
+    """Writes through indices (`ScatterNode`s over the same elements, into memory of their own:
+    gjit/fusion/writes.py): a pointwise kernel over the source's elements whose stores, one per
+    write, go to the elements the bodies' `WriteAt`s name. The printers mask out writes whose
+    index is out of bounds (eager raises; in debug mode the kernel asserts)."""
 
     @property
     def node(self) -> ScatterNode:
         return self.region.nodes[0]
 
-    @property
-    def write(self) -> ir.WriteAt:
-        return self.region.bodies[self.node.name]
+    def writes(self) -> list[tuple[ScatterNode, ir.WriteAt]]:
+        return [(n, self.region.bodies[n.name]) for n in self.region.nodes]
 
     def accesses(self) -> list[sympy.Expr]:
-        out = [self.layout(r.name).offset_of(r.index) for r in ir.reads(self.write)]
-        return out + [self.layout(self.node.name).offset_of(self.write.index)]
+        out = []
+        for node, write in self.writes():
+            out += [self.layout(r.name).offset_of(r.index) for r in ir.reads(write)]
+            out.append(self.layout(node.name).offset_of(write.index))
+        return out
 
     def primary_access(self, idx: ir.Index) -> sympy.Expr | None:
-        reads = ir.reads(self.write.value)
+        reads = ir.reads(self.writes()[0][1].value)
         return self.layout(reads[0].name).offset_of(reads[0].index) if reads else None
 
+    def nondeterministic(self) -> bool:
+        """Float atomics: the order of additions, so the last bits, vary between runs."""
+        return any(
+            n.reduce == "sum" and self.layout(n.name).dtype.is_floating_point for n, _ in self.writes()
+        )
+
     def scatter_header(self) -> list[str]:
-        target = ", ".join(map(str, self.write.index))
-        how = {"store": "stores", "sum": "adds (atomic)", "max": "takes the max (atomic)",
-               "min": "takes the min (atomic)", "nan": "stores the NaN values"}[self.node.reduce]  # fmt: skip
-        return [f"writes into {self.node.base}'s memory: {how} at [{target}], out-of-bounds indices skipped"]
+        out = []
+        for node, write in self.writes():
+            target = ", ".join(map(str, write.index))
+            how = {"store": "stores", "sum": "adds (atomic)", "max": "takes the max (atomic)",
+                   "min": "takes the min (atomic)", "nan": "stores the NaN values"}[node.reduce]  # fmt: skip
+            out.append(
+                f"writes into {node.base}'s memory: {how} at [{target}], out-of-bounds indices skipped"
+            )
+        return out

@@ -32,7 +32,8 @@ def test_scatter_src_and_value(dim):
     index = unique_index(4, 5, 6) if dim == 0 else unique_index(5, 6, 5).T[:, :4].contiguous()
     src = torch.randn(7, 7)
     cm = check(lambda x, i, s: (x.scatter(dim, i, s), x.scatter(dim, i, -2.5)), x, index, src)
-    assert len(scatter_kernels(cm, x, index, src)) == 2
+    (kernel,) = scatter_kernels(cm, x, index, src)  # side by side: one kernel writes both copies
+    assert kernel.source.count("'s memory: stores at") == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.int64])
@@ -370,6 +371,8 @@ def test_a_static_cache_is_written_by_a_kernel_in_the_callers_memory(layout):
     assert "aten.index_put" not in wrapper and "copy_" not in wrapper, wrapper
     counter = wrapper.index("= length  # stored into the input it updates")
     assert wrapper.index("index_put_1 = values") < counter, wrapper
+    (kernel,) = scatter_kernels(cm, q, k, v, *mine, mine_length)  # the keys and values: one kernel
+    assert kernel.source.count("'s memory: stores at") == 2, kernel.source
 
 
 def test_a_static_cache_written_in_place_with_a_dynamic_length():
@@ -411,3 +414,40 @@ def test_a_write_into_a_strided_input_as_eager(view):
     wrapper = open(cm.entries[0].program.graph.wrapper_path).read()
     assert ("index_put = x\n" in wrapper) == (view == "transposed"), wrapper
     assert "aten.index_put" not in wrapper, wrapper
+
+
+def _two_writes(x, y, i, v, w):
+    a, b = x * 2, y + 1
+    a[i] = v
+    b[i] = w
+    return a, b
+
+
+def _second_reads_first(x, y, i, v):
+    a, b = x * 2, y + 1
+    a[i] = v
+    b[i] = a[i + 1]  # reads memory the first writes
+    return a, b
+
+
+def _same_memory(x, i, j, v, w):
+    a = x * 2
+    a[i] = v
+    a[j] = w  # into what the first wrote
+    return a
+
+
+def test_writes_through_indices_side_by_side_share_a_kernel():
+    """Two writes over the same elements into memory of their own are one kernel (each program
+    stores its elements of both); one that reads what the other writes, or writes the same
+    memory, stays a kernel of its own. Static sizes: the values' sizes, dynamic, are not known equal."""
+    x, y, v, w = torch.randn(7, 5), torch.randn(7, 5), torch.randn(3, 5), torch.randn(3, 5)
+    i, j = torch.tensor([4, 0, 2]), torch.tensor([1, 4, 6])
+    cm = check(gjit.compile(_two_writes, dynamic=False), x, y, i, v, w)
+    (kernel,) = scatter_kernels(cm, x, y, i, v, w)
+    assert "writes into mul's memory" in kernel.source
+    assert "writes into add's memory" in kernel.source
+    cm = check(gjit.compile(_second_reads_first, dynamic=False), x, y, i, v)
+    assert len(scatter_kernels(cm, x, y, i, v)) == 2
+    cm = check(gjit.compile(_same_memory, dynamic=False), x, i, j, v, w)
+    assert len(scatter_kernels(cm, x, i, j, v, w)) == 2

@@ -6,19 +6,41 @@ in the prelude). An index out of bounds skips the write.
 
 from __future__ import annotations
 
+from gjit import ir
 from gjit.codegen.common import KernelSource, hint
 from gjit.codegen.cuda.pointwise import CudaKernelWriter, threads_for
 from gjit.codegen.plan import ScatterPlan
+from gjit.ir import ScatterNode
 
 ATOMICS = {"sum": "gjit_atomic_add", "max": "gjit_atomic_max", "min": "gjit_atomic_min"}
 
 
 class CudaScatterWriter(ScatterPlan, CudaKernelWriter):
     def generate(self, name: str) -> KernelSource:
-        self.assumptions += list(self.node.assumptions)  # sizes the writes rely on (guarded)
+        for node, _ in self.writes():
+            self.assumptions += list(node.assumptions)  # sizes the writes rely on (guarded)
         numel, idx, plan, index_dtype = self.pointwise_space()
         it = "int" if index_dtype == "int32" else "long long"
-        node, write = self.node, self.write
+        for node, write in self.writes():
+            self.store(node, write)
+        setup = [f"{it} {v.name} = {self.index(e)};" for v, e in zip(plan.vars, plan.var_exprs)]
+        loop = (
+            f"for ({it} xindex = ({it})blockIdx.x * blockDim.x + threadIdx.x; "
+            f"xindex < xnumel; xindex += ({it})blockDim.x * gridDim.x) {{"
+        )
+        threads = threads_for(hint(numel, self.hints))
+        return self.cuda_source(
+            name,
+            header=self.header(name, numel, self.scatter_header()),
+            body=[loop] + [f"    {ln}" for ln in setup + self.lines] + ["}"],
+            sizes={"xnumel": numel},
+            threads=threads,
+            index_dtype=index_dtype,
+            nondeterministic=self.nondeterministic(),
+            blocks={"XBLOCK": threads},
+        )
+
+    def store(self, node: ScatterNode, write: ir.WriteAt) -> None:
         value = self.emit(write.value)
         names = {sym: self.emit(v) for sym, v, _ in write.indirect}
         arg = self.out_args.setdefault(node.name, f"out_ptr{len(self.out_args)}")
@@ -33,19 +55,3 @@ class CudaScatterWriter(ScatterPlan, CudaKernelWriter):
         else:
             line = self.store_line(arg, offset, value, write.value.dtype, dtype)
         self.lines += [f"if ({' && '.join(conds)}) {line}"] if conds else [line]
-        setup = [f"{it} {v.name} = {self.index(e)};" for v, e in zip(plan.vars, plan.var_exprs)]
-        loop = (
-            f"for ({it} xindex = ({it})blockIdx.x * blockDim.x + threadIdx.x; "
-            f"xindex < xnumel; xindex += ({it})blockDim.x * gridDim.x) {{"
-        )
-        threads = threads_for(hint(numel, self.hints))
-        return self.cuda_source(
-            name,
-            header=self.header(name, numel, self.scatter_header()),
-            body=[loop] + [f"    {ln}" for ln in setup + self.lines] + ["}"],
-            sizes={"xnumel": numel},
-            threads=threads,
-            index_dtype=index_dtype,
-            nondeterministic=node.reduce == "sum" and self.layout(node.name).dtype.is_floating_point,
-            blocks={"XBLOCK": threads},
-        )

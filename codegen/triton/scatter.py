@@ -7,19 +7,35 @@ back). An index out of bounds skips the write (debug mode asserts instead).
 
 from __future__ import annotations
 
+from gjit import ir
 from gjit.codegen.common import KernelSource
 from gjit.codegen.plan import ScatterPlan
 from gjit.codegen.triton.pointwise import HELPERS, KernelWriter, comment, xblock_for
+from gjit.ir import ScatterNode
 
 ATOMICS = {"sum": "tl.atomic_add", "max": "tl.atomic_max", "min": "tl.atomic_min"}
 
 
 class ScatterWriter(ScatterPlan, KernelWriter):
     def generate(self, name: str) -> KernelSource:
-        self.assumptions += list(self.node.assumptions)  # sizes the writes rely on (guarded)
+        for node, _ in self.writes():
+            self.assumptions += list(node.assumptions)  # sizes the writes rely on (guarded)
         numel, idx, plan, index_dtype = self.pointwise_space()
         setup = self.index_setup(plan, index_dtype)
-        node, write = self.node, self.write
+        for node, write in self.writes():
+            self.store(node, write)
+        return self.kernel_source(
+            name,
+            header=comment(self.header(name, numel, self.scatter_header())),
+            body=setup + self.lines,
+            sizes={"xnumel": numel},
+            blocks={"XBLOCK": xblock_for(numel, self.hints, self.options.xblock)},
+            index_dtype=index_dtype,
+            nondeterministic=self.nondeterministic(),
+            helpers=[HELPERS[h] for h in sorted(self.helpers)],
+        )
+
+    def store(self, node: ScatterNode, write: ir.WriteAt) -> None:
         value = self.emit(write.value)
         names = self.indirect(write, f"writing {node.name}")
         arg = self.out_args.setdefault(node.name, f"out_ptr{len(self.out_args)}")
@@ -35,13 +51,3 @@ class ScatterWriter(ScatterPlan, KernelWriter):
             self.lines.append(f"{ATOMICS[node.reduce]}({arg} + ({offset}), {value}, {mask}, sem='relaxed')")
         else:
             self.lines.append(f"tl.store({arg} + ({offset}), {value}, {mask})")
-        return self.kernel_source(
-            name,
-            header=comment(self.header(name, numel, self.scatter_header())),
-            body=setup + self.lines,
-            sizes={"xnumel": numel},
-            blocks={"XBLOCK": xblock_for(numel, self.hints, self.options.xblock)},
-            index_dtype=index_dtype,
-            nondeterministic=node.reduce == "sum" and self.layout(node.name).dtype.is_floating_point,
-            helpers=[HELPERS[h] for h in sorted(self.helpers)],
-        )

@@ -35,6 +35,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from gjit import ir
 from gjit.capture.in_place import WRITTEN_BACK
 from gjit.fusion.spaces import ReductionSpace
+from gjit.fusion.writes import waits_for_readers, why_not_side_by_side
 from gjit.ir import (
     AttentionNode,
     ComputeNode,
@@ -367,7 +368,10 @@ class Fusion:
         if any(isinstance(self.compute[m], ScanNode) for m in ma + mb):
             return "a scan is a kernel of its own"
         if any(isinstance(self.compute[m], ScatterNode) for m in ma + mb):
-            return "a write through indices is a kernel of its own"
+            reason = why_not_side_by_side([self.compute[m] for m in ma + mb], self.bodies, self.resolve)
+            if reason is None and (self.reaches({a}, {b}) or self.reaches({b}, {a})):
+                reason = "fusing would create a cycle through another kernel or extern"
+            return reason
         members = set(ma) | set(mb)
         reason = self.why_not_matmul(members)
         if reason is not None:
@@ -490,18 +494,12 @@ class Fusion:
         return steps
 
     def after_readers(self) -> dict[str, set[str]]:
-        """Group -> the groups it waits for where something else is ready: one that computes an
-        input's new value (a counter's `+= 1`) after the others that read the input, so the wrapper
-        stores the value into the input (gjit/wrapper.py `stored_into`), not a copy after the call."""
+        """Group -> the groups it waits for where something else is ready (gjit/fusion/writes.py)."""
         owner = self.graph.fx_graph.owning_module
         written = {} if owner is None else owner.meta.get(WRITTEN_BACK, {})
         reads = [(name, r.name) for name, body in self.bodies.items() for r in ir.reads(body)]
         reads += [(n.name, a) for n in self.graph.nodes if isinstance(n, ExternNode) for a in n.tensor_args]
-        readers: dict[str, set[str]] = {}
-        for name, read in reads:
-            readers.setdefault(self.resolve(read), set()).add(self.group[name])
-        mine = {v: self.group[v] for v in written if v in self.group}
-        return {g: readers.get(written[v], set()) - {g} for v, g in mine.items()}
+        return waits_for_readers(written, reads, self.group, self.resolve)
 
     def needed_outside(self) -> set[str]:
         needed = {self.resolve(n) for n in self.graph.needed_in_memory}
