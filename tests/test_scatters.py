@@ -451,3 +451,67 @@ def test_writes_through_indices_side_by_side_share_a_kernel():
     assert len(scatter_kernels(cm, x, y, i, v)) == 2
     cm = check(gjit.compile(_same_memory, dynamic=False), x, i, j, v, w)
     assert len(scatter_kernels(cm, x, i, j, v, w)) == 2
+
+
+def _cache_step(k, keys, length):
+    position = length + torch.arange(k.shape[0])
+    keys.index_copy_(0, position, k)
+    length.add_(k.shape[0])
+    return keys.sum(0)
+
+
+def test_a_write_past_the_callers_cache_fails_as_in_eager():
+    """The kernel writing into the caller's tensor asserts its indices, out of debug mode too:
+    a full cache fails, as eager's index_copy_ raises, rather than stay as it was."""
+    cm = gjit.compile(_cache_step)
+    keys, length = torch.zeros(4, 3), torch.tensor([2])
+    with gjit.config.scope(interpret=True, debug=False):
+        for step in range(2):
+            cm(torch.full((1, 3), step + 1.0), keys, length)
+        assert keys[:, 0].tolist() == [0.0, 0.0, 1.0, 2.0] and length.item() == 4
+        with pytest.raises(Exception, match="index out of bounds"):
+            cm(torch.full((1, 3), 3.0), keys, length)
+    (kernel,) = scatter_kernels(cm, torch.ones(1, 3), torch.zeros(4, 3), torch.tensor([0]))
+    assert "tl.device_assert(" in kernel.source
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.zeros(1, 5).expand(6, 5),
+        lambda: torch.zeros(6, 1).expand(6, 5),
+        lambda: torch.arange(20.0).as_strided((6, 5), (2, 1)),  # rows overlap
+    ],
+    ids=["expanded_rows", "expanded_columns", "overlapping_rows"],
+)
+def test_a_write_into_an_input_whose_elements_share_memory_runs_eagerly(make):
+    """Kernels write each element on its own: into an input whose elements share memory, the
+    program runs eagerly, saying why (its kernels read the write's result in another layout, and
+    the write back into such memory failed or overwrote eager's values)."""
+    x, i, v = make(), torch.tensor([2, 0]), -torch.ones(2, 5)
+    x_eager = torch.empty(0).set_(x.untyped_storage().clone(), 0, x.shape, x.stride())
+    want = _set_rows(x_eager, i, v)
+    got, cm = run_compiled(_set_rows, x, i, v, expect_eager=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert x.untyped_storage().tolist() == x_eager.untyped_storage().tolist()
+    assert "whose elements share memory" in cm.eager_reason
+
+
+def _normal_between(n):
+    old = n * 1  # reads n's old value, in the kernel with `old + b`
+    n.normal_()  # n's new value: a random op, written back into n
+    return old + torch.randn(4)
+
+
+def test_a_value_written_back_never_moves_a_random_draw():
+    """The schedule that runs an input's new value after its readers leaves a program with random
+    ops in program order: the same draws as eager's for the same seed."""
+    torch.manual_seed(0)
+    n_eager = torch.zeros(4)
+    want = _normal_between(n_eager)
+    cm = gjit.compile(_normal_between)
+    run_compiled(cm, torch.zeros(4))
+    torch.manual_seed(0)
+    n_gjit = torch.zeros(4)
+    got, _ = run_compiled(cm, n_gjit)
+    assert torch.equal(got, want) and torch.equal(n_gjit, n_eager)

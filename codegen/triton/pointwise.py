@@ -307,14 +307,14 @@ class KernelWriter(RegionPlan):
             load = f"tl.load({arg} + ({text}) + {self.block_zeros}, {self.mask})"
         return self.tmp(("load", arg, text, mask), load)
 
-    def indirect(self, r: Read | ir.WriteAt, what: str = "") -> dict[sympy.Symbol, str]:
-        """Emit the data an indirect read (or write) indexes with; in debug mode, assert it is in
-        bounds."""
+    def indirect(self, r: Read | ir.WriteAt, what: str = "", check: bool = False) -> dict[sympy.Symbol, str]:
+        """Emit the data an indirect read (or write) indexes with; in debug mode (or `check`),
+        assert it is in bounds."""
         what = what or f"reading {r.name}"
         names = {}
         for sym, value, size in r.indirect:
             names[sym] = var = self.emit(value)
-            if self.options.debug:
+            if self.options.debug or check:
                 bound = self.index(self.subst(size))
                 self.debug_asserts = True
                 self.lines.append(

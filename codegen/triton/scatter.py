@@ -2,7 +2,8 @@
 one pointwise kernel over the source's elements (codegen/plan.py's ScatterPlan), each storing its
 value at the element its index names, or combining it there with an atomic (`tl.atomic_add`,
 `tl.atomic_max`, `tl.atomic_min`, relaxed: only the final values matter, the kernel reads none
-back). An index out of bounds skips the write (debug mode asserts instead).
+back). An index out of bounds skips the write (debug mode asserts instead; a write into a graph
+input, the caller's tensor, always asserts, as eager raises).
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ class ScatterWriter(ScatterPlan, KernelWriter):
 
     def store(self, node: ScatterNode, write: ir.WriteAt) -> None:
         value = self.emit(write.value)
-        names = self.indirect(write, f"writing {node.name}")
+        # into the caller's memory (a KV cache): an index out of bounds fails, as eager's does,
+        # rather than leave the caller's tensor stale
+        into_input = getattr(self.graph.buffers.get(node.base), "kind", None) == "input"
+        names = self.indirect(write, f"writing {node.name}", check=into_input)
         arg = self.out_args.setdefault(node.name, f"out_ptr{len(self.out_args)}")
         offset_expr = self.subst(self.layout(node.name).offset_of(write.index))
         offset, value = self.block_store(offset_expr, self.index(offset_expr, names), value, write.value)

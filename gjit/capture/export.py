@@ -31,7 +31,14 @@ from gjit.capture import kv_cache
 from gjit.capture.cache_aliases import CacheAliases
 from gjit.capture.calling import as_module, constants_as_tokens, explicit_keywords
 from gjit.capture.export_budget import ExportTooSlow, export_budget
-from gjit.capture.in_place import WRITTEN_BACK, write_in_place, written_back
+from gjit.capture.in_place import (
+    SHARED,
+    WRITTEN_BACK,
+    as_mutated_inputs,
+    write_in_place,
+    written_back,
+    written_shared,
+)
 from gjit.capture.module_copy import private_tree, shares_state
 from gjit.config import config
 from gjit.stats import timed
@@ -273,38 +280,10 @@ class CapturedProgram:
                 mutated.append((flat_out[out_index], target))
         outs = [flat_out[i] for i in self.user_output_indices]
         if mutated:
-            outs = _as_mutated_inputs(outs, mutated)
+            outs = as_mutated_inputs(outs, mutated)
         if call is not None and self.aliases.pairs:
             return self.aliases.rebuild(*call, outs, self.out_spec)
         return pytree.tree_unflatten(outs, self.out_spec)
-
-
-def _as_mutated_inputs(outs: list[Any], mutated: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Any]:
-    """Each output that is a mutated input's new value as that input; one that is a view of it as
-    the same view of the input. Identity first (a static cache's every layer is one), storages
-    read once per call."""
-    targets = {id(new): target for new, target in reversed(mutated)}  # the first pair wins
-    storages: list[int] | None = None
-    found = []
-    for out in outs:
-        target = targets.get(id(out))
-        if target is None and isinstance(out, torch.Tensor):
-            if storages is None:
-                storages = [new.untyped_storage().data_ptr() for new, _ in mutated]
-            target = _as_view_of_target(out, mutated, storages)
-        found.append(out if target is None else target)
-    return found
-
-
-def _as_view_of_target(
-    out: torch.Tensor, mutated: list[tuple[torch.Tensor, torch.Tensor]], storages: list[int]
-) -> torch.Tensor | None:
-    memory = out.untyped_storage().data_ptr()
-    for (new, target), storage in zip(mutated, storages):
-        if storage == memory and new.stride() == target.stride() and out.dtype == target.dtype:
-            offset = target.storage_offset() + out.storage_offset() - new.storage_offset()
-            return target.as_strided(out.shape, out.stride(), offset)
-    return None
 
 
 class _Feed:
@@ -563,6 +542,8 @@ def describe(
             raise CaptureError(
                 f"unsupported exported output kind {spec.kind} ({spec.arg}): gjit compiles inference graphs"
             )
+    if (shared := written_shared(program, sources, mutations)) is not None:
+        raise CaptureError(f"the program writes into {shared}, whose elements share memory: {SHARED}")
     write_in_place(program)
     program.graph_module.meta[WRITTEN_BACK] = written_back(program, sources, mutations)
     return CapturedProgram(

@@ -6,6 +6,9 @@ buffer when nothing else reads the old value. `as_functional` undoes that for th
 `torch.export` serialization (the serializer stores the program as decomposition left it).
 `written_back` names the other values a call writes back into its inputs (a counter's `+= 1`),
 which the wrapper stores into the input itself where that is safe (gjit/wrapper.py).
+`written_shared` finds an input the program writes whose elements share memory (an expanded
+view), which capture refuses; `as_mutated_inputs` hands a call's outputs that are a written
+input's new value (or a view of it) out as that input.
 """
 
 from __future__ import annotations
@@ -101,6 +104,40 @@ def _same_layout(a: Any, b: Any) -> bool:
     return all(sympy.expand(x - y) == 0 for x, y in zip(*sides))
 
 
+SHARED = "an expanded or overlapping view (gjit writes only tensors whose elements are apart)"
+
+
+def written_shared(
+    program: ExportedProgram, sources: list[tuple[str, Any]], mutations: dict[int, tuple[str, Any]]
+) -> str | None:
+    """The name of an input the program writes (`mutations`' sources, as `sources` names each
+    placeholder's) whose elements may share memory (`overlaps_itself`), or None."""
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+    for source in mutations.values():
+        node = placeholders[sources.index(source)]
+        if overlaps_itself(node.meta.get("val")):
+            return node.name
+    return None
+
+
+def overlaps_itself(value: Any) -> bool:
+    """Whether two elements of a traced tensor may share memory (at its example's sizes): its dims
+    of more than one element, by stride, each step past what the smaller ones span."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    dims = sorted((_hint(st), _hint(n)) for n, st in zip(value.shape, value.stride()) if _hint(n) > 1)
+    span = 0
+    for stride, size in dims:
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
+
+
+def _hint(size: Any) -> int:
+    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+
+
 def _expr(size: Any) -> sympy.Expr:
     return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
 
@@ -133,3 +170,31 @@ def written_back(
         for i, source in mutations.items()
         if isinstance(outputs[i], torch.fx.Node) and source in placeholders
     }
+
+
+def as_mutated_inputs(outs: list[Any], mutated: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Any]:
+    """Each output that is a mutated input's new value as that input; one that is a view of it as
+    the same view of the input. Identity first (a static cache's every layer is one), storages
+    read once per call."""
+    targets = {id(new): target for new, target in reversed(mutated)}  # the first pair wins
+    storages: list[int] | None = None
+    found = []
+    for out in outs:
+        target = targets.get(id(out))
+        if target is None and isinstance(out, torch.Tensor):
+            if storages is None:
+                storages = [new.untyped_storage().data_ptr() for new, _ in mutated]
+            target = _as_view_of_target(out, mutated, storages)
+        found.append(out if target is None else target)
+    return found
+
+
+def _as_view_of_target(
+    out: torch.Tensor, mutated: list[tuple[torch.Tensor, torch.Tensor]], storages: list[int]
+) -> torch.Tensor | None:
+    memory = out.untyped_storage().data_ptr()
+    for (new, target), storage in zip(mutated, storages):
+        if storage == memory and new.stride() == target.stride() and out.dtype == target.dtype:
+            offset = target.storage_offset() + out.storage_offset() - new.storage_offset()
+            return target.as_strided(out.shape, out.stride(), offset)
+    return None

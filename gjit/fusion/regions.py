@@ -499,7 +499,7 @@ class Fusion:
         written = {} if owner is None else owner.meta.get(WRITTEN_BACK, {})
         reads = [(name, r.name) for name, body in self.bodies.items() for r in ir.reads(body)]
         reads += [(n.name, a) for n in self.graph.nodes if isinstance(n, ExternNode) for a in n.tensor_args]
-        return waits_for_readers(written, reads, self.group, self.resolve)
+        return waits_for_readers(self.graph.fx_graph, written, reads, self.group, self.bodies, self.resolve)
 
     def needed_outside(self) -> set[str]:
         needed = {self.resolve(n) for n in self.graph.needed_in_memory}

@@ -10,12 +10,16 @@ kernel, and a value written back into an input that waits for the input's reader
 - **After the readers.** A kernel that computes an input's new value (a counter's `+= 1`) is
   scheduled, where something else is ready, after the other kernels that read the input: the
   wrapper then stores the value into the input itself (gjit/wrapper.py `stored_into`), not into a
-  buffer copied into the input after the call.
+  buffer copied into the input after the call. Not in a program with random ops (a kernel moved
+  later moves the externs that read it, and eager's draws are in program order), and never an
+  extern.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+
+import torch
 
 from gjit import ir
 from gjit.ir import ComputeNode, Expr, ScatterNode
@@ -39,12 +43,30 @@ def why_not_side_by_side(nodes: list[ComputeNode], bodies: dict[str, Expr], reso
 
 
 def waits_for_readers(
-    written_back: dict[str, str], reads: Iterable[tuple[str, str]], group: dict[str, str], resolve: Callable
+    fx_graph: torch.fx.Graph,
+    written_back: dict[str, str],
+    reads: Iterable[tuple[str, str]],
+    group: dict[str, str],
+    bodies: dict[str, Expr],
+    resolve: Callable,
 ) -> dict[str, set[str]]:
-    """Group -> the groups it waits for: one that computes an input's new value (`written_back`:
-    value -> input) waits for the others that read the input (`reads`: (node, what it reads))."""
+    """Group -> the groups it waits for: a kernel that computes an input's new value (`written_back`:
+    value -> input; `bodies`: the kernels' nodes) waits for the others that read the input
+    (`reads`: (node, what it reads)); none in a program with random ops (`fx_graph`'s)."""
+    if any(draws(n) for n in fx_graph.nodes):
+        return {}  # random ops draw in program order: nothing moves past one
     readers: dict[str, set[str]] = {}
     for name, read in reads:
         readers.setdefault(resolve(read), set()).add(group[name])
-    mine = {value: group[value] for value in written_back if value in group}
-    return {g: readers.get(written_back[value], set()) - {g} for value, g in mine.items()}
+    waits: dict[str, set[str]] = {}
+    for value, target in written_back.items():
+        if value in bodies:  # a kernel's (an extern stays where it is)
+            g = group[value]
+            waits.setdefault(g, set()).update(readers.get(target, set()) - {g})
+    return waits
+
+
+def draws(node: torch.fx.Node) -> bool:
+    """Whether an FX node is a random op (its draws follow the program's order)."""
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
