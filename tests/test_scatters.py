@@ -515,3 +515,75 @@ def test_a_value_written_back_never_moves_a_random_draw():
     n_gjit = torch.zeros(4)
     got, _ = run_compiled(cm, n_gjit)
     assert torch.equal(got, want) and torch.equal(n_gjit, n_eager)
+
+
+def _draws_in_branches(n, y, p):
+    old = n * 2
+    n.add_(1)  # n's new value; `old` is read after the first branch, which needs the new n
+    a = torch.cond(p, lambda m: m.expand(4, 3) + torch.randn(4, 3), lambda m: m - torch.randn(4, 3), (n,))
+    b = torch.cond(p, lambda y: y * torch.randn(3), lambda y: y / torch.randn(3), (y,))
+    return b, old[None] * a
+
+
+def test_random_draws_in_branches_stay_in_program_order():
+    """A random op inside a torch.cond branch keeps the program's order too (the second branch
+    drew first: the counter's kernel waited for a reader that needs it)."""
+    make = lambda: (torch.arange(3.0), torch.ones(3), torch.tensor(True))  # noqa: E731
+    torch.manual_seed(0)
+    want = _draws_in_branches(*make())
+    torch.manual_seed(0)
+    got, _ = run_compiled(_draws_in_branches, *make())
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+class _HeldMask(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mask", torch.ones(32, 32, dtype=torch.bool).tril())
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x):
+        b, t, w = x.shape
+        q, k, v = (y.view(b, t, 2, -1).transpose(1, 2) for y in self.qkv(x).split(w, -1))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.mask[:t, :t])
+
+
+class _MaskEditor(torch.nn.Module):
+    def __init__(self, owner):
+        super().__init__()
+        self.owner = owner
+
+    def forward(self, rows, value):
+        self.owner.mask[rows] = value  # a kernel writes the other module's buffer
+        return rows + 1
+
+
+def test_a_kernels_write_into_an_input_moves_its_version():
+    """A write into the caller's tensor by a kernel moves the tensor's version, as eager's write
+    does: a held mask's proof (is_causal, checked by version) sees the edit and compiles anew."""
+    torch.manual_seed(0)
+    model = _HeldMask().requires_grad_(False)
+    forward, edit = gjit.compile(model), gjit.compile(_MaskEditor(model))
+    x = torch.randn(3, 7, 16)
+    with torch.no_grad():
+        run_compiled(forward, x)
+        before = model.mask._version
+        run_compiled(edit, torch.tensor([5]), torch.ones(1, 32, dtype=torch.bool))  # row 5 sees every key
+        assert model.mask._version > before
+        got, _ = run_compiled(forward, x)
+        torch.testing.assert_close(got, model(x))
+    assert len(forward.entries) == 2
+
+
+def test_a_dynamic_stride_written_into_is_guarded_apart():
+    """With its row stride a symbol, an entry that writes x guards that x's rows stay apart: a
+    call whose rows overlap runs eagerly (it was written through the entry and corrupted x)."""
+    cm = gjit.compile(_set_rows, dynamic=True)
+    i, v = torch.tensor([2, 0]), -torch.ones(2, 5)
+    run_compiled(cm, torch.arange(60.0).view(6, 10)[:, :5], i, v)
+    x = torch.arange(30.0).as_strided((6, 5), (3, 1))  # rows overlap
+    x_eager = torch.arange(30.0).as_strided((6, 5), (3, 1))
+    want = _set_rows(x_eager, i, v)
+    got, _ = run_compiled(cm, x, i, v, expect_eager=None)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert x.untyped_storage().tolist() == x_eager.untyped_storage().tolist()

@@ -18,6 +18,7 @@ from typing import Any
 import sympy
 import torch
 import torch.utils._pytree as pytree
+from torch.autograd.graph import increment_version
 from torch.export import Dim, ExportedProgram, ShapesCollection
 from torch.export.graph_signature import InputKind, OutputKind
 
@@ -267,17 +268,21 @@ class CapturedProgram:
         eager, where `x.add_(1); return x` returns x itself. A mutated buffer is the one the call
         read (`graph_inputs`), whatever the module holds by now. With the call's `(args, kwargs)`,
         a returned input cache is the caller's object, given the returned state (cache_aliases.py)."""
-        mutated = []
+        mutated, written = [], []
         for out_index, (kind, key) in self.mutations.items():
             if kind == "user":
                 target = flat_user[key]
             else:
                 target = graph_inputs[self.input_sources.index(("buffer", key))]
-            if flat_out[out_index] is not target:  # (an in-place write already updated it)
+            if flat_out[out_index] is not target:
                 with torch.no_grad():
                     target.copy_(flat_out[out_index])
+            else:  # written in place, maybe by a kernel: its version moves on, as a copy_'s would
+                written.append(target)
             if kind == "user":
                 mutated.append((flat_out[out_index], target))
+        if written:  # (what reads a tensor's version sees the write: a held mask's proof)
+            increment_version(written)
         outs = [flat_out[i] for i in self.user_output_indices]
         if mutated:
             outs = as_mutated_inputs(outs, mutated)

@@ -16,11 +16,11 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-import sympy
 import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from gjit import logs
 
@@ -97,11 +97,12 @@ def as_functional(program: ExportedProgram):
 
 
 def _same_layout(a: Any, b: Any) -> bool:
-    """Whether two traced tensors have the same sizes, strides and offset for every size."""
+    """Whether two traced tensors have the same sizes, strides and offset for every size (the
+    shape environment's ranges too: `32 * Max(1, s0)` is `32 * s0` where s0 >= 2)."""
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() != b.dim():
         return False
-    sides = [[_expr(x) for x in (*t.shape, *t.stride(), t.storage_offset())] for t in (a, b)]
-    return all(sympy.expand(x - y) == 0 for x, y in zip(*sides))
+    sides = [(*t.shape, *t.stride(), t.storage_offset()) for t in (a, b)]
+    return all(statically_known_true(x == y) for x, y in zip(*sides))
 
 
 SHARED = "an expanded or overlapping view (gjit writes only tensors whose elements are apart)"
@@ -122,24 +123,25 @@ def written_shared(
 
 def overlaps_itself(value: Any) -> bool:
     """Whether two elements of a traced tensor may share memory (at its example's sizes): its dims
-    of more than one element, by stride, each step past what the smaller ones span."""
+    of more than one element, by stride, each step past what the smaller ones span. Where its
+    strides are symbols, that they stay apart is guarded (a later call whose strides overlap
+    compiles anew, and is refused there)."""
     if not isinstance(value, torch.Tensor):
         return False
-    dims = sorted((_hint(st), _hint(n)) for n, st in zip(value.shape, value.stride()) if _hint(n) > 1)
-    span = 0
+    dims = [(st, n) for n, st in zip(value.shape, value.stride()) if _hint(n) > 1]
+    dims.sort(key=lambda d: _hint(d[0]))
+    span: Any = 0
     for stride, size in dims:
-        if stride <= span:
+        if _hint(stride) <= _hint(span):
             return True
-        span += stride * (size - 1)
+        if isinstance(stride, torch.SymInt) or isinstance(span, torch.SymInt):
+            bool(stride > span)  # a guard in the shape environment, unless it always holds
+        span = span + stride * (size - 1)
     return False
 
 
 def _hint(size: Any) -> int:
     return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
-
-
-def _expr(size: Any) -> sympy.Expr:
-    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
 
 
 def _fresh(node: torch.fx.Node) -> bool:

@@ -33,7 +33,6 @@ import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from gjit import ir
-from gjit.capture.in_place import WRITTEN_BACK
 from gjit.fusion.spaces import ReductionSpace
 from gjit.fusion.writes import waits_for_readers, why_not_side_by_side
 from gjit.ir import (
@@ -476,7 +475,7 @@ class Fusion:
     def schedule(self, inline: set[str]) -> list[Step]:
         gids = sorted(self.members, key=lambda g: min(self.order[m] for m in self.group_members(g)))
         deps = {g: self.group_deps(g) for g in gids}
-        later = self.after_readers()
+        later = waits_for_readers(self)  # gjit/fusion/writes.py
         done: set[str] = set()
         steps: list[Step] = []
         needed_outside = self.needed_outside()
@@ -492,14 +491,6 @@ class Fusion:
                 steps.append(step)
             done.add(g)
         return steps
-
-    def after_readers(self) -> dict[str, set[str]]:
-        """Group -> the groups it waits for where something else is ready (gjit/fusion/writes.py)."""
-        owner = self.graph.fx_graph.owning_module
-        written = {} if owner is None else owner.meta.get(WRITTEN_BACK, {})
-        reads = [(name, r.name) for name, body in self.bodies.items() for r in ir.reads(body)]
-        reads += [(n.name, a) for n in self.graph.nodes if isinstance(n, ExternNode) for a in n.tensor_args]
-        return waits_for_readers(self.graph.fx_graph, written, reads, self.group, self.bodies, self.resolve)
 
     def needed_outside(self) -> set[str]:
         needed = {self.resolve(n) for n in self.graph.needed_in_memory}

@@ -17,12 +17,17 @@ kernel, and a value written back into an input that waits for the input's reader
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from gjit import ir
-from gjit.ir import ComputeNode, Expr, ScatterNode
+from gjit.capture.in_place import WRITTEN_BACK
+from gjit.ir import ComputeNode, Expr, ExternNode, ScatterNode
+
+if TYPE_CHECKING:
+    from gjit.fusion.regions import Fusion
 
 
 def why_not_side_by_side(nodes: list[ComputeNode], bodies: dict[str, Expr], resolve: Callable) -> str | None:
@@ -42,31 +47,41 @@ def why_not_side_by_side(nodes: list[ComputeNode], bodies: dict[str, Expr], reso
     return None
 
 
-def waits_for_readers(
-    fx_graph: torch.fx.Graph,
-    written_back: dict[str, str],
-    reads: Iterable[tuple[str, str]],
-    group: dict[str, str],
-    bodies: dict[str, Expr],
-    resolve: Callable,
-) -> dict[str, set[str]]:
-    """Group -> the groups it waits for: a kernel that computes an input's new value (`written_back`:
-    value -> input; `bodies`: the kernels' nodes) waits for the others that read the input
-    (`reads`: (node, what it reads)); none in a program with random ops (`fx_graph`'s)."""
-    if any(draws(n) for n in fx_graph.nodes):
+def waits_for_readers(fusion: Fusion) -> dict[str, set[str]]:
+    """Group -> the groups it waits for where another is ready: a kernel that computes an input's
+    new value (the graph module's WRITTEN_BACK) waits for the other groups that read the input
+    but those that need it first; none in a program with random ops."""
+    graph = fusion.graph
+    owner = graph.fx_graph.owning_module
+    written = {} if owner is None else owner.meta.get(WRITTEN_BACK, {})
+    if not written or draws_in(graph.fx_graph):
         return {}  # random ops draw in program order: nothing moves past one
+    reads = [(name, r.name) for name, body in fusion.bodies.items() for r in ir.reads(body)]
+    reads += [(n.name, a) for n in graph.nodes if isinstance(n, ExternNode) for a in n.tensor_args]
     readers: dict[str, set[str]] = {}
     for name, read in reads:
-        readers.setdefault(resolve(read), set()).add(group[name])
+        readers.setdefault(fusion.resolve(read), set()).add(fusion.group[name])
+    consumers = fusion.consumers()
     waits: dict[str, set[str]] = {}
-    for value, target in written_back.items():
-        if value in bodies:  # a kernel's (an extern stays where it is)
-            g = group[value]
-            waits.setdefault(g, set()).update(readers.get(target, set()) - {g})
+    for value, target in written.items():
+        if value not in fusion.bodies:  # a kernel's (an extern stays where it is)
+            continue
+        g = fusion.group[value]
+        for r in readers.get(target, ()):
+            if r != g and r not in consumers.get(g, ()) and not fusion.reaches({g}, {r}):
+                waits.setdefault(g, set()).add(r)
     return waits
 
 
-def draws(node: torch.fx.Node) -> bool:
-    """Whether an FX node is a random op (its draws follow the program's order)."""
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+def draws_in(fx_graph: torch.fx.Graph) -> bool:
+    """Whether a graph, or a torch.cond branch in it, has a random op (its draws follow the
+    program's order)."""
+    owner = fx_graph.owning_module
+    for node in fx_graph.nodes:
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
+            return True
+        branch = getattr(owner, target, None) if node.op == "get_attr" else None
+        if isinstance(branch, torch.fx.GraphModule) and draws_in(branch.graph):
+            return True
+    return False

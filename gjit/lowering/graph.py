@@ -230,10 +230,10 @@ class Lowering:
             lay = next(n.layout for n in self.nodes if n.name == value.name)
         else:
             return False
-        mine = meta_layout(self.out_val)
+        mine, env = meta_layout(self.out_val), self.shape_env
         sides = [(*x.size, *x.stride, x.offset) for x in (lay, mine)]
-        same = len(lay.size) == len(mine.size) and all(map(ir.statically_known_equal, *sides))
-        return same and lay.dtype == mine.dtype
+        equal = lambda a, b: ir.statically_known_equal(a, b) or (env is not None and env.simplify(a - b) == 0)  # noqa: E731
+        return len(lay.size) == len(mine.size) and all(map(equal, *sides)) and lay.dtype == mine.dtype
 
     def view(
         self, base: TensorValue, reindex: Callable[[Index], Index], element: int | None = None
