@@ -20,7 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
 
 from gjit import logs
 
@@ -141,7 +141,7 @@ def overlaps_itself(value: Any) -> bool:
 
 
 def _hint(size: Any) -> int:
-    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+    return optimization_hint(size) if isinstance(size, torch.SymInt) else int(size)
 
 
 def _fresh(node: torch.fx.Node) -> bool:

@@ -231,8 +231,11 @@ class Lowering:
         else:
             return False
         mine, env = meta_layout(self.out_val), self.shape_env
+
+        def equal(a: sympy.Expr, b: sympy.Expr) -> bool:  # under the ranges: 32*Max(1, s) is 32*s
+            return ir.statically_known_equal(a, b) or (env is not None and env.simplify(a - b) == 0)
+
         sides = [(*x.size, *x.stride, x.offset) for x in (lay, mine)]
-        equal = lambda a, b: ir.statically_known_equal(a, b) or (env is not None and env.simplify(a - b) == 0)  # noqa: E731
         return len(lay.size) == len(mine.size) and all(map(equal, *sides)) and lay.dtype == mine.dtype
 
     def view(
