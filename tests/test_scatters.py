@@ -332,12 +332,13 @@ def test_data_dependent_index_sizes_are_an_extern_that_says_so():
 
 
 def _decode_step(q, k, v, keys, values, length):
-    """A static cache's decode step, as transformers' StaticCache writes it: the new keys and
-    values at the position the counter holds, the counter advanced, then attention over the cache."""
+    """A static cache's decode step, as transformers' StaticCache writes it: the position the
+    counter holds, the counter advanced, the new keys and values written at the position, then
+    attention over the cache (an SDPA call with no dropout draws nothing)."""
     position = length + torch.arange(k.shape[2])
+    length.add_(k.shape[2])
     keys.index_copy_(2, position, k)
     values.index_copy_(2, position, v)
-    length.add_(k.shape[2])
     return torch.nn.functional.scaled_dot_product_attention(q, keys, values)
 
 

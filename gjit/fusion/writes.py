@@ -74,14 +74,27 @@ def waits_for_readers(fusion: Fusion) -> dict[str, set[str]]:
 
 
 def draws_in(fx_graph: torch.fx.Graph) -> bool:
-    """Whether a graph, or a torch.cond branch in it, has a random op (its draws follow the
+    """Whether a graph, or a torch.cond branch in it, draws random numbers (its draws follow the
     program's order)."""
     owner = fx_graph.owning_module
     for node in fx_graph.nodes:
-        target = node.target
-        if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
+        if draws(node):
             return True
-        branch = getattr(owner, target, None) if node.op == "get_attr" else None
+        branch = getattr(owner, node.target, None) if node.op == "get_attr" else None
         if isinstance(branch, torch.fx.GraphModule) and draws_in(branch.graph):
             return True
     return False
+
+
+def draws(node: torch.fx.Node) -> bool:
+    """Whether an FX node draws random numbers: a random op, but not with a dropout probability of
+    0 (SDPA's dropout_p in inference) or outside training (native_dropout's train=False)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    arguments = target._schema.arguments
+    given = {a.name: a.default_value for a in arguments if a.has_default_value()}
+    given |= dict(zip((a.name for a in arguments), node.args)) | dict(node.kwargs)
+    if given.get("train", True) is False:
+        return False
+    return not any(given.get(name, 1) == 0 for name in ("dropout_p", "p"))

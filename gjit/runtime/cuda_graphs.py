@@ -47,6 +47,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from gjit import logs, stats
 from gjit.config import CUDA_GRAPH_MODES, MODES, config
+from gjit.fusion.writes import draws
 from gjit.wrapper import graph_device
 
 log = logs.logger("cudagraphs")
@@ -177,22 +178,11 @@ def _node_refusal(node: torch.fx.Node) -> str | None:
         return "reads its condition on the host every iteration"
     if isinstance(target, torch._ops.OpOverload):
         tags = target.tags
-        if torch.Tag.nondeterministic_seeded in tags and _draws(node):
+        if draws(node):
             return "draws random numbers (gjit registers no generator state with CUDA graphs)"
         if torch.Tag.data_dependent_output in tags:
             return "reads tensor values on the host (a host sync)"
     return None
-
-
-def _draws(node: torch.fx.Node) -> bool:
-    """Whether a random op draws: not with a dropout probability of 0 (SDPA's dropout_p in
-    inference) or outside training (native_dropout's train=False)."""
-    arguments = node.target._schema.arguments
-    given = {a.name: a.default_value for a in arguments if a.has_default_value()}
-    given |= dict(zip((a.name for a in arguments), node.args)) | dict(node.kwargs)
-    if given.get("train", True) is False:
-        return False
-    return not any(given.get(name, 1) == 0 for name in ("dropout_p", "p"))
 
 
 def _is_tensor(value: Any) -> bool:
