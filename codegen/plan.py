@@ -476,10 +476,6 @@ class ScatterPlan(RegionPlan):
     write, go to the elements the bodies' `WriteAt`s name. The printers mask out writes whose
     index is out of bounds (eager raises; in debug mode the kernel asserts)."""
 
-    @property
-    def node(self) -> ScatterNode:
-        return self.region.nodes[0]
-
     def writes(self) -> list[tuple[ScatterNode, ir.WriteAt]]:
         return [(n, self.region.bodies[n.name]) for n in self.region.nodes]
 

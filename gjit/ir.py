@@ -317,6 +317,12 @@ class Layout:
         return self.offset + sum((i * s for i, s in zip(index, self.stride)), sympy.Integer(0))
 
 
+def same_layout(a: Layout, b: Layout, equal: Callable[[Any, Any], bool] = statically_known_equal) -> bool:
+    """Whether two layouts are the same memory: dtype, sizes, strides and offset (by `equal`)."""
+    sides = [(*x.size, *x.stride, x.offset) for x in (a, b)]
+    return a.dtype == b.dtype and len(a.size) == len(b.size) and all(map(equal, *sides))
+
+
 @dataclasses.dataclass
 class Buffer:
     """Memory that exists outside generated kernels: a graph input or an extern's result."""

@@ -426,14 +426,7 @@ class WrapperWriter:
         if region.reduction is not None or region.scatter or region.matmul or region.parts:
             return None
         mine, theirs = self.computed[name].layout, buffer.layout
-        sides = [(*lay.size, *lay.stride, lay.offset) for lay in (mine, theirs)]
-        same = (
-            mine.dtype == theirs.dtype
-            and len(mine.size) == len(theirs.size)
-            and all(map(ir.statically_known_equal, *sides))
-            and ir.statically_known_equal(mine.offset, 0)
-        )
-        if not same:
+        if not (ir.same_layout(mine, theirs) and ir.statically_known_equal(mine.offset, 0)):
             return None
         at = tuple(ir.index_vars(len(mine.size)))
         for stored, body in region.bodies.items():

@@ -230,13 +230,12 @@ class Lowering:
             lay = next(n.layout for n in self.nodes if n.name == value.name)
         else:
             return False
-        mine, env = meta_layout(self.out_val), self.shape_env
+        env = self.shape_env
 
         def equal(a: sympy.Expr, b: sympy.Expr) -> bool:  # under the ranges: 32*Max(1, s) is 32*s
             return ir.statically_known_equal(a, b) or (env is not None and env.simplify(a - b) == 0)
 
-        sides = [(*x.size, *x.stride, x.offset) for x in (lay, mine)]
-        return len(lay.size) == len(mine.size) and all(map(equal, *sides)) and lay.dtype == mine.dtype
+        return ir.same_layout(lay, meta_layout(self.out_val), equal)
 
     def view(
         self, base: TensorValue, reindex: Callable[[Index], Index], element: int | None = None
