@@ -43,7 +43,7 @@ from gjit.codegen.share import code_text
 from gjit.fusion.regions import Region
 from gjit.runtime import interpret as interpret_libdevice
 from gjit.runtime.graph import CompiledGraph, load_kernel, write_kernel
-from gjit.wrapper import PADDED_PRODUCTS, WRITTEN_OUT
+from gjit.wrapper import BINDINGS, PADDED_PRODUCTS, WRITTEN_OUT, binding
 
 log = logs.logger("tuning")
 
@@ -381,15 +381,17 @@ def aten_calls_recorded(
     graph: CompiledGraph, calls: dict[Any, Callable[[Callable, tuple, dict], None]]
 ) -> Iterator[None]:
     """Within, the device wrapper's calls of the ATen ops in `calls` (the wrapper calls
-    `aten.<op>.<overload>(...)`, or for a padded product gjit/runtime/padded_mm.py's function, or
-    for written-out attention gjit/runtime/attention_masks.py's `written_out` with the op) are
-    handed, as (the function called, args, kwargs), to the op's function first."""
+    `aten.<op>.<overload>(...)` or torch's binding of the op (`gjit.wrapper.BINDINGS`), or for a
+    padded product gjit/runtime/padded_mm.py's function, or for written-out attention
+    gjit/runtime/attention_masks.py's `written_out` with the op) are handed, as (the function
+    called, args, kwargs), to the op's function first."""
     if not calls:
         yield
         return
     namespace = inspect.unwrap(graph.call_fn(interpret=not graph.on_cuda)).__globals__
-    real = namespace["aten"]
+    real, real_torch = namespace["aten"], namespace["torch"]
     padded = {name: (op, namespace[name]) for op, name in PADDED_PRODUCTS.items() if op in calls}
+    bound = {BINDINGS[op]: op for op in calls if op in BINDINGS}  # "torch.mm": aten.mm.default
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
     written_out = namespace.get(WRITTEN_OUT)
 
@@ -402,7 +404,7 @@ def aten_calls_recorded(
 
     def written_out_recorded(op: Any, *args: Any, **kwargs: Any) -> Any:
         """The whole call (the output's layout copy, its rows without keys) as the op's cost."""
-        fn = functools.partial(written_out, sdpa)
+        fn = functools.partial(written_out, binding(sdpa))
         calls[sdpa](fn, args, kwargs)
         return fn(*args, **kwargs)
 
@@ -418,14 +420,27 @@ def aten_calls_recorded(
         def __getattr__(self, name: str) -> Any:
             return Packet(getattr(real, name))
 
+    class Module:
+        """torch (or one of its modules, at `path`) as the wrapper reads it: the bindings recorded."""
+
+        def __init__(self, path: str, module: Any):
+            self.path, self.module = path, module
+
+        def __getattr__(self, name: str) -> Any:
+            path, value = f"{self.path}.{name}", getattr(self.module, name)
+            if path in bound:
+                return recorded(bound[path], value)
+            return Module(path, value) if any(b.startswith(f"{path}.") for b in bound) else value
+
     namespace["aten"] = Ops()
+    namespace["torch"] = Module("torch", real_torch)
     namespace.update({name: recorded(op, fn) for name, (op, fn) in padded.items()})
     if sdpa in calls and written_out is not None:
         namespace[WRITTEN_OUT] = written_out_recorded
     try:
         yield
     finally:
-        namespace["aten"] = real
+        namespace["aten"], namespace["torch"] = real, real_torch
         namespace.update({name: fn for name, (_, fn) in padded.items()})
         if written_out is not None:
             namespace[WRITTEN_OUT] = written_out

@@ -1,7 +1,8 @@
-"""How the wrapper calls two externs on a GPU (gjit/runtime/padded_mm.py, attention_masks.py):
-a 16-bit product whose output rows would be misaligned for the tensor cores gets padded operands,
-and an attention extern's boolean mask is handed over as an additive one. Both are GPU-only; the
-tests add the CPU to their devices and run the calls through the interpreter against eager."""
+"""How the wrapper calls externs: the heavy ATen ops through torch's bindings of them
+(`wrapper.BINDINGS`), and two GPU-only calls (gjit/runtime/padded_mm.py, attention_masks.py): a
+16-bit product whose output rows would be misaligned for the tensor cores gets padded operands, and
+an attention extern's boolean mask is handed over as an additive one. For those two the tests add
+the CPU to their devices and run the calls through the interpreter against eager."""
 
 import copy
 import logging
@@ -10,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gjit
 from gjit import tuning, wrapper
@@ -212,3 +214,88 @@ def test_the_converted_mask_takes_no_name_of_the_program(on_cpu):
 
     with gjit.config.scope(matmul="aten"):
         check(named, q, k, v, mask, mask_dead, mask_additive)
+
+
+class _Dispatched(TorchDispatchMode):
+    """The ATen ops a call reaches below autograd, with their arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func, args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def _dispatched(fn, args, kwargs):
+    with _Dispatched() as mode:
+        out = fn(*args, **kwargs)
+    return out, mode.calls
+
+
+def _described(value):
+    """A dispatched call's argument as the test compares it: a tensor by its shape, strides and dtype."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.stride(), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return type(value)(map(_described, value))
+    if isinstance(value, dict):
+        return {k: _described(v) for k, v in value.items()}
+    return (type(value), value)
+
+
+aten = torch.ops.aten
+t = torch.randn
+BINDING_CALLS = [  # (op, args, kwargs) as export's nodes give them: the schema's positional args
+    (aten.mm.default, (t(3, 4), t(4, 5)), {}),
+    (aten.addmm.default, (t(5), t(3, 4), t(4, 5)), {}),
+    (aten.addmm.default, (t(3, 5), t(3, 4), t(4, 5)), {"beta": 0.5, "alpha": 2}),
+    (aten.bmm.default, (t(2, 3, 4), t(2, 4, 5)), {}),
+    (aten.baddbmm.default, (t(2, 3, 5), t(2, 3, 4), t(2, 4, 5)), {"beta": 2, "alpha": 0.5}),
+    (
+        aten.convolution.default,
+        (t(2, 3, 9, 9), t(4, 3, 3, 3), t(4), [2, 1], [1, 0], [1, 2], False, [0, 0], 1),
+        {},
+    ),
+    (aten.convolution.default, (t(2, 4, 9), t(4, 2, 3), None, [1], [1], [1], True, [0], 2), {}),
+    (aten.scaled_dot_product_attention.default, (t(2, 4, 5, 8), t(2, 4, 7, 8), t(2, 4, 7, 8)), {}),
+    (
+        aten.scaled_dot_product_attention.default,
+        (t(2, 4, 5, 8), t(2, 2, 7, 8), t(2, 2, 7, 8), t(1, 1, 5, 7), 0.0, False),
+        {"scale": 0.3, "enable_gqa": True},
+    ),
+    (aten.scaled_dot_product_attention.default, (*(t(1, 2, 6, 8) for _ in range(3)), None, 0.0, True), {}),
+]
+
+
+@pytest.mark.parametrize("op, args, kwargs", BINDING_CALLS, ids=lambda x: getattr(x, "__name__", ""))
+def test_each_binding_reaches_its_overload_with_the_same_arguments(op, args, kwargs):
+    """The wrapper's call through `wrapper.BINDINGS` and the overload's own call reach the same ATen
+    ops, with the same arguments, in the same order (an op that decomposes above the dispatch modes,
+    SDPA, reaches the ops it decomposes into), and return the same values."""
+    assert op in wrapper.BINDINGS
+    via_op, op_calls = _dispatched(op, args, kwargs)
+    via_binding, binding_calls = _dispatched(wrapper.binding(op), args, kwargs)
+    assert [c[0] for c in binding_calls] == [c[0] for c in op_calls], (binding_calls, op_calls)
+    if not op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd):
+        assert op_calls[0][0] is op, op_calls
+    for (_, a1, k1), (_, a2, k2) in zip(op_calls, binding_calls):
+        assert _described(a2) == _described(a1) and _described(k2) == _described(k1)
+    assert torch.equal(via_binding, via_op)
+
+
+def test_the_wrapper_calls_products_and_convolutions_through_the_bindings():
+    conv = torch.nn.Conv2d(3, 4, 3, padding=1).requires_grad_(False)
+    lin = torch.nn.Linear(4, 5).requires_grad_(False)
+
+    def model(x, a, b):
+        return lin(conv(x).mean((2, 3))) + torch.bmm(a, b).sum()
+
+    x, a, b = t(2, 3, 8, 8), t(2, 3, 4), t(2, 4, 5)
+    with gjit.config.scope(matmul="aten"):
+        cm = check(model, x, a, b)
+    source = wrapper_source(cm)
+    for name in ("torch.convolution(", "torch.addmm(", "torch.bmm("):
+        assert name in source, source
+    assert "aten.convolution" not in source and "aten.addmm" not in source and "aten.bmm" not in source

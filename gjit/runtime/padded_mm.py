@@ -51,7 +51,7 @@ def _padded_operand(b: torch.Tensor) -> torch.Tensor:
 def mm(a: torch.Tensor, b: torch.Tensor, *, copy: Any) -> torch.Tensor:
     """`copy`: kernels/column_copy.py's kernel, as the graph loaded it (compiled or interpreted)."""
     if a.shape[0] < LEAST_ROWS:
-        return torch.ops.aten.mm.default(a, b)
+        return torch.mm(a, b)
     return first_columns(torch.mm(a, _padded_operand(b)), b.shape[1], copy)
 
 
@@ -59,7 +59,7 @@ def addmm(
     bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1, copy: Any
 ) -> torch.Tensor:
     if a.shape[0] < LEAST_ROWS or bias.dim() != 1 or bias.shape[0] != b.shape[1]:
-        return torch.ops.aten.addmm.default(bias, a, b, beta=beta, alpha=alpha)
+        return torch.addmm(bias, a, b, beta=beta, alpha=alpha)
     out = torch.addmm(F.pad(bias, (0, _extra_columns(b))), a, _padded_operand(b), beta=beta, alpha=alpha)
     return first_columns(out, b.shape[1], copy)
 
