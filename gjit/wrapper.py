@@ -56,7 +56,8 @@ FRESH_CONTIGUOUS = (
 # arguments, which the binding's parser unpacks where an OpOverload's call boxes each one against the
 # schema (on the development machine a small convolution's call took 11.2 us that way and 5.2 us
 # through torch.convolution; addmm 3.5 -> 2.0, SDPA 9.0 -> 6.4, bmm 1.9 -> 1.1). Inductor's wrapper
-# calls its extern kernels so. tests/test_extern_calls.py checks that each reaches its overload.
+# calls its extern kernels so. tests/test_extern_calls.py checks that each reaches its overload. (A
+# TorchFunctionMode sees `torch.mm` where it saw `aten.mm.default`; dispatch modes see the same ops.)
 BINDINGS = {
     torch.ops.aten.mm.default: "torch.mm",
     torch.ops.aten.addmm.default: "torch.addmm",

@@ -87,7 +87,7 @@ def check(model, *args, matmul="auto"):
 def written_out_strides(source):
     lines = [line for line in source.splitlines() if "gjit_written_out(" in line]
     assert len(lines) == 1, source
-    return lines[0].split("default, (")[1].split(",)")[0]
+    return lines[0].split("scaled_dot_product_attention, (")[1].split(",)")[0]
 
 
 @pytest.mark.parametrize("out", [out_transposed, out_contiguous], ids=["reshape", "contiguous"])

@@ -299,3 +299,44 @@ def test_the_wrapper_calls_products_and_convolutions_through_the_bindings():
     for name in ("torch.convolution(", "torch.addmm(", "torch.bmm("):
         assert name in source, source
     assert "aten.convolution" not in source and "aten.addmm" not in source and "aten.bmm" not in source
+
+
+def _causal(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _masked(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _written_out(q, k, v):
+    return torch.softmax(q @ k.transpose(-1, -2) * 0.25, -1) @ v
+
+
+@pytest.mark.parametrize(
+    "fn, op, count",
+    [
+        (_causal, aten.scaled_dot_product_attention.default, 1),
+        (_masked, aten.scaled_dot_product_attention.default, 1),
+        (_written_out, aten.bmm.default, 2),  # on a CPU its products stay products
+    ],
+    ids=["plain", "boolean_mask", "written_out"],
+)
+def test_the_tuning_recorder_sees_each_library_call_once_through_the_binding(on_cpu, fn, op, count):
+    """Tuning's library side hands each call of `op` the wrapper makes through torch's binding (SDPA
+    on its own, after a boolean mask's conversion, or inside `written_out`; bmm) to the recorder
+    once, and the wrapper's `torch` is torch again after."""
+    q, k, v = (torch.randn(1, 2, 8, 16, dtype=torch.bfloat16) for _ in range(3))
+    args = (q, k, v, torch.rand(1, 1, 8, 8) > 0.3) if fn is _masked else (q, k, v)
+    with gjit.config.scope(matmul="aten"):
+        cm = check(fn, *args)
+    graph = cm.entries[0].program.graph
+    assert wrapper.BINDINGS[op] in graph.wrapper_source
+    seen = []
+    with tuning.aten_calls_recorded(graph, {op: lambda f, a, kw: seen.append(a)}):
+        with gjit.config.scope(interpret=True):
+            again = cm(*args)
+    assert len(seen) == count, seen
+    assert all(any(isinstance(a, torch.Tensor) for a in call) for call in seen), seen
+    torch.testing.assert_close(again, fn(*args), rtol=2e-2, atol=2e-2)
+    assert tuning.inspect.unwrap(graph.call_fn(interpret=True)).__globals__["torch"] is torch
