@@ -17,11 +17,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_scatters import (  # noqa: F401
+    test_a_write_past_the_callers_cache_fails_as_in_eager,
     test_index_put_accumulate_negative_and_broadcast_indices,
     test_masked_put_of_bools_and_uint8_masks_as_eager,
     test_nan_already_in_the_tensor_wins_as_in_eager,
     test_non_contiguous_empty_and_zero_d,
     test_ops_that_decompose_to_index_put,
+    test_out_of_bounds_index_is_an_error_in_debug_mode,
     test_scatter_add_duplicates_every_atomic_dtype,
     test_scatter_reduce,
     test_scatter_reduce_integers,
@@ -29,6 +31,7 @@ from test_scatters import (  # noqa: F401
     test_scatter_src_and_value,
     test_setitem_on_a_fresh_tensor_writes_in_place,
     test_writes_through_indices_side_by_side_share_a_kernel,
+    test_zero_d_target_is_bounds_checked,
 )
 
 import gjit
@@ -287,6 +290,21 @@ def test_dynamic_row_kernels_compile_for_sm90_without_spills():
     (kernel,) = fn.entries[0].program.kernels  # the three read one row: one kernel
     assert kernel.persistent and kernel.launch_blocks and len(report.kernels) == 1
     assert [k.name for k in report.kernels if k.spills] == []
+
+
+@pytest.mark.compile_only
+def test_a_write_into_the_callers_cache_asserts_its_index_for_sm90():
+    """The device assert of a write into a graph input builds with NVRTC: CUDA's `assert`, whose
+    PTX calls __assertfail (a device-side assert at run time, as eager's index_copy_ raises)."""
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    from test_scatters import _cache_step
+
+    fn = gjit.compile(_cache_step)
+    report = gjit.aot(fn, torch.ones(1, 3), torch.zeros(4, 3), torch.tensor([0]), arch="sm_90")
+    (kernel,) = [k for k in fn.entries[0].program.kernels if k.name.startswith("gjit_scatter_")]
+    assert "assert(" in kernel.source and "index out of bounds writing" in kernel.source
+    (built,) = [k for k in report.kernels if k.name == kernel.name]
+    assert "__assertfail" in open(built.ptx_path).read() and not built.spills, built
 
 
 @pytest.mark.compile_only

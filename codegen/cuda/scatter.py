@@ -1,7 +1,9 @@
 """CUDA C codegen for writes through indices (scatter, scatter_add, scatter_reduce, index_put):
 a grid-stride loop over the source's elements (codegen/plan.py's ScatterPlan), each storing its
 value at the element its index names, or combining it there atomically (gjit_atomic_add/max/min
-in the prelude). An index out of bounds skips the write.
+in the prelude). An index out of bounds skips the write; in debug mode, and for a write into a
+graph input (the caller's tensor: a static KV cache), it is a device assert (`assert`, which CUDA
+reports as a device-side assert and the host emulation as the launch's error), as eager raises.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ class CudaScatterWriter(ScatterPlan, CudaKernelWriter):
         offset = self.index(self.subst(self.layout(node.name).offset_of(write.index)), names)
         conds = [f"{names[sym]} >= 0 && {names[sym]} < {self.index(self.subst(size))}"
                  for sym, _, size in write.indirect]  # fmt: skip
+        # into the caller's memory: out of bounds fails, rather than leave the caller's tensor stale
+        if self.options.debug or getattr(self.graph.buffers.get(node.base), "kind", None) == "input":
+            self.lines += [f'assert({cond} && "index out of bounds writing {node.name}");' for cond in conds]
         if node.reduce == "nan":
             conds.append(f"{value} != {value}")
         dtype = self.layout(node.name).dtype

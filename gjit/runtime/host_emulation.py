@@ -7,9 +7,10 @@ threads as fibers (ucontext) that run in thread order until they wait at __synct
 per warp, at a __shfl_*_sync. So a block of 1024 threads costs 1024 small stacks, not 1024 OS
 threads, and the schedule is deterministic. The emulation is strict where CUDA leaves
 behaviour undefined: a barrier that not every thread reaches (one returned early, or waits at
-another line), a shuffle with a partial mask, a deadlock and shared memory over 48 KiB all
-raise HostKernelError. Shared memory starts every block as 0xff bytes (NaN floats). Each launch
-has its own state, so launches from two Python threads may run at once.
+another line), a shuffle with a partial mask, a deadlock, shared memory over 48 KiB and a failed
+`assert` (CUDA's device-side assert) all raise HostKernelError. Shared memory starts every
+block as 0xff bytes (NaN floats). Each launch has its own state, so launches from two Python
+threads may run at once.
 
 Three kinds of files, in config.cache_dir/cuda_host/, each named by the hash of what built it
 and written whole (temporary file, then os.replace): the runtime .so (launcher, fibers,
