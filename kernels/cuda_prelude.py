@@ -23,9 +23,11 @@ CUDA_PRELUDE = (
 #define GJIT_NANF __int_as_float(0x7fc00000)
 #define GJIT_INF __longlong_as_double(0x7ff0000000000000LL)
 #define GJIT_NAN __longlong_as_double(0x7ff8000000000000LL)
+#define GJIT_ASSERT(c) assert(c)  // a device-side assert (NVRTC's builtin: __assertfail)
 #else
 #include <cmath>
 #include <limits>
+#define GJIT_ASSERT(c) ((c) ? (void)0 : gjit_assert_failed(#c, __LINE__))  // the launch fails
 #define GJIT_INFF std::numeric_limits<float>::infinity()
 #define GJIT_NANF std::numeric_limits<float>::quiet_NaN()
 #define GJIT_INF std::numeric_limits<double>::infinity()

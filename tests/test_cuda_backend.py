@@ -294,15 +294,16 @@ def test_dynamic_row_kernels_compile_for_sm90_without_spills():
 
 @pytest.mark.compile_only
 def test_a_write_into_the_callers_cache_asserts_its_index_for_sm90():
-    """The device assert of a write into a graph input builds with NVRTC: CUDA's `assert`, whose
-    PTX calls __assertfail (a device-side assert at run time, as eager's index_copy_ raises)."""
+    """The device assert of a write into a graph input builds with NVRTC: the prelude's GJIT_ASSERT
+    is CUDA's `assert`, whose PTX calls __assertfail (a device-side assert at run time, as eager's
+    index_copy_ raises)."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     from test_scatters import _cache_step
 
     fn = gjit.compile(_cache_step)
     report = gjit.aot(fn, torch.ones(1, 3), torch.zeros(4, 3), torch.tensor([0]), arch="sm_90")
     (kernel,) = [k for k in fn.entries[0].program.kernels if k.name.startswith("gjit_scatter_")]
-    assert "assert(" in kernel.source and "index out of bounds writing" in kernel.source
+    assert "GJIT_ASSERT(" in kernel.source and "index out of bounds writing" in kernel.source
     (built,) = [k for k in report.kernels if k.name == kernel.name]
     assert "__assertfail" in open(built.ptx_path).read() and not built.spills, built
 

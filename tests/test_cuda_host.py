@@ -352,6 +352,30 @@ def test_misuse_of_barriers_and_shuffles_raises():
             kernel(2, 64, [torch.zeros(2), mode])
 
 
+ASSERTS = """
+extern "C" __global__ void gjit_test_assert_0(float* __restrict__ out_ptr0, int bad) {
+    GJIT_ASSERT(threadIdx.x != bad && "thread says no");
+    __syncthreads();  // the threads before the failing one wait here when it fails
+    out_ptr0[blockIdx.x * blockDim.x + threadIdx.x] = 1.0f;
+}
+"""
+
+
+@pytest.mark.cpu
+def test_a_failed_device_assert_fails_the_launch_and_the_next_one_runs():
+    """GJIT_ASSERT (the prelude's device assert) stops the launch with its text, the threads
+    waiting at a barrier included; the next launch of the kernel runs whole."""
+    kernel = host_kernel(
+        CUDA_PRELUDE + ASSERTS, "gjit_test_assert_0", [("out_ptr0", "float*"), ("bad", "int")]
+    )
+    out = torch.zeros(2 * 64)
+    with pytest.raises(HostKernelError, match='thread 40: .*threadIdx.x != bad && "thread says no"'):
+        kernel(2, 64, [out, 40])
+    out.zero_()
+    kernel(2, 64, [out, -1])
+    assert out.eq(1).all()
+
+
 @pytest.mark.cpu
 def test_host_compile_error_and_wrong_params_raise():
     source = CUDA_PRELUDE + SIN.replace("tmp1 + tmp0", "tmp1 + tmp2")

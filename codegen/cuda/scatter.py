@@ -2,8 +2,8 @@
 a grid-stride loop over the source's elements (codegen/plan.py's ScatterPlan), each storing its
 value at the element its index names, or combining it there atomically (gjit_atomic_add/max/min
 in the prelude). An index out of bounds skips the write; in debug mode, and for a write into a
-graph input (the caller's tensor: a static KV cache), it is a device assert (`assert`, which CUDA
-reports as a device-side assert and the host emulation as the launch's error), as eager raises.
+graph input (the caller's tensor: a static KV cache), it is a device assert (the prelude's
+GJIT_ASSERT: CUDA's device-side assert, the host emulation's launch error), as eager raises.
 """
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ class CudaScatterWriter(ScatterPlan, CudaKernelWriter):
                  for sym, _, size in write.indirect]  # fmt: skip
         # into the caller's memory: out of bounds fails, rather than leave the caller's tensor stale
         if self.options.debug or getattr(self.graph.buffers.get(node.base), "kind", None) == "input":
-            self.lines += [f'assert({cond} && "index out of bounds writing {node.name}");' for cond in conds]
+            self.lines += [
+                f'GJIT_ASSERT({cond} && "index out of bounds writing {node.name}");' for cond in conds
+            ]
         if node.reduce == "nan":
             conds.append(f"{value} != {value}")
         dtype = self.layout(node.name).dtype

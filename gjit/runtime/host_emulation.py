@@ -8,7 +8,7 @@ per warp, at a __shfl_*_sync. So a block of 1024 threads costs 1024 small stacks
 threads, and the schedule is deterministic. The emulation is strict where CUDA leaves
 behaviour undefined: a barrier that not every thread reaches (one returned early, or waits at
 another line), a shuffle with a partial mask, a deadlock, shared memory over 48 KiB and a failed
-`assert` (CUDA's device-side assert) all raise HostKernelError. Shared memory starts every
+GJIT_ASSERT (the prelude's; CUDA's device-side assert) all raise HostKernelError. Shared memory starts every
 block as 0xff bytes (NaN floats). Each launch has its own state, so launches from two Python
 threads may run at once.
 

@@ -28,7 +28,7 @@ enum GjitShuffleKind { GJIT_SHFL_DOWN, GJIT_SHFL_XOR, GJIT_SHFL_IDX };
 GJIT_API void gjit_shuffle(int line, unsigned int mask, void* value, int size, int kind, int arg, int width);
 // A call site's offset into the block's shared memory; `top` is the kernel's bytes in use.
 GJIT_API size_t gjit_shared_alloc(size_t* top, size_t bytes, size_t align, const char* name);
-// A failed device assert (`assert(c)` in a kernel): the launch stops with its text.
+// A failed GJIT_ASSERT(c) (the prelude's device assert): the launch stops with its text.
 GJIT_API void gjit_assert_failed(const char* what, int line) __attribute__((noreturn));
 GJIT_API int gjit_launch(void (*run_thread)(void**), int grid, int block, void** args, int host_threads,
                          char* error, int error_size);
@@ -67,8 +67,6 @@ HOST_HEADER = (
 constexpr int warpSize = 32;
 
 #define __syncthreads() gjit_syncthreads(__LINE__)
-#undef assert  // a device assert: the launch fails with its text, as CUDA's device-side assert
-#define assert(c) ((c) ? (void)0 : gjit_assert_failed(#c, __LINE__))
 
 // Every call site gets a fixed offset into the block's shared memory the first time a thread
 // reaches it, so a declaration in a loop is the same memory at every iteration, as in CUDA.
