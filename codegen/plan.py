@@ -474,10 +474,16 @@ class ScatterPlan(RegionPlan):
     """Writes through indices (`ScatterNode`s over the same elements, into memory of their own:
     gjit/fusion/writes.py): a pointwise kernel over the source's elements whose stores, one per
     write, go to the elements the bodies' `WriteAt`s name. The printers mask out writes whose
-    index is out of bounds (eager raises; in debug mode the kernel asserts)."""
+    index is out of bounds (eager raises; `asserts` says where the kernel asserts)."""
 
     def writes(self) -> list[tuple[ScatterNode, ir.WriteAt]]:
         return [(n, self.region.bodies[n.name]) for n in self.region.nodes]
+
+    def asserts(self, node: ScatterNode) -> bool:
+        """Whether `node`'s indices are asserted in bounds: in debug mode, and where it writes into a
+        graph input (the caller's memory, a KV cache: out of bounds fails, as eager's write does,
+        rather than leave the caller's tensor stale)."""
+        return self.options.debug or getattr(self.graph.buffers.get(node.base), "kind", None) == "input"
 
     def accesses(self) -> list[sympy.Expr]:
         out = []

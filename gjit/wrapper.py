@@ -339,7 +339,7 @@ class WrapperWriter:
         args = [additive if a is mask else self.arg(a) for a in node.args]
         args += [f"{k}={additive if v is mask else self.arg(v)}" for k, v in node.kwargs.items()]
         self.fresh.add(len(self.lines))
-        self.lines.append(f"{node.name} = {BINDINGS[node.target]}({', '.join(args)})")
+        self.lines.append(f"{node.name} = {self.callee(node)}({', '.join(args)})")
         self.lines.append(f"{node.name} = gjit_traced_layout({node.name}, {dead}, ({stride},))")
         self.defined.add(node.name)
         return True

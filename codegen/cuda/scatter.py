@@ -49,8 +49,7 @@ class CudaScatterWriter(ScatterPlan, CudaKernelWriter):
         offset = self.index(self.subst(self.layout(node.name).offset_of(write.index)), names)
         conds = [f"{names[sym]} >= 0 && {names[sym]} < {self.index(self.subst(size))}"
                  for sym, _, size in write.indirect]  # fmt: skip
-        # into the caller's memory: out of bounds fails, rather than leave the caller's tensor stale
-        if self.options.debug or getattr(self.graph.buffers.get(node.base), "kind", None) == "input":
+        if self.asserts(node):
             self.lines += [
                 f'GJIT_ASSERT({cond} && "index out of bounds writing {node.name}");' for cond in conds
             ]

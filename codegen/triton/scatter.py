@@ -38,10 +38,7 @@ class ScatterWriter(ScatterPlan, KernelWriter):
 
     def store(self, node: ScatterNode, write: ir.WriteAt) -> None:
         value = self.emit(write.value)
-        # into the caller's memory (a KV cache): an index out of bounds fails, as eager's does,
-        # rather than leave the caller's tensor stale
-        into_input = getattr(self.graph.buffers.get(node.base), "kind", None) == "input"
-        names = self.indirect(write, f"writing {node.name}", check=into_input)
+        names = self.indirect(write, f"writing {node.name}", check=self.asserts(node))
         arg = self.out_args.setdefault(node.name, f"out_ptr{len(self.out_args)}")
         offset_expr = self.subst(self.layout(node.name).offset_of(write.index))
         offset, value = self.block_store(offset_expr, self.index(offset_expr, names), value, write.value)
