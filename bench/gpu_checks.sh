@@ -33,6 +33,9 @@ step "device and versions"
 nvidia-smi -L
 $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
 $PY -m pip install -q --no-deps --no-build-isolation -e . >"$LOGS/install.log" 2>&1 || { cat "$LOGS/install.log"; exit 1; }
+# gjit under the image's torch and Triton (CI runs the runtime's tests under them: .ci/gpu_image.txt);
+# a failed import ends the lease's script here, with its error, instead of failing every step
+$PY -c 'import gjit' || exit 1
 
 if [ "$MODE" = kernels ]; then  # the slow kernel classes first, at device-filling sizes
     step "kernel classes: gjit against eager and torch.compile (python -m gjit.bench --device-sizes --cases ...)"

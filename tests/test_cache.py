@@ -393,7 +393,7 @@ def test_the_stored_program_is_torchs_serialization_without_its_discarded_check(
     exported = torch.export.export(model, inputs, dynamic_shapes=({0: batch},))
     program = decompose_program(exported)[0]
     checked = []
-    canonicalize = serde.canonicalize
+    canonicalize, pickler = serde.canonicalize, serde.serialize_torch_artifact
 
     def counted(*args, **kwargs):
         checked.append(True)
@@ -403,10 +403,10 @@ def test_the_stored_program_is_torchs_serialization_without_its_discarded_check(
     assert serde.canonicalize is canonicalize, "torch's function is put back"
     serde.canonicalize = counted
     try:
-        artifact = serde.serialize(
-            program, serialize_state_dict=False, serialize_constants=False, serialize_example_inputs=False
-        )
+        with program_store._without_tensors() as skipped:  # torch's arguments, or a pickler of nothing
+            artifact = serde.serialize(program, **skipped)
     finally:
         serde.canonicalize = canonicalize
+    assert serde.serialize_torch_artifact is pickler, "torch's pickler is put back"
     assert checked, "torch's serializer runs the check this skips (a torch that does not: drop the skip)"
     assert fast["graph"] == json.loads(artifact.exported_program)

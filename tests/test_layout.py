@@ -32,7 +32,10 @@ MAX_LINES = 600
 # A prefix names a module and everything under it, the longest matching prefix decides;
 # "name=" names that module alone (the package `gjit` itself, not everything in it).
 LAYERS = [
-    ("base", ["gjit.config", "gjit.progress", "gjit.logs", "gjit.stats", "gjit.heap", "gjit.locks"]),
+    (
+        "base",
+        ["gjit.compat", "gjit.config", "gjit.progress", "gjit.logs", "gjit.stats", "gjit.heap", "gjit.locks"],
+    ),
     ("capture", ["gjit.capture"]),
     ("ir", ["gjit.ir"]),
     ("lowering", ["gjit.lowering"]),

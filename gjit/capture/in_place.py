@@ -20,9 +20,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
-from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from gjit import logs
+from gjit.compat import optimization_hint
 
 log = logs.logger("capture")
 

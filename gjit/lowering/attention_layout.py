@@ -28,8 +28,9 @@ import logging
 
 import torch
 from torch._subclasses.fake_tensor import maybe_get_fake_mode
-from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from gjit.compat import optimization_hint
 from gjit.lowering.attention_library import ANY_LAYOUT
 from gjit.lowering.grouped_kv import fits_flash
 from gjit.lowering.proved_masks import PARAMETERS, SDPA, dense_in, dense_order

@@ -26,9 +26,10 @@ import operator
 
 import torch
 from torch._subclasses.fake_tensor import maybe_get_fake_mode
-from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from gjit.capture.export import shape_env_of
+from gjit.compat import optimization_hint
 from gjit.lowering.attention_layout import same_layout
 from gjit.lowering.attention_library import ANY_LAYOUT
 from gjit.lowering.proved_masks import dense_in, in_order

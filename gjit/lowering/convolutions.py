@@ -26,8 +26,8 @@ import math
 from collections.abc import Iterator
 
 import torch
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 
+from gjit.compat import optimization_hint
 from gjit.lowering.attention_layout import same_layout
 from gjit.lowering.channels_last import CHANNELS_LAST, CONVOLUTION, channels_last, fake_mode_of
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import inspect
 import json
 import math
 import operator
@@ -59,10 +60,8 @@ def dump_program(program: ExportedProgram, live: Collection[str] = ()) -> dict:
     if custom:
         raise ProgramStoreError(f"the program holds script objects ({custom[0]}), which are not stored")
     try:
-        with _SERIALIZING, _without_canonical_check():
-            artifact = serde.serialize(
-                program, serialize_state_dict=False, serialize_constants=False, serialize_example_inputs=False
-            )
+        with _SERIALIZING, _without_canonical_check(), _without_tensors() as skipped:
+            artifact = serde.serialize(program, **skipped)
     except Exception as e:  # an op or value torch's serializer has no form for
         raise ProgramStoreError(f"torch.export cannot serialize the program: {type(e).__name__}: {e}") from e
     constants = {}
@@ -104,6 +103,28 @@ def _without_canonical_check() -> Iterator[None]:
 
 def _as_is(program: Any, constants: Any = None) -> Any:
     return program
+
+
+_SKIPS_TENSORS = "serialize_state_dict" in inspect.signature(serde.serialize).parameters
+
+
+@contextlib.contextmanager
+def _without_tensors() -> Iterator[dict[str, bool]]:
+    """The serializer's arguments that skip pickling the weights, constants and example inputs
+    (only the graph's JSON is kept). torch before 2.12 has no such arguments: there its pickler is
+    replaced by one that writes nothing while gjit serializes (under `_SERIALIZING`), and put back."""
+    if _SKIPS_TENSORS:
+        yield dict(serialize_state_dict=False, serialize_constants=False, serialize_example_inputs=False)
+        return
+    installed, serde.serialize_torch_artifact = serde.serialize_torch_artifact, _nothing
+    try:
+        yield {}
+    finally:
+        serde.serialize_torch_artifact = installed
+
+
+def _nothing(artifact: Any, pickle_protocol: int = 2) -> bytes:
+    return b""
 
 
 def load_program(
