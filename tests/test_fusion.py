@@ -183,3 +183,110 @@ def test_residual_mlp_with_matmul_templates():
     assert len(names) == 2 and names[0].startswith("gjit_mm_") and names[1].startswith("gjit_mm_"), names
     fused = [sorted({n.split(": ")[1] for n in k.aten_nodes}) for k in rep.kernels]
     assert {"aten.gelu.default", "aten.add.Tensor", "aten.native_layer_norm.default"} <= set(fused[1]), fused
+
+
+# -- kernels whose time is their launch (gjit/fusion/launches.py) ----------------------------------
+
+
+def test_small_pointwise_kernels_of_one_size_are_one_launch():
+    """Pointwise work on separate inputs of one small static size reads nothing in common; on a GPU
+    each would be one program whose time is its launch, so it is one kernel."""
+
+    def f(a, b, c):
+        return a + 1, b * 2, c.sin()
+
+    cm = check(gjit.compile(f, dynamic=False), *(torch.randn(4, 8) for _ in range(3)), kernels=1)
+    source = gjit.explain(cm, *(torch.randn(4, 8) for _ in range(3))).kernels[0].source
+    assert source.count("tl.store(") == 3
+
+
+@pytest.mark.parametrize(
+    "shapes, kernels",
+    [
+        (((4, 8), (8, 4), (4, 8)), 2),  # two sizes: a kernel each
+        (((64, 32), (64, 32)), 2),  # 2048 elements each: more than one block's work
+    ],
+    ids=["two_sizes", "past_one_block"],
+)
+def test_pointwise_kernels_of_other_sizes_or_larger_stay_apart(shapes, kernels):
+    def f(*xs):
+        return tuple(x * (k + 2) for k, x in enumerate(xs))
+
+    check(gjit.compile(f, dynamic=False), *(torch.randn(s) for s in shapes), kernels=kernels)
+
+
+def test_small_kernels_with_an_extern_between_them_stay_in_order():
+    """The second reads the product of the first's output: one kernel would be a cycle."""
+
+    def f(a, w, b):
+        x = a + 1
+        return (x @ w) * 2 + b, x
+
+    with gjit.config.scope(matmul="aten"):
+        check(gjit.compile(f, dynamic=False), *(torch.randn(4, 4) for _ in range(3)), kernels=2)
+
+
+def test_small_kernels_of_a_dynamic_size_stay_apart():
+    """A dynamic size may be any size: their work is not known to be a launch's."""
+
+    def f(a, b):
+        return a + 1, b * 2
+
+    cm = gjit.compile(f, dynamic=True)
+    check(cm, torch.randn(4, 8), torch.randn(4, 8), kernels=2)
+
+
+def test_a_program_that_draws_keeps_its_small_kernels_apart():
+    """Random numbers are drawn in program order: no kernel moves past a draw's extern."""
+
+    def f(a, b, p):
+        return a + 1, F.dropout(b, p=0.5, training=True) + p
+
+    cm = gjit.compile(f, dynamic=False)
+    args = (torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8))
+    torch.manual_seed(1)
+    expected = f(*args)
+    torch.manual_seed(1)
+    with gjit.config.scope(interpret=True):
+        got = cm(*args)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)
+    assert kernel_count(cm, *args) == 2
+
+
+def _two_layer_step(q, k, v, keys0, values0, length0, keys1, values1, length1):
+    """Two layers of a static cache's decode step, each with its own counter (transformers'
+    per-layer `cumulative_length`): the position it holds, the counter advanced, the writes."""
+    out = q
+    for keys, values, length in ((keys0, values0, length0), (keys1, values1, length1)):
+        position = length + torch.arange(k.shape[2])
+        length.add_(k.shape[2])
+        keys.index_copy_(2, position, k)
+        values.index_copy_(2, position, v)
+        out = F.scaled_dot_product_attention(out, keys, values)
+    return out
+
+
+def test_a_static_caches_counters_advance_in_one_kernel():
+    """Each layer's counter is one element: their `+= 1`s are one kernel after both layers' writes,
+    stored into each counter in place. Three steps against eager's."""
+    torch.manual_seed(0)
+    caches = [torch.randn(2, 3, 10, 8) for _ in range(4)]
+    lengths = [torch.tensor([4]), torch.tensor([4])]
+    mine = [caches[0], caches[1], lengths[0], caches[2], caches[3], lengths[1]]
+    eager = [t.clone() for t in mine]
+    cm = gjit.compile(_two_layer_step)
+    for _ in range(3):
+        q, k, v = (torch.randn(2, 3, 1, 8) for _ in range(3))
+        want = _two_layer_step(q, k, v, *eager)
+        with gjit.config.scope(interpret=True, debug=True):
+            got = cm(q, k, v, *mine)
+        torch.testing.assert_close(got, want)
+        for a, b in zip(mine, eager):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert lengths[0].item() == lengths[1].item() == 7
+    wrapper = cm.entries[0].program.graph.wrapper_source
+    assert wrapper.count("# stored into the input it updates") == 2, wrapper
+    counters = [line for line in wrapper.splitlines() if "](length0, length1," in line]
+    assert len(counters) == 1, wrapper  # one launch advances both
+    assert wrapper.index("index_put_3 = values1") < wrapper.index(counters[0]), wrapper

@@ -9,7 +9,8 @@ Rules, in order:
   2. vertical: a node joins its producer's region when both have the same iteration space
      and every read between them is element-for-element;
   3. horizontal: regions of the same iteration space that read a common buffer merge, so
-     a DAG over shared inputs is one kernel;
+     a DAG over shared inputs is one kernel; so do pointwise regions of one small static size
+     whose time is their launch (gjit/fusion/launches.py);
   4. reductions: a ReduceNode's region iterates its input's full space split into outer (kept)
      and reduced dims; pointwise nodes over the full space or over the outer space join it
      when every read between members lines up in those coordinates (softmax, layer_norm,
@@ -33,6 +34,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from gjit import ir
+from gjit.fusion.launches import launch_bound
 from gjit.fusion.spaces import ReductionSpace
 from gjit.fusion.writes import waits_for_readers, why_not_side_by_side
 from gjit.ir import (
@@ -456,15 +458,18 @@ class Fusion:
         reads = {  # what each group reads, kept up to date as groups merge
             g: {r.name for m in self.group_members(g) for r in ir.reads(self.bodies[m])} for g in groups
         }
+        small = launch_bound(self, groups)  # gjit/fusion/launches.py
         for i, a in enumerate(groups):
             for b in groups[i + 1 :]:
                 if a not in self.members or b not in self.members:
                     continue
-                if not reads[a] & reads[b]:
+                one_launch = a in small and small[a] == small.get(b)
+                if not reads[a] & reads[b] and not one_launch:
                     continue
                 reason = self.why_not(a, b)
                 if reason is None:
-                    log.info("fuse %s with %s horizontally: they read %s", a, b, sorted(reads[a] & reads[b]))
+                    why = f"they read {sorted(reads[a] & reads[b])}" if reads[a] & reads[b] else "one launch"
+                    log.info("fuse %s with %s horizontally: %s", a, b, why)
                     self.merge(a, b)
                     reads[a] |= reads.pop(b)
                 else:
