@@ -354,6 +354,18 @@ def _bfloat16_dot(dot: Callable) -> Callable:
     return create_dot
 
 
+def _older_triton(builder: type) -> None:
+    """What Triton's interpreter does as the compiler does since Triton 3.7 (the GPU image's 3.6 does
+    not): a bfloat16 constant (`get_bf16`, absent before), and `tl.maximum`/`tl.minimum` without NaN
+    propagation as LLVM's maxnum/minnum, the other operand where one is NaN (3.6 propagated it)."""
+    import triton.language as tl
+
+    if not hasattr(builder, "get_bf16"):
+        builder.get_bf16 = lambda self, value: self.create_fp_trunc(self.get_fp32(value), tl.bfloat16)
+    builder.create_maxnumf = lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmax)
+    builder.create_minnumf = lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmin)
+
+
 def install() -> None:
     """Teach Triton's interpreter libdevice (idempotent).
 
@@ -374,6 +386,7 @@ def _install() -> None:
         interpreter.InterpreterBuilder.cast_impl = _rounding_cast(interpreter.InterpreterBuilder.cast_impl)
     if not hasattr(interpreter.InterpreterBuilder.create_dot, "gjit_bfloat16"):
         interpreter.InterpreterBuilder.create_dot = _bfloat16_dot(interpreter.InterpreterBuilder.create_dot)
+    _older_triton(interpreter.InterpreterBuilder)
     for name in dir(interpreter.InterpreterBuilder):
         compare = getattr(interpreter.InterpreterBuilder, name)
         if name.startswith(("create_icmp", "create_fcmp")) and not hasattr(compare, "gjit_boolean"):
