@@ -290,3 +290,45 @@ def test_a_static_caches_counters_advance_in_one_kernel():
     counters = [line for line in wrapper.splitlines() if "](length0, length1," in line]
     assert len(counters) == 1, wrapper  # one launch advances both
     assert wrapper.index("index_put_3 = values1") < wrapper.index(counters[0]), wrapper
+
+
+def test_an_extern_using_an_items_value_runs_after_the_item():
+    """`sort(y[:n])` reads only an input, but its view's length is `.item()`'s value: it waits for
+    the extern that binds it, however the kernels before it merge (here `a + 1` and `t + a` read a
+    common input)."""
+
+    def f(a, b, y):
+        x = a + 1
+        n = x[0].item()
+        torch._check(n >= 0)
+        torch._check(n <= 8)
+        return x, torch.sort(y[:n]).values, torch.sort(b).values + a
+
+    args = torch.tensor([2, 0, 0, 0]), torch.randint(0, 9, (4,)), torch.randn(8)
+    check(gjit.compile(f, dynamic=False), *args)
+
+
+def test_a_small_kernel_something_reads_is_not_moved():
+    """`a + 1` is read by an extern: merging it with the later `b * 2` would hold the extern (and
+    what it frees) back, so the two stay apart."""
+
+    def f(a, b):
+        return torch.searchsorted(a + 1, b), b * 2
+
+    check(gjit.compile(f, dynamic=False), torch.arange(8.0), torch.randn(8), kernels=2)
+
+
+def test_a_counter_read_before_its_advance_is_still_stored_in_place():
+    def f(c, q_in):
+        e = torch.searchsorted(q_in + 1, c)  # reads the counter's old value
+        c.add_(1)
+        return e
+
+    c, eager_c = torch.tensor([0.5]), torch.tensor([0.5])
+    cm = gjit.compile(f, dynamic=False)
+    for _ in range(2):
+        q = torch.tensor([0.0])
+        with gjit.config.scope(interpret=True, debug=True):
+            got = cm(c, q)
+        assert torch.equal(got, f(eager_c, q)) and torch.equal(c, eager_c)
+    assert "c  # stored into the input it updates" in cm.entries[0].program.graph.wrapper_source

@@ -20,8 +20,9 @@ from __future__ import annotations
 import logging
 
 from gjit import ir
-from gjit.fusion.regions import Region, Step, data_dependent_symbols
+from gjit.fusion.regions import Region, Step
 from gjit.fusion.schedule import in_memory_before, step_reads
+from gjit.fusion.symbols import data_dependent_symbols
 
 log = logging.getLogger("gjit.fusion")
 

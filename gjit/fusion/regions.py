@@ -9,8 +9,8 @@ Rules, in order:
   2. vertical: a node joins its producer's region when both have the same iteration space
      and every read between them is element-for-element;
   3. horizontal: regions of the same iteration space that read a common buffer merge, so
-     a DAG over shared inputs is one kernel; so do pointwise regions of one small static size
-     whose time is their launch (gjit/fusion/launches.py);
+     a DAG over shared inputs is one kernel; so do small pointwise regions of one static size
+     that nothing reads, whose time is their launch (gjit/fusion/launches.py);
   4. reductions: a ReduceNode's region iterates its input's full space split into outer (kept)
      and reduced dims; pointwise nodes over the full space or over the outer space join it
      when every read between members lines up in those coordinates (softmax, layer_norm,
@@ -30,12 +30,11 @@ import dataclasses
 import logging
 
 import sympy
-import torch
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from gjit import ir
-from gjit.fusion.launches import launch_bound
+from gjit.fusion.launches import MAX_MERGED, launch_bound
 from gjit.fusion.spaces import ReductionSpace
+from gjit.fusion.symbols import data_dependent_symbols, extern_symbols
 from gjit.fusion.writes import waits_for_readers, why_not_side_by_side
 from gjit.ir import (
     AttentionNode,
@@ -315,7 +314,8 @@ class Fusion:
         else:
             extern = self.graph.node(name)
             names = {self.resolve(a) for a in extern.tensor_args}
-        return {n for n in names if n in self.group}
+            names |= {self.symbol_producers[s] for s in extern_symbols(extern) if s in self.symbol_producers}
+        return {n for n in names if n in self.group and n != name}
 
     def group_members(self, gid: str) -> list[str]:
         return self.members[gid]
@@ -464,6 +464,7 @@ class Fusion:
                 if a not in self.members or b not in self.members:
                     continue
                 one_launch = a in small and small[a] == small.get(b)
+                one_launch = one_launch and len(self.members[a]) + len(self.members[b]) <= MAX_MERGED
                 if not reads[a] & reads[b] and not one_launch:
                     continue
                 reason = self.why_not(a, b)
@@ -519,21 +520,6 @@ class Fusion:
             inlined=[self.compute[n] for n in sorted(used, key=self.order.get)],
             reduction=self.space(gid),
         )
-
-
-def data_dependent_symbols(graph: LoopGraph) -> dict[sympy.Symbol, str]:
-    """Symbol -> the extern whose result binds it (`.item()`, nonzero's row count): a node
-    using the symbol runs after that extern, so it never fuses into a kernel before it."""
-    out: dict[sympy.Symbol, str] = {}
-    for n in graph.nodes:
-        if isinstance(n, ExternNode):
-            val = n.fx_node.meta.get("val")
-            sizes = [val] if isinstance(val, torch.SymInt) else list(getattr(val, "shape", ()))
-            for s in sizes:
-                if isinstance(s, torch.SymInt):
-                    for sym in free_unbacked_symbols(s.node.expr):
-                        out.setdefault(sym, n.name)
-    return out
 
 
 def _inlined_reads(body: Expr, compute: dict[str, ComputeNode], inline: set[str]) -> set[str]:

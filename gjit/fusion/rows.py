@@ -23,8 +23,9 @@ import sympy
 import torch
 
 from gjit import ir
-from gjit.fusion.regions import Region, Step, data_dependent_symbols
+from gjit.fusion.regions import Region, Step
 from gjit.fusion.schedule import in_memory_before, step_reads
+from gjit.fusion.symbols import data_dependent_symbols
 from gjit.ir import ReduceNode
 
 log = logging.getLogger("gjit.fusion")

@@ -7,6 +7,7 @@ import sympy
 
 from gjit import ir
 from gjit.fusion.regions import Step
+from gjit.fusion.symbols import extern_symbols
 from gjit.ir import ExternNode, LoopGraph
 
 
@@ -15,7 +16,8 @@ def step_reads(step: Step, graph: LoopGraph, producers: dict[sympy.Symbol, str])
     its prologue statistics' too, and the externs that bind the data-dependent sizes it uses
     (`producers`: data_dependent_symbols)."""
     if isinstance(step, ExternNode):
-        return {ir.resolve(graph, a) for a in step.tensor_args}
+        out = {ir.resolve(graph, a) for a in step.tensor_args}
+        return out | {producers[s] for s in extern_symbols(step) if s in producers} - {step.name}
     own = {n.name for n in step.fused_nodes()}
     bodies = list(step.bodies.values())
     for part in step.parts or [step]:

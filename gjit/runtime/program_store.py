@@ -111,20 +111,35 @@ _SKIPS_TENSORS = "serialize_state_dict" in inspect.signature(serde.serialize).pa
 @contextlib.contextmanager
 def _without_tensors() -> Iterator[dict[str, bool]]:
     """The serializer's arguments that skip pickling the weights, constants and example inputs
-    (only the graph's JSON is kept). torch before 2.12 has no such arguments: there its pickler is
-    replaced by one that writes nothing while gjit serializes (under `_SERIALIZING`), and put back."""
+    (only the graph's JSON is kept). torch before 2.12 has no such arguments: there its pickler
+    writes nothing for this thread while it serializes for gjit (`_QuietPickler`)."""
     if _SKIPS_TENSORS:
         yield dict(serialize_state_dict=False, serialize_constants=False, serialize_example_inputs=False)
         return
-    installed, serde.serialize_torch_artifact = serde.serialize_torch_artifact, _nothing
+    if not isinstance(serde.serialize_torch_artifact, _QuietPickler):
+        serde.serialize_torch_artifact = _QuietPickler(serde.serialize_torch_artifact)
+    _QUIET.on = True
     try:
         yield {}
     finally:
-        serde.serialize_torch_artifact = installed
+        _QUIET.on = False
 
 
-def _nothing(artifact: Any, pickle_protocol: int = 2) -> bytes:
-    return b""
+_QUIET = threading.local()
+
+
+class _QuietPickler:
+    """torch's `serialize_torch_artifact` (installed once, under `_SERIALIZING`), which writes
+    nothing in a thread that is serializing for gjit and pickles as torch's does in any other
+    (another thread's `torch.export.save` keeps its weights and example inputs)."""
+
+    def __init__(self, torchs: Any):
+        self.torchs = torchs
+
+    def __call__(self, artifact: Any, pickle_protocol: int = 2) -> bytes:
+        if getattr(_QUIET, "on", False):
+            return b""
+        return self.torchs(artifact, pickle_protocol)
 
 
 def load_program(
