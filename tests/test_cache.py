@@ -397,6 +397,11 @@ def test_serializing_for_gjit_leaves_other_threads_pickling_alone():
         mine = serde.serialize_torch_artifact(weights)
     assert torch.equal(serde.deserialize_torch_artifact(theirs[0])["w"], weights["w"])
     assert (mine == b"") == (not skipped), "quiet in gjit's thread where torch has no arguments for it"
+    with program_store._without_tensors():
+        with program_store._without_tensors():
+            pass
+        nested = serde.serialize_torch_artifact(weights)  # still quiet after an inner block ends
+    assert nested == mine
     after = serde.serialize_torch_artifact(weights)  # and in gjit's thread once it is done
     assert torch.equal(serde.deserialize_torch_artifact(after)["w"], weights["w"])
 

@@ -332,3 +332,15 @@ def test_a_counter_read_before_its_advance_is_still_stored_in_place():
             got = cm(c, q)
         assert torch.equal(got, f(eager_c, q)) and torch.equal(c, eager_c)
     assert "c  # stored into the input it updates" in cm.entries[0].program.graph.wrapper_source
+
+
+def test_a_small_output_merged_with_a_region_something_reads_merges_no_further():
+    """`x * 2` (an output) shares its read of x with `x + 1`, which a sort reads: once one kernel,
+    it is read, so the small output computed after another extern does not join it."""
+
+    def f(x, z, w):
+        s, n = x * 2, x + 1
+        t = torch.sort(z).values + 3
+        return s, torch.sort(n).values * w.sum(), t
+
+    check(gjit.compile(f, dynamic=False), torch.randn(4), torch.randn(4), torch.randn(4), kernels=3)

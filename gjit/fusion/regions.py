@@ -473,6 +473,8 @@ class Fusion:
                     log.info("fuse %s with %s horizontally: %s", a, b, why)
                     self.merge(a, b)
                     reads[a] |= reads.pop(b)
+                    if b not in small:  # merged with a region something reads: no longer a sink
+                        small.pop(a, None)
                 else:
                     log.info("cannot fuse %s with %s: %s", a, b, reason)
 

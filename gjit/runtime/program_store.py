@@ -118,11 +118,11 @@ def _without_tensors() -> Iterator[dict[str, bool]]:
         return
     if not isinstance(serde.serialize_torch_artifact, _QuietPickler):
         serde.serialize_torch_artifact = _QuietPickler(serde.serialize_torch_artifact)
-    _QUIET.on = True
+    before, _QUIET.on = getattr(_QUIET, "on", False), True
     try:
         yield {}
     finally:
-        _QUIET.on = False
+        _QUIET.on = before
 
 
 _QUIET = threading.local()
