@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from gjit.fusion.regions import Fusion
 
 ONE_LAUNCH = 1024  # elements: the default pointwise block (gjit.config.xblock), so one program
-OWN_KERNEL = (ReduceNode, ScanNode, ScatterNode)
+OWN_KERNEL = (ReduceNode, ScanNode, ScatterNode)  # regions of their own kind: never a pointwise kernel
 MAX_MERGED = 32  # regions a kernel: 12 counters of GPT-2 small, 32 of a Llama-7B, in one
 
 
@@ -40,12 +40,8 @@ def launch_bound(fusion: Fusion, groups: list[str]) -> dict[str, tuple[int, ...]
     out = {}
     for g in groups:
         members = [fusion.compute[m] for m in fusion.group_members(g) if m in fusion.bodies]
-        if (
-            not members
-            or consumers.get(g)
-            or any(isinstance(n, (ReduceNode, ScanNode, ScatterNode)) for n in members)
-        ):
-            continue
+        if not members or consumers.get(g) or any(isinstance(n, OWN_KERNEL) for n in members):
+            continue  # read by something, or a kernel of its own kind
         if _small(members[0].layout) and all(_small_or_input(fusion, m.name) for m in members):
             out[g] = tuple(int(s) for s in members[0].size)
     return out
