@@ -39,8 +39,8 @@ def launch_bound(fusion: Fusion, groups: list[str]) -> dict[str, tuple[int, ...]
     consumers = fusion.consumers()
     out = {}
     for g in groups:
-        members = [fusion.compute[m] for m in fusion.group_members(g) if m in fusion.bodies]
-        if not members or consumers.get(g) or any(isinstance(n, OWN_KERNEL) for n in members):
+        members = [fusion.compute[m] for m in fusion.group_members(g)]  # `groups`: kernels' groups
+        if consumers.get(g) or any(isinstance(n, OWN_KERNEL) for n in members):
             continue  # read by something, or a kernel of its own kind
         if _small(members[0].layout) and all(_small_or_input(fusion, m.name) for m in members):
             out[g] = tuple(int(s) for s in members[0].size)
