@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import gjit
-from helpers import check, kernel_count
+from helpers import check, kernel_count, run_compiled
 
 pytestmark = pytest.mark.cpu
 
@@ -247,8 +247,7 @@ def test_a_program_that_draws_keeps_its_small_kernels_apart():
     torch.manual_seed(1)
     expected = f(*args)
     torch.manual_seed(1)
-    with gjit.config.scope(interpret=True):
-        got = cm(*args)
+    got, _ = run_compiled(cm, *args)  # fails if the call ran eagerly
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b)
     assert kernel_count(cm, *args) == 2
@@ -279,8 +278,7 @@ def test_a_static_caches_counters_advance_in_one_kernel():
     for _ in range(3):
         q, k, v = (torch.randn(2, 3, 1, 8) for _ in range(3))
         want = _two_layer_step(q, k, v, *eager)
-        with gjit.config.scope(interpret=True, debug=True):
-            got = cm(q, k, v, *mine)
+        got, _ = run_compiled(cm, q, k, v, *mine)
         torch.testing.assert_close(got, want)
         for a, b in zip(mine, eager):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -328,8 +326,7 @@ def test_a_counter_read_before_its_advance_is_still_stored_in_place():
     cm = gjit.compile(f, dynamic=False)
     for _ in range(2):
         q = torch.tensor([0.0])
-        with gjit.config.scope(interpret=True, debug=True):
-            got = cm(c, q)
+        got, _ = run_compiled(cm, c, q)
         assert torch.equal(got, f(eager_c, q)) and torch.equal(c, eager_c)
     assert "c  # stored into the input it updates" in cm.entries[0].program.graph.wrapper_source
 
